@@ -1,0 +1,446 @@
+//! Allocation decisions, pure: which devices a container gets (Allocate) and which we would like it to get
+//! (GetPreferredAllocation). No IO: the caller passes a predicate for "does this device node exist", so every
+//! rule is a fast unit test.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use crate::api::{CdiDevice, ContainerAllocateResponse, DeviceSpec};
+use crate::devices::{Health, Inventory};
+
+/// Environment variable the NVIDIA container toolkit reads to decide which GPUs a container sees.
+pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
+
+/// Device nodes every GPU container needs besides its own `/dev/nvidia<minor>`: the control device, unified
+/// memory, and modesetting. Handed out only where they exist on the host.
+const CONTROL_DEVICE_NODES: [&str; 4] = [
+    "/dev/nvidiactl",
+    "/dev/nvidia-uvm",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia-modeset",
+];
+
+/// How Allocate describes the devices to the container runtime, beyond the environment variable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocateOptions {
+    /// Put CDI device names (`<cdi_kind>=<id>`) in the response, for runtimes that resolve CDI.
+    pub cdi: bool,
+    /// CDI kind the names are qualified with, e.g. `nvidia.com/gpu`.
+    pub cdi_kind: String,
+    /// Put device specs for the device nodes in the response, for runtimes without the NVIDIA hook.
+    pub device_specs: bool,
+    /// Where the host's `/dev` tree is seen from this process (`/` on the host; the host root mount in a pod).
+    pub dev_root: PathBuf,
+}
+
+impl Default for AllocateOptions {
+    fn default() -> Self {
+        AllocateOptions {
+            cdi: false,
+            cdi_kind: "nvidia.com/gpu".into(),
+            device_specs: false,
+            dev_root: PathBuf::from("/"),
+        }
+    }
+}
+
+/// Why an allocation request was refused. Mapped to gRPC codes at the server edge.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocationError {
+    /// The request lists no containers.
+    #[error("request has no container requests")]
+    NoContainers,
+    /// A container request lists no devices.
+    #[error("container request {0} lists no device IDs")]
+    NoDevices(usize),
+    /// A device ID this plugin does not advertise.
+    #[error("unknown device ID {0:?}: not advertised by this plugin")]
+    UnknownDevice(String),
+    /// The same device twice in one request.
+    #[error("device ID {0:?} appears more than once in the request")]
+    DuplicateDevice(String),
+    /// A device that is Unhealthy now.
+    #[error("device {id} is Unhealthy: {reason}")]
+    UnhealthyDevice {
+        /// Device ID.
+        id: String,
+        /// Why it is Unhealthy.
+        reason: String,
+    },
+    /// A preferred-allocation size that cannot be met by anyone.
+    #[error("allocation size {size} is invalid: {why}")]
+    BadSize {
+        /// Requested size.
+        size: i32,
+        /// Why it is invalid.
+        why: &'static str,
+    },
+}
+
+/// Checks one Allocate request against the inventory and builds one response per container, in order.
+///
+/// All argument errors are reported before any health error, so a malformed request is always
+/// `INVALID_ARGUMENT` whatever the devices' health.
+pub fn allocate(
+    inventory: &Inventory,
+    containers: &[Vec<String>],
+    options: &AllocateOptions,
+    node_exists: impl Fn(&Path) -> bool,
+) -> Result<Vec<ContainerAllocateResponse>, AllocationError> {
+    if containers.is_empty() {
+        return Err(AllocationError::NoContainers);
+    }
+    let mut seen = HashSet::new();
+    for (i, ids) in containers.iter().enumerate() {
+        if ids.is_empty() {
+            return Err(AllocationError::NoDevices(i));
+        }
+        for id in ids {
+            if inventory.get(id).is_none() {
+                return Err(AllocationError::UnknownDevice(id.clone()));
+            }
+            if !seen.insert(id.as_str()) {
+                return Err(AllocationError::DuplicateDevice(id.clone()));
+            }
+        }
+    }
+    for id in containers.iter().flatten() {
+        if let Some(device) = inventory.get(id)
+            && device.health != Health::Healthy
+        {
+            return Err(AllocationError::UnhealthyDevice {
+                id: id.clone(),
+                reason: device
+                    .reason
+                    .clone()
+                    .unwrap_or_else(|| "no reason recorded".into()),
+            });
+        }
+    }
+    Ok(containers
+        .iter()
+        .map(|ids| container_response(inventory, ids, options, &node_exists))
+        .collect())
+}
+
+fn container_response(
+    inventory: &Inventory,
+    ids: &[String],
+    options: &AllocateOptions,
+    node_exists: &impl Fn(&Path) -> bool,
+) -> ContainerAllocateResponse {
+    let mut response = ContainerAllocateResponse::default();
+    response
+        .envs
+        .insert(VISIBLE_DEVICES_ENV.to_string(), ids.join(","));
+    if options.cdi {
+        response.cdi_devices = ids
+            .iter()
+            .map(|id| CdiDevice {
+                name: format!("{}={id}", options.cdi_kind),
+            })
+            .collect();
+    }
+    if options.device_specs {
+        let own = ids
+            .iter()
+            .filter_map(|id| inventory.get(id))
+            .flat_map(|d| d.info.device_nodes.iter().map(PathBuf::as_path));
+        let control = CONTROL_DEVICE_NODES.iter().map(Path::new);
+        for node in own.chain(control) {
+            let host_path = host_path(&options.dev_root, node);
+            if node_exists(&host_path) {
+                response.devices.push(DeviceSpec {
+                    container_path: node.to_string_lossy().into_owned(),
+                    host_path: host_path.to_string_lossy().into_owned(),
+                    permissions: "rw".into(),
+                });
+            }
+        }
+    }
+    response
+}
+
+/// `/dev/nvidia0` under dev root `/host` is `/host/dev/nvidia0`.
+fn host_path(dev_root: &Path, node: &Path) -> PathBuf {
+    dev_root.join(node.strip_prefix("/").unwrap_or(node))
+}
+
+/// One container's preferred-allocation question, as the kubelet asks it.
+#[derive(Debug, Clone, Default)]
+pub struct PreferenceRequest<'a> {
+    /// Devices the kubelet could give.
+    pub available: &'a [String],
+    /// Devices the kubelet will give in any case.
+    pub must_include: &'a [String],
+    /// How many devices the container gets.
+    pub size: i32,
+}
+
+/// Chooses `size` devices: every `must_include` device, then healthy available devices, keeping the choice on
+/// as few NUMA nodes as possible (the nodes of `must_include` first, then the node that fits best). Returns
+/// fewer than `size` only when there are not enough healthy devices; the kubelet then decides by itself.
+pub fn preferred(
+    inventory: &Inventory,
+    request: &PreferenceRequest<'_>,
+) -> Result<Vec<String>, AllocationError> {
+    let size = usize::try_from(request.size).map_err(|_| AllocationError::BadSize {
+        size: request.size,
+        why: "negative",
+    })?;
+    let mut chosen: Vec<String> = Vec::with_capacity(size);
+    for id in request.must_include {
+        if !chosen.contains(id) {
+            chosen.push(id.clone());
+        }
+    }
+    if chosen.len() > size {
+        return Err(AllocationError::BadSize {
+            size: request.size,
+            why: "smaller than the number of must-include devices",
+        });
+    }
+
+    // Healthy candidates grouped by NUMA node, each group in the inventory's stable order.
+    let mut groups: BTreeMap<Option<i64>, Vec<(usize, &str)>> = BTreeMap::new();
+    let mut seen: HashSet<&str> = chosen.iter().map(String::as_str).collect();
+    for id in request.available {
+        if !seen.insert(id.as_str()) {
+            continue;
+        }
+        let (Some(device), Some(pos)) = (inventory.get(id), inventory.position(id)) else {
+            continue;
+        };
+        if device.health == Health::Healthy {
+            groups
+                .entry(device.info.numa_node)
+                .or_default()
+                .push((pos, id));
+        }
+    }
+    for group in groups.values_mut() {
+        group.sort_unstable();
+    }
+
+    // Stay with the nodes the kubelet already committed to.
+    let committed: Vec<Option<i64>> = chosen
+        .iter()
+        .filter_map(|id| inventory.get(id))
+        .map(|d| d.info.numa_node)
+        .collect();
+    for node in committed {
+        take_from(&mut groups, node, size, &mut chosen);
+    }
+
+    while chosen.len() < size && !groups.is_empty() {
+        let need = size - chosen.len();
+        // The smallest node that fits the rest keeps larger nodes whole for larger requests; when none fits,
+        // the largest node covers the most with one node.
+        let fits = groups
+            .iter()
+            .filter(|(_, g)| g.len() >= need)
+            .min_by_key(|(node, g)| (g.len(), **node))
+            .map(|(node, _)| *node);
+        let node = fits.or_else(|| {
+            groups
+                .iter()
+                .max_by_key(|(node, g)| (g.len(), std::cmp::Reverse(**node)))
+                .map(|(node, _)| *node)
+        });
+        match node {
+            Some(node) => take_from(&mut groups, node, size, &mut chosen),
+            None => break,
+        }
+    }
+    Ok(chosen)
+}
+
+fn take_from(
+    groups: &mut BTreeMap<Option<i64>, Vec<(usize, &str)>>,
+    node: Option<i64>,
+    size: usize,
+    chosen: &mut Vec<String>,
+) {
+    let Some(group) = groups.remove(&node) else {
+        return;
+    };
+    let need = size.saturating_sub(chosen.len());
+    chosen.extend(group.iter().take(need).map(|(_, id)| (*id).to_string()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::{DeviceEvent, DeviceInfo};
+
+    /// Eight GPUs `g0`..`g7`, `g0`-`g3` on NUMA node 0 and `g4`-`g7` on node 1.
+    fn node() -> Inventory {
+        Inventory::new((0..8).map(|i| DeviceInfo {
+            id: format!("g{i}"),
+            numa_node: Some(i / 4),
+            device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
+        }))
+    }
+
+    fn fail(inv: &mut Inventory, id: &str) {
+        inv.apply(DeviceEvent::Health {
+            id: id.into(),
+            health: Health::Unhealthy,
+            reason: "XID 79: GPU has fallen off the bus".into(),
+        });
+    }
+
+    fn ids(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn all() -> Vec<String> {
+        (0..8).map(|i| format!("g{i}")).collect()
+    }
+
+    fn alloc(inv: &Inventory, req: &[&[&str]]) -> Result<Vec<ContainerAllocateResponse>, AllocationError> {
+        let containers: Vec<Vec<String>> = req.iter().map(|c| ids(c)).collect();
+        allocate(inv, &containers, &AllocateOptions::default(), |_| true)
+    }
+
+    #[test]
+    fn allocate_sets_visible_devices_per_container_in_order() {
+        let responses = alloc(&node(), &[&["g1", "g0"], &["g5"]]).unwrap_or_default();
+        let envs: Vec<_> = responses
+            .iter()
+            .map(|r| r.envs.get(VISIBLE_DEVICES_ENV).cloned())
+            .collect();
+        assert_eq!(envs, vec![Some("g1,g0".into()), Some("g5".into())]);
+        assert!(responses.iter().all(|r| r.cdi_devices.is_empty() && r.devices.is_empty()));
+    }
+
+    #[test]
+    fn allocate_refuses_an_unhealthy_device_and_says_why() {
+        let mut inv = node();
+        fail(&mut inv, "g2");
+        let err = alloc(&inv, &[&["g1", "g2"]]).err();
+        let Some(AllocationError::UnhealthyDevice { id, reason }) = err else {
+            panic!("expected UnhealthyDevice, got {err:?}");
+        };
+        assert_eq!(id, "g2");
+        assert!(reason.contains("XID 79"));
+    }
+
+    #[test]
+    fn allocate_rejects_unknown_duplicate_and_empty_input() {
+        let inv = node();
+        assert_eq!(
+            alloc(&inv, &[&["g1", "nope"]]).err(),
+            Some(AllocationError::UnknownDevice("nope".into()))
+        );
+        assert_eq!(
+            alloc(&inv, &[&["g1"], &["g1"]]).err(),
+            Some(AllocationError::DuplicateDevice("g1".into()))
+        );
+        assert_eq!(alloc(&inv, &[]).err(), Some(AllocationError::NoContainers));
+        assert_eq!(alloc(&inv, &[&["g1"], &[]]).err(), Some(AllocationError::NoDevices(1)));
+    }
+
+    #[test]
+    fn argument_errors_win_over_health_errors() {
+        let mut inv = node();
+        fail(&mut inv, "g0");
+        assert_eq!(
+            alloc(&inv, &[&["g0", "nope"]]).err(),
+            Some(AllocationError::UnknownDevice("nope".into()))
+        );
+    }
+
+    #[test]
+    fn allocate_adds_cdi_names_and_existing_device_nodes_under_dev_root() {
+        let options = AllocateOptions {
+            cdi: true,
+            device_specs: true,
+            dev_root: PathBuf::from("/host"),
+            ..AllocateOptions::default()
+        };
+        let present = |p: &Path| p == Path::new("/host/dev/nvidia3") || p == Path::new("/host/dev/nvidiactl");
+        let responses = allocate(&node(), &[ids(&["g3"])], &options, present).unwrap_or_default();
+        let r = &responses[0];
+        assert_eq!(r.cdi_devices, vec![CdiDevice { name: "nvidia.com/gpu=g3".into() }]);
+        let specs: Vec<_> = r
+            .devices
+            .iter()
+            .map(|d| (d.container_path.as_str(), d.host_path.as_str(), d.permissions.as_str()))
+            .collect();
+        assert_eq!(
+            specs,
+            vec![
+                ("/dev/nvidia3", "/host/dev/nvidia3", "rw"),
+                ("/dev/nvidiactl", "/host/dev/nvidiactl", "rw")
+            ]
+        );
+    }
+
+    fn prefer(inv: &Inventory, available: &[String], must: &[&str], size: i32) -> Vec<String> {
+        let must = ids(must);
+        let request = PreferenceRequest {
+            available,
+            must_include: &must,
+            size,
+        };
+        preferred(inv, &request).unwrap_or_default()
+    }
+
+    #[test]
+    fn preferred_keeps_a_request_on_one_numa_node() {
+        let mut inv = node();
+        fail(&mut inv, "g0");
+        // Node 0 has three healthy GPUs left, node 1 four: a request for four fits only on node 1.
+        assert_eq!(prefer(&inv, &all(), &[], 4), ids(&["g4", "g5", "g6", "g7"]));
+        // A request for three fits on node 0 exactly, leaving node 1 whole.
+        assert_eq!(prefer(&inv, &all(), &[], 3), ids(&["g1", "g2", "g3"]));
+    }
+
+    #[test]
+    fn preferred_honours_must_include_and_stays_on_its_node() {
+        assert_eq!(prefer(&node(), &all(), &["g6"], 3), ids(&["g6", "g4", "g5"]));
+    }
+
+    #[test]
+    fn preferred_never_picks_an_unhealthy_device() {
+        let mut inv = node();
+        for id in ["g0", "g1", "g2", "g4", "g5", "g6"] {
+            fail(&mut inv, id);
+        }
+        assert_eq!(prefer(&inv, &all(), &[], 2), ids(&["g3", "g7"]));
+        // Not enough healthy devices: as many as there are, never an unhealthy one.
+        assert_eq!(prefer(&inv, &all(), &[], 3), ids(&["g3", "g7"]));
+    }
+
+    #[test]
+    fn preferred_spans_nodes_only_when_it_must() {
+        let chosen = prefer(&node(), &all(), &[], 6);
+        assert_eq!(chosen.len(), 6);
+        assert_eq!(&chosen[..4], &ids(&["g0", "g1", "g2", "g3"])[..]);
+    }
+
+    #[test]
+    fn preferred_only_chooses_from_available() {
+        let available = ids(&["g1", "g5", "g6"]);
+        assert_eq!(prefer(&node(), &available, &[], 2), ids(&["g5", "g6"]));
+    }
+
+    #[test]
+    fn preferred_rejects_impossible_sizes() {
+        let inv = node();
+        let must = ids(&["g1", "g2"]);
+        let request = PreferenceRequest {
+            available: &all(),
+            must_include: &must,
+            size: 1,
+        };
+        assert!(matches!(preferred(&inv, &request), Err(AllocationError::BadSize { .. })));
+        let request = PreferenceRequest {
+            available: &all(),
+            must_include: &[],
+            size: -1,
+        };
+        assert!(matches!(preferred(&inv, &request), Err(AllocationError::BadSize { .. })));
+    }
+}

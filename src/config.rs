@@ -1,0 +1,373 @@
+//! Settings from the command line, the environment and the config file, checked once at start.
+//!
+//! Precedence: a flag, then its environment variable, then the `--config` file, then the default. Every
+//! problem is one [`ConfigError`] naming the setting and the bad value.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use clap::{Parser, ValueEnum};
+use serde::Deserialize;
+
+use crate::allocation::AllocateOptions;
+
+/// Default kubelet device plugin directory.
+pub const DEFAULT_KUBELET_DIR: &str = "/var/lib/kubelet/device-plugins";
+/// Default resource name, the one NVIDIA's plugin serves.
+pub const DEFAULT_RESOURCE_NAME: &str = "nvidia.com/gpu";
+/// Default directory for the plugin's own state.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/gpu-device-plugin";
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, for log pipelines.
+    Json,
+}
+
+/// Command line. Every flag can also be set from the environment variable named in its help.
+#[derive(Debug, Parser)]
+#[command(name = "gpu-device-plugin", version, about = "Kubernetes device plugin for NVIDIA GPUs")]
+pub struct Args {
+    /// Kubelet device plugin directory [default: /var/lib/kubelet/device-plugins]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_KUBELET_DIR", value_name = "DIR")]
+    pub kubelet_dir: Option<PathBuf>,
+
+    /// Extended resource name to advertise [default: nvidia.com/gpu]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_RESOURCE_NAME", value_name = "NAME")]
+    pub resource_name: Option<String>,
+
+    /// Directory for the plugin's own state [default: /var/lib/gpu-device-plugin]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+
+    /// YAML config file; flags and environment variables override it
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Log format [default: text]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_LOG_FORMAT", value_name = "FORMAT")]
+    pub log_format: Option<LogFormat>,
+
+    /// Serve N simulated GPUs instead of real ones, to try the plugin without a GPU
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_SIMULATE", value_name = "N")]
+    pub simulate: Option<usize>,
+
+    /// Socket file name in the kubelet directory [default: unique per process, gpu-device-plugin-<random>.sock]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_SOCKET_NAME", value_name = "NAME")]
+    pub socket_name: Option<String>,
+
+    /// Return CDI device names (<cdi-kind>=<id>) from Allocate [default: false]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_CDI", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    pub cdi: Option<bool>,
+
+    /// CDI kind used in CDI device names [default: nvidia.com/gpu]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_CDI_KIND", value_name = "KIND")]
+    pub cdi_kind: Option<String>,
+
+    /// Return device specs for the GPU's device nodes that exist under --dev-root [default: false]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    pub device_specs: Option<bool>,
+
+    /// Where the host's root file system is seen, for finding /dev nodes [default: /]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_DEV_ROOT", value_name = "DIR")]
+    pub dev_root: Option<PathBuf>,
+}
+
+/// The config file: the same settings as the flags, camelCase. Unknown keys are an error, so a typo is
+/// caught rather than silently ignored.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FileConfig {
+    /// See `--kubelet-dir`.
+    pub kubelet_dir: Option<PathBuf>,
+    /// See `--resource-name`.
+    pub resource_name: Option<String>,
+    /// See `--state-dir`.
+    pub state_dir: Option<PathBuf>,
+    /// See `--log-format`.
+    pub log_format: Option<LogFormat>,
+    /// See `--simulate`.
+    pub simulate: Option<usize>,
+    /// See `--socket-name`.
+    pub socket_name: Option<String>,
+    /// See `--cdi`.
+    pub cdi: Option<bool>,
+    /// See `--cdi-kind`.
+    pub cdi_kind: Option<String>,
+    /// See `--device-specs`.
+    pub device_specs: Option<bool>,
+    /// See `--dev-root`.
+    pub dev_root: Option<PathBuf>,
+}
+
+/// Checked settings the plugin runs with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Kubelet device plugin directory.
+    pub kubelet_dir: PathBuf,
+    /// Extended resource name.
+    pub resource_name: String,
+    /// The plugin's state directory; exists and is writable.
+    pub state_dir: PathBuf,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// Number of simulated GPUs, if simulating.
+    pub simulate: Option<usize>,
+    /// Fixed socket name, if any.
+    pub socket_name: Option<String>,
+    /// Allocate response options.
+    pub allocate: AllocateOptions,
+}
+
+/// A setting that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("cannot read config file {}: {source}", .path.display())]
+    ReadFile {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The config file is not valid YAML for our settings.
+    #[error("config file {}: {message}", .path.display())]
+    ParseFile {
+        /// The file.
+        path: PathBuf,
+        /// What the parser said, including the key and line.
+        message: String,
+    },
+    /// A setting has a value that cannot work.
+    #[error("invalid {setting} {value:?}: {why}")]
+    Invalid {
+        /// Flag name of the setting.
+        setting: &'static str,
+        /// The value given.
+        value: String,
+        /// Why it is invalid.
+        why: String,
+    },
+}
+
+impl Settings {
+    /// Merges flags/environment over the config file over defaults, and checks the result.
+    pub fn resolve(args: Args) -> Result<Self, ConfigError> {
+        let file = match &args.config {
+            Some(path) => load_file(path)?,
+            None => FileConfig::default(),
+        };
+        let resource_name = args
+            .resource_name
+            .or(file.resource_name)
+            .unwrap_or_else(|| DEFAULT_RESOURCE_NAME.into());
+        check_extended_resource_name(&resource_name)?;
+        let socket_name = args.socket_name.or(file.socket_name);
+        if let Some(name) = &socket_name {
+            check_socket_name(name)?;
+        }
+        let state_dir = args
+            .state_dir
+            .or(file.state_dir)
+            .unwrap_or_else(|| DEFAULT_STATE_DIR.into());
+        let defaults = AllocateOptions::default();
+        let allocate = AllocateOptions {
+            cdi: args.cdi.or(file.cdi).unwrap_or(defaults.cdi),
+            cdi_kind: args.cdi_kind.or(file.cdi_kind).unwrap_or(defaults.cdi_kind),
+            device_specs: args.device_specs.or(file.device_specs).unwrap_or(defaults.device_specs),
+            dev_root: args.dev_root.or(file.dev_root).unwrap_or(defaults.dev_root),
+        };
+        if allocate.cdi && !allocate.cdi_kind.contains('/') {
+            return Err(ConfigError::Invalid {
+                setting: "--cdi-kind",
+                value: allocate.cdi_kind,
+                why: "a CDI kind is vendor/class, e.g. nvidia.com/gpu".into(),
+            });
+        }
+        Ok(Settings {
+            kubelet_dir: args
+                .kubelet_dir
+                .or(file.kubelet_dir)
+                .unwrap_or_else(|| DEFAULT_KUBELET_DIR.into()),
+            resource_name,
+            state_dir,
+            log_format: args.log_format.or(file.log_format).unwrap_or(LogFormat::Text),
+            simulate: args.simulate.or(file.simulate),
+            socket_name,
+            allocate,
+        })
+    }
+
+    /// Parses `argv` (with the environment) and resolves it. Clap's own errors (unknown flag, bad value)
+    /// come back as `Err(clap::Error)` for the caller to print.
+    pub fn from_args<I, T>(argv: I) -> Result<Result<Self, ConfigError>, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        Ok(Settings::resolve(Args::try_parse_from(argv)?))
+    }
+}
+
+fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+        path: path.to_owned(),
+        source,
+    })?;
+    if text.trim().is_empty() {
+        return Ok(FileConfig::default());
+    }
+    serde_norway::from_str(&text).map_err(|e| ConfigError::ParseFile {
+        path: path.to_owned(),
+        message: e.to_string(),
+    })
+}
+
+/// Makes sure the state directory exists and is writable, so a read-only mount is reported at start rather
+/// than at the first health change.
+pub fn prepare_state_dir(dir: &Path) -> Result<(), ConfigError> {
+    let invalid = |why: String| ConfigError::Invalid {
+        setting: "--state-dir",
+        value: dir.display().to_string(),
+        why,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| invalid(format!("cannot create it: {e}")))?;
+    let probe = dir.join(format!(".write-check-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| invalid(format!("not writable: {e}")))?;
+    let _gone = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// The kubelet accepts only extended resource names: `domain/name`, the domain a DNS subdomain outside
+/// `kubernetes.io`, the name a qualified-name part.
+pub fn check_extended_resource_name(name: &str) -> Result<(), ConfigError> {
+    let invalid = |why: &str| ConfigError::Invalid {
+        setting: "--resource-name",
+        value: name.to_string(),
+        why: format!("{why} (an extended resource name is domain/name, e.g. nvidia.com/gpu)"),
+    };
+    let Some((domain, short)) = name.split_once('/') else {
+        return Err(invalid("no domain"));
+    };
+    if !is_dns_subdomain(domain) {
+        return Err(invalid("the domain is not a lowercase DNS name"));
+    }
+    if domain == "kubernetes.io" || domain.ends_with(".kubernetes.io") {
+        return Err(invalid("the kubernetes.io domain is reserved for native resources"));
+    }
+    if !is_name_part(short) {
+        return Err(invalid(
+            "the name must be 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit",
+        ));
+    }
+    Ok(())
+}
+
+fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
+fn is_name_part(s: &str) -> bool {
+    let bytes = s.as_bytes();
+    match (bytes.first(), bytes.last()) {
+        (Some(first), Some(last)) => {
+            s.len() <= 63
+                && first.is_ascii_alphanumeric()
+                && last.is_ascii_alphanumeric()
+                && bytes
+                    .iter()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        }
+        _ => false,
+    }
+}
+
+fn check_socket_name(name: &str) -> Result<(), ConfigError> {
+    if name.is_empty() || name.contains('/') || name == "kubelet.sock" || name.starts_with('.') {
+        return Err(ConfigError::Invalid {
+            setting: "--socket-name",
+            value: name.into(),
+            why: "must be a plain file name other than kubelet.sock, not starting with '.'".into(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(argv: &[&str]) -> Result<Settings, String> {
+        let argv = std::iter::once("gpu-device-plugin").chain(argv.iter().copied());
+        match Settings::from_args(argv) {
+            Ok(Ok(s)) => Ok(s),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    #[test]
+    fn defaults_match_the_cli_contract() {
+        let s = settings(&[]).map_err(|e| e.to_string());
+        let s = s.as_ref().map(|s| (s.kubelet_dir.clone(), s.resource_name.clone(), s.state_dir.clone()));
+        assert_eq!(
+            s,
+            Ok((DEFAULT_KUBELET_DIR.into(), DEFAULT_RESOURCE_NAME.into(), DEFAULT_STATE_DIR.into()))
+        );
+    }
+
+    #[test]
+    fn extended_resource_names_are_checked() {
+        for good in ["nvidia.com/gpu", "example.com/a_b.c-1", "x/y"] {
+            assert!(check_extended_resource_name(good).is_ok(), "{good}");
+        }
+        for bad in ["gpu", "kubernetes.io/gpu", "foo.kubernetes.io/gpu", "Nvidia.com/gpu", "nvidia.com/", "a/b/c", "/gpu"] {
+            assert!(check_extended_resource_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn config_file_fills_in_what_flags_leave_out() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("c.yaml");
+        std::fs::write(&file, "resourceName: example.com/gpu\ncdi: true\nkubeletDir: /from/file\n")?;
+        let file = file.to_string_lossy().into_owned();
+        let s = settings(&["--config", &file, "--kubelet-dir", "/from/flag"])?;
+        assert_eq!(s.resource_name, "example.com/gpu");
+        assert!(s.allocate.cdi);
+        assert_eq!(s.kubelet_dir, PathBuf::from("/from/flag"));
+        Ok(())
+    }
+
+    #[test]
+    fn unknown_config_key_is_named_in_the_error() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("c.yaml");
+        std::fs::write(&file, "resourceNmae: example.com/gpu\n")?;
+        let err = settings(&["--config", &file.to_string_lossy()]).err().unwrap_or_default();
+        assert!(err.contains("resourceNmae"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn unwritable_state_dir_is_reported() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let blocker = dir.path().join("file");
+        std::fs::write(&blocker, b"")?;
+        let err = prepare_state_dir(&blocker.join("state")).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("--state-dir"), "{err}");
+        Ok(())
+    }
+}

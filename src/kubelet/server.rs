@@ -1,0 +1,158 @@
+//! The `DevicePlugin` gRPC service the kubelet calls. Allocation errors become gRPC status codes here, in one
+//! place.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures_util::{Stream, StreamExt};
+use tokio_stream::wrappers::WatchStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::allocation::{self, AllocateOptions, AllocationError, PreferenceRequest};
+use crate::api::device_plugin_server::DevicePlugin;
+use crate::api::{
+    AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, Device, DevicePluginOptions, Empty,
+    ListAndWatchResponse, NumaNode, PreStartContainerRequest, PreStartContainerResponse,
+    PreferredAllocationRequest, PreferredAllocationResponse, TopologyInfo,
+};
+use crate::devices::{Inventory, InventoryWatch};
+
+/// The options this plugin registers with and reports.
+pub fn plugin_options() -> DevicePluginOptions {
+    DevicePluginOptions {
+        pre_start_required: false,
+        get_preferred_allocation_available: true,
+    }
+}
+
+/// Serves the device plugin API from the shared inventory.
+pub struct PluginService {
+    inventory: InventoryWatch,
+    options: AllocateOptions,
+    /// Ends every ListAndWatch stream cleanly (OK status) when the plugin shuts down.
+    shutdown: CancellationToken,
+}
+
+impl PluginService {
+    /// A service reading `inventory`; streams end when `shutdown` is cancelled.
+    pub fn new(inventory: InventoryWatch, options: AllocateOptions, shutdown: CancellationToken) -> Self {
+        PluginService {
+            inventory,
+            options,
+            shutdown,
+        }
+    }
+}
+
+/// The ListAndWatch message for one inventory: every device, in stable order.
+pub fn list_response(inventory: &Inventory) -> ListAndWatchResponse {
+    ListAndWatchResponse {
+        devices: inventory
+            .devices()
+            .iter()
+            .map(|d| Device {
+                id: d.info.id.clone(),
+                health: d.health.as_api_str().to_string(),
+                topology: d.info.numa_node.map(|id| TopologyInfo {
+                    nodes: vec![NumaNode { id }],
+                }),
+            })
+            .collect(),
+    }
+}
+
+impl From<AllocationError> for Status {
+    fn from(e: AllocationError) -> Self {
+        match e {
+            AllocationError::UnhealthyDevice { .. } => Status::failed_precondition(e.to_string()),
+            AllocationError::NoContainers
+            | AllocationError::NoDevices(_)
+            | AllocationError::UnknownDevice(_)
+            | AllocationError::DuplicateDevice(_)
+            | AllocationError::BadSize { .. } => Status::invalid_argument(e.to_string()),
+        }
+    }
+}
+
+type ListStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DevicePlugin for PluginService {
+    async fn get_device_plugin_options(
+        &self,
+        _request: Request<Empty>,
+    ) -> Result<Response<DevicePluginOptions>, Status> {
+        Ok(Response::new(plugin_options()))
+    }
+
+    type ListAndWatchStream = ListStream;
+
+    /// The current list at once, then the latest list after every change. `WatchStream` coalesces: a reader
+    /// slower than the changes gets the newest list, never a queue. Changes the kubelet cannot see (a new
+    /// reason on an already Unhealthy device) are not re-sent. The stream never ends with an error: it ends
+    /// at shutdown, or when the kubelet goes away and tonic drops it.
+    async fn list_and_watch(&self, _request: Request<Empty>) -> Result<Response<ListStream>, Status> {
+        let mut last: Option<ListAndWatchResponse> = None;
+        let stream = WatchStream::new(self.inventory.clone())
+            .filter_map(move |inventory: Arc<Inventory>| {
+                let response = list_response(&inventory);
+                let changed = last.as_ref() != Some(&response);
+                if changed {
+                    last = Some(response.clone());
+                }
+                std::future::ready(changed.then_some(Ok(response)))
+            })
+            .take_until(self.shutdown.clone().cancelled_owned());
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<PreferredAllocationRequest>,
+    ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let inventory = self.inventory.borrow().clone();
+        let container_responses = request
+            .get_ref()
+            .container_requests
+            .iter()
+            .map(|c| {
+                let ask = PreferenceRequest {
+                    available: &c.available_device_i_ds,
+                    must_include: &c.must_include_device_i_ds,
+                    size: c.allocation_size,
+                };
+                allocation::preferred(&inventory, &ask)
+                    .map(|device_i_ds| ContainerPreferredAllocationResponse { device_i_ds })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Response::new(PreferredAllocationResponse { container_responses }))
+    }
+
+    async fn allocate(&self, request: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
+        let inventory = self.inventory.borrow().clone();
+        let containers: Vec<Vec<String>> = request
+            .into_inner()
+            .container_requests
+            .into_iter()
+            .map(|c| c.devices_ids)
+            .collect();
+        match allocation::allocate(&inventory, &containers, &self.options, |p| p.exists()) {
+            Ok(container_responses) => {
+                tracing::info!(devices = ?containers, "allocated");
+                Ok(Response::new(AllocateResponse { container_responses }))
+            }
+            Err(e) => {
+                tracing::warn!(devices = ?containers, error = %e, "refused allocation");
+                Err(e.into())
+            }
+        }
+    }
+
+    async fn pre_start_container(
+        &self,
+        _request: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}

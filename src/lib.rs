@@ -1,0 +1,12 @@
+//! A Kubernetes device plugin for NVIDIA GPUs.
+//!
+//! - [`kubelet`]: the kubelet protocol: gRPC server, registration, the socket-directory watch.
+//! - [`devices`]: the device model, the [`devices::DeviceSource`] trait and simulated GPUs.
+//! - [`allocation`]: pure Allocate / GetPreferredAllocation decisions.
+//! - [`config`]: command line, environment and config file.
+
+pub mod allocation;
+pub mod api;
+pub mod config;
+pub mod devices;
+pub mod kubelet;

@@ -1,0 +1,111 @@
+//! `gpu-device-plugin`: the node agent. Parses settings, picks the device source, runs the kubelet side until
+//! SIGTERM or SIGINT.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use gpu_device_plugin::config::{self, LogFormat, Settings};
+use gpu_device_plugin::devices::simulated::SimulatedGpus;
+use gpu_device_plugin::devices::{self, DeviceSource, Inventory};
+use gpu_device_plugin::kubelet::{self, PluginConfig};
+
+fn main() -> ExitCode {
+    let settings = match Settings::from_args(std::env::args_os()) {
+        Ok(Ok(settings)) => settings,
+        Ok(Err(e)) => return fail(&e.to_string()),
+        Err(e) if e.use_stderr() => {
+            // Clap's message spans several lines (tips, usage); one line is what shows up in `kubectl logs`
+            // and event messages.
+            let rendered = e.render().to_string();
+            let first = rendered.lines().next().unwrap_or("invalid arguments");
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            return fail(&format!("{first} (see --help)"));
+        }
+        Err(e) => {
+            // --help and --version.
+            let _printed = e.print();
+            return ExitCode::SUCCESS;
+        }
+    };
+    init_logging(settings.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
+    };
+    match runtime.block_on(run(settings)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(&format!("{e:#}")),
+    }
+}
+
+fn fail(message: &str) -> ExitCode {
+    eprintln!("gpu-device-plugin: error: {message}");
+    ExitCode::FAILURE
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+async fn run(settings: Settings) -> anyhow::Result<()> {
+    config::prepare_state_dir(&settings.state_dir)?;
+    let mut source: Box<dyn DeviceSource> = match settings.simulate {
+        Some(count) => {
+            // The control handle is for tests that inject faults; from the command line the simulated GPUs
+            // stay healthy.
+            let (gpus, _control) = SimulatedGpus::new(count);
+            Box::new(gpus)
+        }
+        None => bail!(
+            "no GPU backend in this build yet: real GPUs need the NVML backend; use --simulate N to serve \
+             simulated GPUs"
+        ),
+    };
+    let found = source.discover().context("device discovery failed")?;
+    tracing::info!(devices = found.len(), "discovered devices");
+    let (inventory_tx, inventory_rx) = watch::channel(Arc::new(Inventory::new(found)));
+    let (event_tx, event_rx) = mpsc::channel(1024);
+    source.start(event_tx).context("cannot start the device source")?;
+    tokio::spawn(devices::run_inventory(event_rx, inventory_tx));
+
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone())?;
+    let mut plugin = PluginConfig::new(&settings.kubelet_dir, settings.resource_name.clone());
+    plugin.socket_name = settings.socket_name.clone();
+    plugin.allocate = settings.allocate.clone();
+    kubelet::run(plugin, inventory_rx, shutdown).await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// SIGTERM (the kubelet stopping the pod) and SIGINT (Ctrl-C) both start a clean shutdown.
+fn spawn_signal_handler(shutdown: CancellationToken) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
+    tokio::spawn(async move {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!(signal = name, "shutting down");
+        shutdown.cancel();
+    });
+    Ok(())
+}
