@@ -223,7 +223,7 @@ fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
     }
     serde_norway::from_str(&text).map_err(|e| ConfigError::ParseFile {
         path: path.to_owned(),
-        message: e.to_string(),
+        message: e.to_string().replace('\n', " "),
     })
 }
 

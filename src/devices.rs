@@ -211,6 +211,19 @@ pub trait DeviceSource: Send + 'static {
 /// Shared, cheaply cloned view of the current inventory.
 pub type InventoryWatch = watch::Receiver<Arc<Inventory>>;
 
+/// Discovers the source's devices, starts it, and spawns the task that keeps the returned watch current.
+/// Must be called inside a tokio runtime.
+pub fn spawn_inventory(mut source: Box<dyn DeviceSource>) -> Result<InventoryWatch, SourceError> {
+    let found = source.discover()?;
+    tracing::info!(devices = found.len(), "discovered devices");
+    let (tx, rx) = watch::channel(Arc::new(Inventory::new(found)));
+    // Bounded: a source that outruns the inventory task waits rather than growing memory.
+    let (event_tx, event_rx) = mpsc::channel(1024);
+    source.start(event_tx)?;
+    tokio::spawn(run_inventory(event_rx, tx));
+    Ok(rx)
+}
+
 /// Folds `events` into the inventory published on `tx` until the event channel closes. A burst of events
 /// publishes once per event that changed something; readers of the watch coalesce to the latest.
 pub async fn run_inventory(

@@ -1,16 +1,14 @@
 //! `gpu-device-plugin`: the node agent. Parses settings, picks the device source, runs the kubelet side until
 //! SIGTERM or SIGINT.
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
-use std::sync::Arc;
-
 use anyhow::{Context, bail};
-use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use gpu_device_plugin::config::{self, LogFormat, Settings};
 use gpu_device_plugin::devices::simulated::SimulatedGpus;
-use gpu_device_plugin::devices::{self, DeviceSource, Inventory};
+use gpu_device_plugin::devices::{self, DeviceSource};
 use gpu_device_plugin::kubelet::{self, PluginConfig};
 
 fn main() -> ExitCode {
@@ -56,7 +54,8 @@ fn init_logging(format: LogFormat) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
@@ -65,7 +64,14 @@ fn init_logging(format: LogFormat) {
 
 async fn run(settings: Settings) -> anyhow::Result<()> {
     config::prepare_state_dir(&settings.state_dir)?;
-    let mut source: Box<dyn DeviceSource> = match settings.simulate {
+    let mut plugin = PluginConfig::new(&settings.kubelet_dir, settings.resource_name.clone());
+    plugin.socket_name = settings.socket_name.clone();
+    plugin.allocate = settings.allocate.clone();
+    // Settle the socket name now, so that a bad directory is reported before anything starts.
+    let socket = kubelet::socket_path_for(&plugin)?;
+    plugin.socket_name = socket.file_name().map(|n| n.to_string_lossy().into_owned());
+
+    let source: Box<dyn DeviceSource> = match settings.simulate {
         Some(count) => {
             // The control handle is for tests that inject faults; from the command line the simulated GPUs
             // stay healthy.
@@ -77,19 +83,11 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
              simulated GPUs"
         ),
     };
-    let found = source.discover().context("device discovery failed")?;
-    tracing::info!(devices = found.len(), "discovered devices");
-    let (inventory_tx, inventory_rx) = watch::channel(Arc::new(Inventory::new(found)));
-    let (event_tx, event_rx) = mpsc::channel(1024);
-    source.start(event_tx).context("cannot start the device source")?;
-    tokio::spawn(devices::run_inventory(event_rx, inventory_tx));
+    let inventory = devices::spawn_inventory(source).context("cannot start the device source")?;
 
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;
-    let mut plugin = PluginConfig::new(&settings.kubelet_dir, settings.resource_name.clone());
-    plugin.socket_name = settings.socket_name.clone();
-    plugin.allocate = settings.allocate.clone();
-    kubelet::run(plugin, inventory_rx, shutdown).await?;
+    kubelet::run(plugin, inventory, shutdown).await?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -1,0 +1,112 @@
+//! The command line contract: bad input is one clear line on stderr and a non-zero exit, never a panic.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::process::{Command, Output};
+
+fn run(args: &[&str], envs: &[(&str, &str)]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+        .args(args)
+        .envs(envs.iter().copied())
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run gpu-device-plugin")
+}
+
+/// Asserts a failed run printed exactly one line on stderr containing every `needles` and no panic.
+fn assert_one_line_error(out: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got {:?}; stderr: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let lines: Vec<_> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "expected one line, got: {stderr}");
+    for needle in needles {
+        assert!(lines[0].contains(needle), "{needle:?} not in {:?}", lines[0]);
+    }
+}
+
+fn state_arg(dir: &tempfile::TempDir) -> String {
+    dir.path().join("state").to_string_lossy().into_owned()
+}
+
+#[test]
+fn unknown_flag_is_one_line_and_a_non_zero_exit() {
+    let out = run(&["--no-such-flag"], &[]);
+    assert_one_line_error(&out, &["--no-such-flag"]);
+}
+
+#[test]
+fn non_extended_resource_name_is_refused_naming_it() {
+    let out = run(&["--resource-name", "gpu", "--simulate", "1"], &[]);
+    assert_one_line_error(&out, &["--resource-name", "\"gpu\""]);
+    let out = run(&["--resource-name", "kubernetes.io/gpu"], &[]);
+    assert_one_line_error(&out, &["kubernetes.io"]);
+}
+
+#[test]
+fn settings_come_from_environment_variables_too() {
+    let out = run(&[], &[("GPU_DEVICE_PLUGIN_RESOURCE_NAME", "not-extended")]);
+    assert_one_line_error(&out, &["not-extended"]);
+    let out = run(&[], &[("GPU_DEVICE_PLUGIN_LOG_FORMAT", "xml")]);
+    assert_one_line_error(&out, &["xml"]);
+}
+
+#[test]
+fn unwritable_state_dir_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"").unwrap();
+    let state = file.join("state").to_string_lossy().into_owned();
+    let out = run(&["--simulate", "1", "--state-dir", &state, "--kubelet-dir", "/"], &[]);
+    assert_one_line_error(&out, &["--state-dir", &state]);
+}
+
+#[test]
+fn missing_kubelet_dir_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("device-plugins").to_string_lossy().into_owned();
+    let out = run(&["--simulate", "1", "--kubelet-dir", &missing, "--state-dir", &state_arg(&dir)], &[]);
+    assert_one_line_error(&out, &[&missing, "does not exist"]);
+}
+
+#[test]
+fn kubelet_dir_too_long_for_a_socket_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let long = dir.path().join("d".repeat(90));
+    std::fs::create_dir(&long).unwrap();
+    let long = long.to_string_lossy().into_owned();
+    let out = run(&["--simulate", "1", "--kubelet-dir", &long, "--state-dir", &state_arg(&dir)], &[]);
+    assert_one_line_error(&out, &["107-byte"]);
+}
+
+#[test]
+fn unwritable_kubelet_dir_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = dir.path().join("device-plugins");
+    std::fs::create_dir(&kubelet).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&kubelet, std::fs::Permissions::from_mode(0o500)).unwrap();
+    // root ignores directory permissions; the check only means something for an unprivileged user.
+    if std::fs::write(kubelet.join("probe"), b"").is_ok() {
+        eprintln!("skipped: running as root, directory permissions are not enforced");
+        return;
+    }
+    let kubelet = kubelet.to_string_lossy().into_owned();
+    let out = run(&["--simulate", "1", "--kubelet-dir", &kubelet, "--state-dir", &state_arg(&dir)], &[]);
+    assert_one_line_error(&out, &["cannot bind", &kubelet]);
+}
+
+#[test]
+fn unknown_config_key_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(&config, "resourceName: nvidia.com/gpu\nsimulat: 3\n").unwrap();
+    let out = run(&["--config", &config.to_string_lossy()], &[]);
+    assert_one_line_error(&out, &["simulat", "config.yaml"]);
+}
+
+#[test]
+fn no_gpu_backend_without_simulate_says_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&["--state-dir", &state_arg(&dir), "--kubelet-dir", "/"], &[]);
+    assert_one_line_error(&out, &["--simulate"]);
+}

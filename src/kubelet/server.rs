@@ -103,6 +103,9 @@ impl DevicePlugin for PluginService {
                 }
                 std::future::ready(changed.then_some(Ok(response)))
             })
+            // If the inventory's sender is ever gone, keep the stream open on the last list: an ended
+            // stream makes the kubelet mark every device unhealthy and it never re-opens it.
+            .chain(futures_util::stream::pending())
             .take_until(self.shutdown.clone().cancelled_owned());
         Ok(Response::new(Box::pin(stream)))
     }

@@ -1,0 +1,137 @@
+//! Helpers shared by the black-box tests: the real binary as a child process, and the library plugin on a
+//! real socket when a test needs to inject faults.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use gpu_device_plugin::devices::simulated::{SimulatedControl, SimulatedGpus};
+use gpu_device_plugin::devices::{self, InventoryWatch};
+use gpu_device_plugin::kubelet::{self, KubeletError, PluginConfig};
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Upper bound for anything a test waits for; generous, because CI machines are slow and shared.
+pub const WAIT: Duration = Duration::from_secs(20);
+
+pub type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+/// The plugin binary, running.
+pub struct PluginProcess {
+    pub child: Child,
+    log: PathBuf,
+    _state: tempfile::TempDir,
+}
+
+impl PluginProcess {
+    /// Spawns the binary on `kubelet_dir` with `args` added (typically `--simulate N`). Its log goes to a file
+    /// that [`PluginProcess::log`] reads, for assertion messages.
+    pub fn spawn(kubelet_dir: &Path, args: &[&str]) -> Self {
+        let state = tempfile::tempdir().expect("temp dir");
+        let log = state.path().join("plugin.log");
+        let log_file = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+            .arg("--kubelet-dir")
+            .arg(kubelet_dir)
+            .arg("--state-dir")
+            .arg(state.path().join("state"))
+            .args(args)
+            .env("RUST_LOG", "debug")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log_file))
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn gpu-device-plugin");
+        PluginProcess {
+            child,
+            log,
+            _state: state,
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = self.child.id().expect("plugin is running");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).expect("send signal");
+    }
+
+    /// Waits for the process to exit within `timeout`.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        tokio::time::timeout(timeout, self.child.wait()).await.ok()?.ok()
+    }
+}
+
+/// The plugin library serving simulated GPUs on a real socket, with a handle to inject faults.
+pub struct InProcessPlugin {
+    pub control: SimulatedControl,
+    pub inventory: InventoryWatch,
+    pub shutdown: CancellationToken,
+    pub task: JoinHandle<Result<(), KubeletError>>,
+}
+
+impl InProcessPlugin {
+    pub fn start(kubelet_dir: &Path, gpus: usize) -> Self {
+        let (source, control) = SimulatedGpus::new(gpus);
+        let inventory = devices::spawn_inventory(Box::new(source)).expect("simulated GPUs start");
+        let shutdown = CancellationToken::new();
+        let config = PluginConfig::new(kubelet_dir, "nvidia.com/gpu");
+        let task = tokio::spawn(kubelet::run(config, inventory.clone(), shutdown.clone()));
+        InProcessPlugin {
+            control,
+            inventory,
+            shutdown,
+            task,
+        }
+    }
+}
+
+impl Drop for InProcessPlugin {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Sorted, for reporting latencies in test output.
+pub fn summary(mut samples: Vec<Duration>) -> String {
+    samples.sort();
+    let pick = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+    format!(
+        "n={} min={:?} p50={:?} p99={:?} max={:?}",
+        samples.len(),
+        samples[0],
+        pick(0.5),
+        pick(0.99),
+        samples[samples.len() - 1]
+    )
+}
+
+/// Waits until a file whose name satisfies `pred` exists in `dir`; returns its name. Watches with inotify
+/// rather than polling, and looks once after the watch is set up so nothing created before is missed.
+pub async fn wait_for_file(dir: &Path, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
+    use notify::Watcher;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut watcher = notify::recommended_watcher(move |_event| {
+        let _ = tx.send(());
+    })
+    .ok()?;
+    watcher.watch(dir, notify::RecursiveMode::NonRecursive).ok()?;
+    let find = || {
+        std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .find(|n| pred(n))
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(name) = find() {
+            return Some(name);
+        }
+        tokio::time::timeout_at(deadline, rx.recv()).await.ok()??;
+    }
+}
