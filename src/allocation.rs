@@ -298,7 +298,10 @@ mod tests {
         (0..8).map(|i| format!("g{i}")).collect()
     }
 
-    fn alloc(inv: &Inventory, req: &[&[&str]]) -> Result<Vec<ContainerAllocateResponse>, AllocationError> {
+    fn alloc(
+        inv: &Inventory,
+        req: &[&[&str]],
+    ) -> Result<Vec<ContainerAllocateResponse>, AllocationError> {
         let containers: Vec<Vec<String>> = req.iter().map(|c| ids(c)).collect();
         allocate(inv, &containers, &AllocateOptions::default(), |_| true)
     }
@@ -311,7 +314,11 @@ mod tests {
             .map(|r| r.envs.get(VISIBLE_DEVICES_ENV).cloned())
             .collect();
         assert_eq!(envs, vec![Some("g1,g0".into()), Some("g5".into())]);
-        assert!(responses.iter().all(|r| r.cdi_devices.is_empty() && r.devices.is_empty()));
+        assert!(
+            responses
+                .iter()
+                .all(|r| r.cdi_devices.is_empty() && r.devices.is_empty())
+        );
     }
 
     #[test]
@@ -338,7 +345,10 @@ mod tests {
             Some(AllocationError::DuplicateDevice("g1".into()))
         );
         assert_eq!(alloc(&inv, &[]).err(), Some(AllocationError::NoContainers));
-        assert_eq!(alloc(&inv, &[&["g1"], &[]]).err(), Some(AllocationError::NoDevices(1)));
+        assert_eq!(
+            alloc(&inv, &[&["g1"], &[]]).err(),
+            Some(AllocationError::NoDevices(1))
+        );
     }
 
     #[test]
@@ -359,14 +369,26 @@ mod tests {
             dev_root: PathBuf::from("/host"),
             ..AllocateOptions::default()
         };
-        let present = |p: &Path| p == Path::new("/host/dev/nvidia3") || p == Path::new("/host/dev/nvidiactl");
+        let present =
+            |p: &Path| p == Path::new("/host/dev/nvidia3") || p == Path::new("/host/dev/nvidiactl");
         let responses = allocate(&node(), &[ids(&["g3"])], &options, present).unwrap_or_default();
         let r = &responses[0];
-        assert_eq!(r.cdi_devices, vec![CdiDevice { name: "nvidia.com/gpu=g3".into() }]);
+        assert_eq!(
+            r.cdi_devices,
+            vec![CdiDevice {
+                name: "nvidia.com/gpu=g3".into()
+            }]
+        );
         let specs: Vec<_> = r
             .devices
             .iter()
-            .map(|d| (d.container_path.as_str(), d.host_path.as_str(), d.permissions.as_str()))
+            .map(|d| {
+                (
+                    d.container_path.as_str(),
+                    d.host_path.as_str(),
+                    d.permissions.as_str(),
+                )
+            })
             .collect();
         assert_eq!(
             specs,
@@ -399,7 +421,10 @@ mod tests {
 
     #[test]
     fn preferred_honours_must_include_and_stays_on_its_node() {
-        assert_eq!(prefer(&node(), &all(), &["g6"], 3), ids(&["g6", "g4", "g5"]));
+        assert_eq!(
+            prefer(&node(), &all(), &["g6"], 3),
+            ids(&["g6", "g4", "g5"])
+        );
     }
 
     #[test]
@@ -435,12 +460,18 @@ mod tests {
             must_include: &must,
             size: 1,
         };
-        assert!(matches!(preferred(&inv, &request), Err(AllocationError::BadSize { .. })));
+        assert!(matches!(
+            preferred(&inv, &request),
+            Err(AllocationError::BadSize { .. })
+        ));
         let request = PreferenceRequest {
             available: &all(),
             must_include: &[],
             size: -1,
         };
-        assert!(matches!(preferred(&inv, &request), Err(AllocationError::BadSize { .. })));
+        assert!(matches!(
+            preferred(&inv, &request),
+            Err(AllocationError::BadSize { .. })
+        ));
     }
 }

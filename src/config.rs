@@ -30,7 +30,11 @@ pub enum LogFormat {
 
 /// Command line. Every flag can also be set from the environment variable named in its help.
 #[derive(Debug, Parser)]
-#[command(name = "gpu-device-plugin", version, about = "Kubernetes device plugin for NVIDIA GPUs")]
+#[command(
+    name = "gpu-device-plugin",
+    version,
+    about = "Kubernetes device plugin for NVIDIA GPUs"
+)]
 pub struct Args {
     /// Kubelet device plugin directory [default: /var/lib/kubelet/device-plugins]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_KUBELET_DIR", value_name = "DIR")]
@@ -178,7 +182,10 @@ impl Settings {
         let allocate = AllocateOptions {
             cdi: args.cdi.or(file.cdi).unwrap_or(defaults.cdi),
             cdi_kind: args.cdi_kind.or(file.cdi_kind).unwrap_or(defaults.cdi_kind),
-            device_specs: args.device_specs.or(file.device_specs).unwrap_or(defaults.device_specs),
+            device_specs: args
+                .device_specs
+                .or(file.device_specs)
+                .unwrap_or(defaults.device_specs),
             dev_root: args.dev_root.or(file.dev_root).unwrap_or(defaults.dev_root),
         };
         if allocate.cdi && !allocate.cdi_kind.contains('/') {
@@ -195,7 +202,10 @@ impl Settings {
                 .unwrap_or_else(|| DEFAULT_KUBELET_DIR.into()),
             resource_name,
             state_dir,
-            log_format: args.log_format.or(file.log_format).unwrap_or(LogFormat::Text),
+            log_format: args
+                .log_format
+                .or(file.log_format)
+                .unwrap_or(LogFormat::Text),
             simulate: args.simulate.or(file.simulate),
             socket_name,
             allocate,
@@ -257,7 +267,9 @@ pub fn check_extended_resource_name(name: &str) -> Result<(), ConfigError> {
         return Err(invalid("the domain is not a lowercase DNS name"));
     }
     if domain == "kubernetes.io" || domain.ends_with(".kubernetes.io") {
-        return Err(invalid("the kubernetes.io domain is reserved for native resources"));
+        return Err(invalid(
+            "the kubernetes.io domain is reserved for native resources",
+        ));
     }
     if !is_name_part(short) {
         return Err(invalid(
@@ -273,7 +285,9 @@ fn is_dns_subdomain(s: &str) -> bool {
         && s.split('.').all(|label| {
             !label.is_empty()
                 && label.len() <= 63
-                && label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
                 && !label.starts_with('-')
                 && !label.ends_with('-')
         })
@@ -321,10 +335,20 @@ mod tests {
     #[test]
     fn defaults_match_the_cli_contract() {
         let s = settings(&[]).map_err(|e| e.to_string());
-        let s = s.as_ref().map(|s| (s.kubelet_dir.clone(), s.resource_name.clone(), s.state_dir.clone()));
+        let s = s.as_ref().map(|s| {
+            (
+                s.kubelet_dir.clone(),
+                s.resource_name.clone(),
+                s.state_dir.clone(),
+            )
+        });
         assert_eq!(
             s,
-            Ok((DEFAULT_KUBELET_DIR.into(), DEFAULT_RESOURCE_NAME.into(), DEFAULT_STATE_DIR.into()))
+            Ok((
+                DEFAULT_KUBELET_DIR.into(),
+                DEFAULT_RESOURCE_NAME.into(),
+                DEFAULT_STATE_DIR.into()
+            ))
         );
     }
 
@@ -333,7 +357,15 @@ mod tests {
         for good in ["nvidia.com/gpu", "example.com/a_b.c-1", "x/y"] {
             assert!(check_extended_resource_name(good).is_ok(), "{good}");
         }
-        for bad in ["gpu", "kubernetes.io/gpu", "foo.kubernetes.io/gpu", "Nvidia.com/gpu", "nvidia.com/", "a/b/c", "/gpu"] {
+        for bad in [
+            "gpu",
+            "kubernetes.io/gpu",
+            "foo.kubernetes.io/gpu",
+            "Nvidia.com/gpu",
+            "nvidia.com/",
+            "a/b/c",
+            "/gpu",
+        ] {
             assert!(check_extended_resource_name(bad).is_err(), "{bad}");
         }
     }
@@ -342,7 +374,10 @@ mod tests {
     fn config_file_fills_in_what_flags_leave_out() -> Result<(), Box<dyn std::error::Error>> {
         let dir = tempfile::tempdir()?;
         let file = dir.path().join("c.yaml");
-        std::fs::write(&file, "resourceName: example.com/gpu\ncdi: true\nkubeletDir: /from/file\n")?;
+        std::fs::write(
+            &file,
+            "resourceName: example.com/gpu\ncdi: true\nkubeletDir: /from/file\n",
+        )?;
         let file = file.to_string_lossy().into_owned();
         let s = settings(&["--config", &file, "--kubelet-dir", "/from/flag"])?;
         assert_eq!(s.resource_name, "example.com/gpu");
@@ -356,7 +391,9 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let file = dir.path().join("c.yaml");
         std::fs::write(&file, "resourceNmae: example.com/gpu\n")?;
-        let err = settings(&["--config", &file.to_string_lossy()]).err().unwrap_or_default();
+        let err = settings(&["--config", &file.to_string_lossy()])
+            .err()
+            .unwrap_or_default();
         assert!(err.contains("resourceNmae"), "{err}");
         Ok(())
     }
@@ -366,7 +403,10 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let blocker = dir.path().join("file");
         std::fs::write(&blocker, b"")?;
-        let err = prepare_state_dir(&blocker.join("state")).err().map(|e| e.to_string()).unwrap_or_default();
+        let err = prepare_state_dir(&blocker.join("state"))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(err.contains("--state-dir"), "{err}");
         Ok(())
     }

@@ -1,9 +1,9 @@
 //! `gpu-device-plugin`: the node agent. Parses settings, picks the device source, runs the kubelet side until
 //! SIGTERM or SIGINT.
 
+use anyhow::{Context, bail};
 use std::io::IsTerminal;
 use std::process::ExitCode;
-use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
 use gpu_device_plugin::config::{self, LogFormat, Settings};

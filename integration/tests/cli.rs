@@ -15,12 +15,20 @@ fn run(args: &[&str], envs: &[(&str, &str)]) -> Output {
 /// Asserts a failed run printed exactly one line on stderr containing every `needles` and no panic.
 fn assert_one_line_error(out: &Output, needles: &[&str]) {
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, got {:?}; stderr: {stderr}", out.status);
+    assert!(
+        !out.status.success(),
+        "expected failure, got {:?}; stderr: {stderr}",
+        out.status
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
     let lines: Vec<_> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "expected one line, got: {stderr}");
     for needle in needles {
-        assert!(lines[0].contains(needle), "{needle:?} not in {:?}", lines[0]);
+        assert!(
+            lines[0].contains(needle),
+            "{needle:?} not in {:?}",
+            lines[0]
+        );
     }
 }
 
@@ -56,15 +64,39 @@ fn unwritable_state_dir_is_refused() {
     let file = dir.path().join("a-file");
     std::fs::write(&file, b"").unwrap();
     let state = file.join("state").to_string_lossy().into_owned();
-    let out = run(&["--simulate", "1", "--state-dir", &state, "--kubelet-dir", "/"], &[]);
+    let out = run(
+        &[
+            "--simulate",
+            "1",
+            "--state-dir",
+            &state,
+            "--kubelet-dir",
+            "/",
+        ],
+        &[],
+    );
     assert_one_line_error(&out, &["--state-dir", &state]);
 }
 
 #[test]
 fn missing_kubelet_dir_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
-    let missing = dir.path().join("device-plugins").to_string_lossy().into_owned();
-    let out = run(&["--simulate", "1", "--kubelet-dir", &missing, "--state-dir", &state_arg(&dir)], &[]);
+    let missing = dir
+        .path()
+        .join("device-plugins")
+        .to_string_lossy()
+        .into_owned();
+    let out = run(
+        &[
+            "--simulate",
+            "1",
+            "--kubelet-dir",
+            &missing,
+            "--state-dir",
+            &state_arg(&dir),
+        ],
+        &[],
+    );
     assert_one_line_error(&out, &[&missing, "does not exist"]);
 }
 
@@ -74,7 +106,17 @@ fn kubelet_dir_too_long_for_a_socket_is_refused() {
     let long = dir.path().join("d".repeat(90));
     std::fs::create_dir(&long).unwrap();
     let long = long.to_string_lossy().into_owned();
-    let out = run(&["--simulate", "1", "--kubelet-dir", &long, "--state-dir", &state_arg(&dir)], &[]);
+    let out = run(
+        &[
+            "--simulate",
+            "1",
+            "--kubelet-dir",
+            &long,
+            "--state-dir",
+            &state_arg(&dir),
+        ],
+        &[],
+    );
     assert_one_line_error(&out, &["107-byte"]);
 }
 
@@ -91,7 +133,17 @@ fn unwritable_kubelet_dir_is_refused() {
         return;
     }
     let kubelet = kubelet.to_string_lossy().into_owned();
-    let out = run(&["--simulate", "1", "--kubelet-dir", &kubelet, "--state-dir", &state_arg(&dir)], &[]);
+    let out = run(
+        &[
+            "--simulate",
+            "1",
+            "--kubelet-dir",
+            &kubelet,
+            "--state-dir",
+            &state_arg(&dir),
+        ],
+        &[],
+    );
     assert_one_line_error(&out, &["cannot bind", &kubelet]);
 }
 
@@ -107,6 +159,9 @@ fn unknown_config_key_is_refused_naming_the_key() {
 #[test]
 fn no_gpu_backend_without_simulate_says_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
-    let out = run(&["--state-dir", &state_arg(&dir), "--kubelet-dir", "/"], &[]);
+    let out = run(
+        &["--state-dir", &state_arg(&dir), "--kubelet-dir", "/"],
+        &[],
+    );
     assert_one_line_error(&out, &["--simulate"]);
 }

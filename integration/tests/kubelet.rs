@@ -8,8 +8,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
 use fake_kubelet::FakeKubelet;
-use gpu_device_plugin::api::device_plugin_client::DevicePluginClient;
 use gpu_device_plugin::api::Empty;
+use gpu_device_plugin::api::device_plugin_client::DevicePluginClient;
 use gpu_device_plugin::devices::simulated::simulated_uuid;
 use gpu_device_plugin::kubelet::uds;
 use nix::sys::signal::Signal;
@@ -26,23 +26,35 @@ async fn plugin_registers_and_lists_every_simulated_gpu_healthy() -> TestResult 
     let kubelet = FakeKubelet::start(dir.path()).await?;
     let plugin = PluginProcess::spawn(dir.path(), &["--simulate", "8"]);
 
-    let regs = kubelet.wait_registrations(1, WAIT).await.map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    let regs = kubelet
+        .wait_registrations(1, WAIT)
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
     let reg = &regs[0];
     assert_eq!(reg.resource_name, "nvidia.com/gpu");
     assert!(reg.endpoint.starts_with("gpu-device-plugin-") && reg.endpoint.ends_with(".sock"));
     assert!(reg.dialed_options.get_preferred_allocation_available);
     assert!(!reg.dialed_options.pre_start_required);
     let socket = dir.path().join(&reg.endpoint);
-    assert_eq!(std::fs::metadata(&socket)?.permissions().mode() & 0o777, 0o600);
+    assert_eq!(
+        std::fs::metadata(&socket)?.permissions().mode() & 0o777,
+        0o600
+    );
 
-    let list = kubelet.wait_list("8 devices", WAIT, |l| l.devices.len() == 8).await?;
+    let list = kubelet
+        .wait_list("8 devices", WAIT, |l| l.devices.len() == 8)
+        .await?;
     assert_eq!(list.allocatable(), 8);
     let ids: Vec<_> = list.devices.iter().map(|d| d.id.clone()).collect();
     assert_eq!(ids, (0..8).map(gpu).collect::<Vec<_>>());
     let numa: Vec<_> = list
         .devices
         .iter()
-        .map(|d| d.topology.as_ref().map(|t| t.nodes.iter().map(|n| n.id).collect::<Vec<_>>()))
+        .map(|d| {
+            d.topology
+                .as_ref()
+                .map(|t| t.nodes.iter().map(|n| n.id).collect::<Vec<_>>())
+        })
         .collect();
     assert_eq!(numa[0], Some(vec![0]));
     assert_eq!(numa[7], Some(vec![1]));
@@ -54,16 +66,25 @@ async fn health_change_reaches_the_kubelet_and_recovery_too() -> TestResult {
     let dir = tempfile::tempdir()?;
     let kubelet = FakeKubelet::start(dir.path()).await?;
     let plugin = InProcessPlugin::start(dir.path(), 4);
-    kubelet.wait_list("4 healthy", WAIT, |l| l.allocatable() == 4).await?;
+    kubelet
+        .wait_list("4 healthy", WAIT, |l| l.allocatable() == 4)
+        .await?;
 
-    plugin.control.fail(&gpu(2), "XID 79: GPU has fallen off the bus").await;
+    plugin
+        .control
+        .fail(&gpu(2), "XID 79: GPU has fallen off the bus")
+        .await;
     let list = kubelet
-        .wait_list("gpu 2 unhealthy", WAIT, |l| l.health(&gpu(2)) == Some("Unhealthy"))
+        .wait_list("gpu 2 unhealthy", WAIT, |l| {
+            l.health(&gpu(2)) == Some("Unhealthy")
+        })
         .await?;
     assert_eq!(list.allocatable(), 3);
 
     plugin.control.recover(&gpu(2)).await;
-    kubelet.wait_list("gpu 2 healthy again", WAIT, |l| l.allocatable() == 4).await?;
+    kubelet
+        .wait_list("gpu 2 healthy again", WAIT, |l| l.allocatable() == 4)
+        .await?;
     assert!(kubelet.list().errors.is_empty());
     Ok(())
 }
@@ -80,23 +101,50 @@ async fn allocate_gives_each_container_its_gpus_with_cdi_and_device_nodes() -> T
     let root_arg = root.path().to_string_lossy().into_owned();
     let _plugin = PluginProcess::spawn(
         dir.path(),
-        &["--simulate", "4", "--cdi", "--device-specs", "--dev-root", &root_arg],
+        &[
+            "--simulate",
+            "4",
+            "--cdi",
+            "--device-specs",
+            "--dev-root",
+            &root_arg,
+        ],
     );
     kubelet.wait_registrations(1, WAIT).await?;
 
     let (a, b, c) = (gpu(1), gpu(2), gpu(3));
     let response = kubelet.allocate(&[&[&a, &b], &[&c]]).await?;
     let first = &response.container_responses[0];
-    assert_eq!(first.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&format!("{a},{b}")));
+    assert_eq!(
+        first.envs.get("NVIDIA_VISIBLE_DEVICES"),
+        Some(&format!("{a},{b}"))
+    );
     let cdi: Vec<_> = first.cdi_devices.iter().map(|d| d.name.clone()).collect();
-    assert_eq!(cdi, vec![format!("nvidia.com/gpu={a}"), format!("nvidia.com/gpu={b}")]);
-    let nodes: Vec<_> = first.devices.iter().map(|d| d.container_path.clone()).collect();
-    assert_eq!(nodes, vec!["/dev/nvidia1", "/dev/nvidia2", "/dev/nvidiactl"]);
-    assert_eq!(first.devices[0].host_path, format!("{root_arg}/dev/nvidia1"));
+    assert_eq!(
+        cdi,
+        vec![format!("nvidia.com/gpu={a}"), format!("nvidia.com/gpu={b}")]
+    );
+    let nodes: Vec<_> = first
+        .devices
+        .iter()
+        .map(|d| d.container_path.clone())
+        .collect();
+    assert_eq!(
+        nodes,
+        vec!["/dev/nvidia1", "/dev/nvidia2", "/dev/nvidiactl"]
+    );
+    assert_eq!(
+        first.devices[0].host_path,
+        format!("{root_arg}/dev/nvidia1")
+    );
     let second = &response.container_responses[1];
     assert_eq!(second.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&c));
     // /dev/nvidia3 does not exist under the dev root, so only the control node is handed out.
-    let nodes: Vec<_> = second.devices.iter().map(|d| d.container_path.clone()).collect();
+    let nodes: Vec<_> = second
+        .devices
+        .iter()
+        .map(|d| d.container_path.clone())
+        .collect();
     assert_eq!(nodes, vec!["/dev/nvidiactl"]);
     Ok(())
 }
@@ -109,22 +157,45 @@ async fn allocate_rejects_bad_requests_with_codes_that_name_the_device() -> Test
     kubelet.wait_registrations(1, WAIT).await?;
     let (g0, g1) = (gpu(0), gpu(1));
 
-    let err = kubelet.allocate(&[&[&g0, "GPU-not-here"]]).await.err().expect("unknown id refused");
+    let err = kubelet
+        .allocate(&[&[&g0, "GPU-not-here"]])
+        .await
+        .expect_err("unknown id refused");
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("GPU-not-here"), "{}", err.message());
 
-    let err = kubelet.allocate(&[&[&g0], &[&g0]]).await.err().expect("duplicate refused");
+    let err = kubelet
+        .allocate(&[&[&g0], &[&g0]])
+        .await
+        .expect_err("duplicate refused");
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains(&g0), "{}", err.message());
 
-    let err = kubelet.allocate(&[]).await.err().expect("empty request refused");
+    let err = kubelet
+        .allocate(&[])
+        .await
+        .expect_err("empty request refused");
     assert_eq!(err.code(), Code::InvalidArgument);
 
-    plugin.control.fail(&g1, "XID 48: double-bit ECC error").await;
-    kubelet.wait_list("gpu 1 unhealthy", WAIT, |l| l.health(&g1) == Some("Unhealthy")).await?;
-    let err = kubelet.allocate(&[&[&g0, &g1]]).await.err().expect("unhealthy refused");
+    plugin
+        .control
+        .fail(&g1, "XID 48: double-bit ECC error")
+        .await;
+    kubelet
+        .wait_list("gpu 1 unhealthy", WAIT, |l| {
+            l.health(&g1) == Some("Unhealthy")
+        })
+        .await?;
+    let err = kubelet
+        .allocate(&[&[&g0, &g1]])
+        .await
+        .expect_err("unhealthy refused");
     assert_eq!(err.code(), Code::FailedPrecondition);
-    assert!(err.message().contains(&g1) && err.message().contains("XID 48"), "{}", err.message());
+    assert!(
+        err.message().contains(&g1) && err.message().contains("XID 48"),
+        "{}",
+        err.message()
+    );
 
     // Nothing was lost: the healthy GPU still allocates.
     kubelet.allocate(&[&[&g0]]).await?;
@@ -138,7 +209,11 @@ async fn preferred_allocation_avoids_unhealthy_gpus_and_stays_on_one_numa_node()
     let plugin = InProcessPlugin::start(dir.path(), 8);
     kubelet.wait_registrations(1, WAIT).await?;
     plugin.control.fail(&gpu(1), "XID 79").await;
-    kubelet.wait_list("gpu 1 unhealthy", WAIT, |l| l.health(&gpu(1)) == Some("Unhealthy")).await?;
+    kubelet
+        .wait_list("gpu 1 unhealthy", WAIT, |l| {
+            l.health(&gpu(1)) == Some("Unhealthy")
+        })
+        .await?;
 
     let all: Vec<String> = (0..8).map(gpu).collect();
     let available: Vec<&str> = all.iter().map(String::as_str).collect();
@@ -146,22 +221,35 @@ async fn preferred_allocation_avoids_unhealthy_gpus_and_stays_on_one_numa_node()
     let chosen = kubelet.preferred_allocation(&available, &[], 3).await?;
     assert_eq!(chosen, vec![gpu(0), gpu(2), gpu(3)]);
     // must_include on node 1 keeps the rest on node 1.
-    let chosen = kubelet.preferred_allocation(&available, &[&gpu(6)], 2).await?;
+    let chosen = kubelet
+        .preferred_allocation(&available, &[&gpu(6)], 2)
+        .await?;
     assert_eq!(chosen, vec![gpu(6), gpu(4)]);
 
-    let err = kubelet.preferred_allocation(&available, &[], -1).await.err().expect("negative size refused");
+    let err = kubelet
+        .preferred_allocation(&available, &[], -1)
+        .await
+        .expect_err("negative size refused");
     assert_eq!(err.code(), Code::InvalidArgument);
     Ok(())
 }
 
 #[tokio::test]
-async fn kubelet_restart_rebinds_socket_and_registers_again_100_times_keeping_health() -> TestResult {
+async fn kubelet_restart_rebinds_socket_and_registers_again_100_times_keeping_health() -> TestResult
+{
     let dir = tempfile::tempdir()?;
     let mut kubelet = FakeKubelet::start(dir.path()).await?;
     let plugin = InProcessPlugin::start(dir.path(), 4);
     kubelet.wait_registrations(1, WAIT).await?;
-    plugin.control.fail(&gpu(3), "XID 79: GPU has fallen off the bus").await;
-    kubelet.wait_list("gpu 3 unhealthy", WAIT, |l| l.health(&gpu(3)) == Some("Unhealthy")).await?;
+    plugin
+        .control
+        .fail(&gpu(3), "XID 79: GPU has fallen off the bus")
+        .await;
+    kubelet
+        .wait_list("gpu 3 unhealthy", WAIT, |l| {
+            l.health(&gpu(3)) == Some("Unhealthy")
+        })
+        .await?;
 
     let mut latencies = Vec::new();
     for round in 2..=101 {
@@ -173,16 +261,34 @@ async fn kubelet_restart_rebinds_socket_and_registers_again_100_times_keeping_he
             .map_err(|e| format!("restart {}: {e}", round - 1))?;
         latencies.push(regs[round - 1].received_at - restarted);
         let list = kubelet
-            .wait_list("list on the new stream", WAIT, |l| l.registration == round && l.messages >= 1)
+            .wait_list("list on the new stream", WAIT, |l| {
+                l.registration == round && l.messages >= 1
+            })
             .await?;
         assert_eq!(list.devices.len(), 4);
-        assert_eq!(list.health(&gpu(3)), Some("Unhealthy"), "restart {} forgot the fault", round - 1);
+        assert_eq!(
+            list.health(&gpu(3)),
+            Some("Unhealthy"),
+            "restart {} forgot the fault",
+            round - 1
+        );
         assert_eq!(list.allocatable(), 3);
         assert!(dir.path().join(&regs[round - 1].endpoint).exists());
     }
-    assert_eq!(kubelet.registrations().len(), 101, "a restart was registered twice");
-    assert!(kubelet.list().errors.is_empty(), "{:?}", kubelet.list().errors);
-    eprintln!("kubelet restart -> Register received: {}", summary(latencies));
+    assert_eq!(
+        kubelet.registrations().len(),
+        101,
+        "a restart was registered twice"
+    );
+    assert!(
+        kubelet.list().errors.is_empty(),
+        "{:?}",
+        kubelet.list().errors
+    );
+    eprintln!(
+        "kubelet restart -> Register received: {}",
+        summary(latencies)
+    );
     Ok(())
 }
 
@@ -191,7 +297,10 @@ async fn binary_survives_100_kubelet_restarts_in_a_row() -> TestResult {
     let dir = tempfile::tempdir()?;
     let mut kubelet = FakeKubelet::start(dir.path()).await?;
     let plugin = PluginProcess::spawn(dir.path(), &["--simulate", "8"]);
-    kubelet.wait_registrations(1, WAIT).await.map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    kubelet
+        .wait_registrations(1, WAIT)
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
     let mut latencies = Vec::new();
     for round in 2..=101 {
         let restarted = Instant::now();
@@ -202,11 +311,16 @@ async fn binary_survives_100_kubelet_restarts_in_a_row() -> TestResult {
             .map_err(|e| format!("restart {}: {e}\n{}", round - 1, plugin.log()))?;
         latencies.push(regs[round - 1].received_at - restarted);
         kubelet
-            .wait_list("8 devices on the new stream", WAIT, |l| l.registration == round && l.allocatable() == 8)
+            .wait_list("8 devices on the new stream", WAIT, |l| {
+                l.registration == round && l.allocatable() == 8
+            })
             .await?;
     }
     assert_eq!(kubelet.registrations().len(), 101);
-    eprintln!("binary: kubelet restart -> Register received: {}", summary(latencies));
+    eprintln!(
+        "binary: kubelet restart -> Register received: {}",
+        summary(latencies)
+    );
     Ok(())
 }
 
@@ -215,13 +329,20 @@ async fn plugin_started_before_the_kubelet_registers_when_it_appears() -> TestRe
     let dir = tempfile::tempdir()?;
     let plugin = PluginProcess::spawn(dir.path(), &["--simulate", "2"]);
     // The plugin serves before any kubelet exists; wait until its socket is there.
-    let socket = support::wait_for_file(dir.path(), WAIT, |n| n.starts_with("gpu-device-plugin-") && n.ends_with(".sock"))
-        .await
-        .ok_or_else(|| format!("plugin never created its socket\n{}", plugin.log()))?;
+    let socket = support::wait_for_file(dir.path(), WAIT, |n| {
+        n.starts_with("gpu-device-plugin-") && n.ends_with(".sock")
+    })
+    .await
+    .ok_or_else(|| format!("plugin never created its socket\n{}", plugin.log()))?;
     let kubelet = FakeKubelet::start(dir.path()).await?;
-    let regs = kubelet.wait_registrations(1, WAIT).await.map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    let regs = kubelet
+        .wait_registrations(1, WAIT)
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
     assert_eq!(regs[0].endpoint, socket);
-    kubelet.wait_list("2 devices", WAIT, |l| l.allocatable() == 2).await?;
+    kubelet
+        .wait_list("2 devices", WAIT, |l| l.allocatable() == 2)
+        .await?;
     Ok(())
 }
 
@@ -231,7 +352,9 @@ async fn sigterm_ends_streams_cleanly_removes_the_socket_and_exits_zero_within_2
     let kubelet = FakeKubelet::start(dir.path()).await?;
     let mut plugin = PluginProcess::spawn(dir.path(), &["--simulate", "2"]);
     let regs = kubelet.wait_registrations(1, WAIT).await?;
-    kubelet.wait_list("2 devices", WAIT, |l| l.messages >= 1).await?;
+    kubelet
+        .wait_list("2 devices", WAIT, |l| l.messages >= 1)
+        .await?;
     let socket = dir.path().join(&regs[0].endpoint);
     assert!(socket.exists());
 
@@ -239,11 +362,25 @@ async fn sigterm_ends_streams_cleanly_removes_the_socket_and_exits_zero_within_2
     plugin.signal(Signal::SIGTERM);
     let status = plugin.wait_exit(Duration::from_secs(2)).await;
     let took = sent.elapsed();
-    assert!(status.is_some(), "still running 2 s after SIGTERM\n{}", plugin.log());
-    assert!(status.is_some_and(|s| s.success()), "exit status {status:?}\n{}", plugin.log());
+    assert!(
+        status.is_some(),
+        "still running 2 s after SIGTERM\n{}",
+        plugin.log()
+    );
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "exit status {status:?}\n{}",
+        plugin.log()
+    );
     assert!(!socket.exists(), "socket left behind");
-    let list = kubelet.wait_list("stream end", WAIT, |l| l.ended.is_some()).await?;
-    assert_eq!(list.ended, Some(Ok(())), "stream must end cleanly, not with an error");
+    let list = kubelet
+        .wait_list("stream end", WAIT, |l| l.ended.is_some())
+        .await?;
+    assert_eq!(
+        list.ended,
+        Some(Ok(())),
+        "stream must end cleanly, not with an error"
+    );
     eprintln!("SIGTERM -> exit: {took:?}");
     Ok(())
 }
@@ -256,7 +393,11 @@ async fn sigint_also_shuts_down_cleanly() -> TestResult {
     let regs = kubelet.wait_registrations(1, WAIT).await?;
     plugin.signal(Signal::SIGINT);
     let status = plugin.wait_exit(Duration::from_secs(2)).await;
-    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{}", plugin.log());
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        plugin.log()
+    );
     assert!(!dir.path().join(&regs[0].endpoint).exists());
     Ok(())
 }
@@ -273,15 +414,24 @@ async fn concurrent_watchers_each_get_every_change() -> TestResult {
     for _ in 0..3 {
         let mut client = DevicePluginClient::new(uds::connect(&socket).await?);
         let mut stream = client.list_and_watch(Empty {}).await?.into_inner();
-        let first = tokio::time::timeout(WAIT, stream.message()).await??.expect("first list");
+        let first = tokio::time::timeout(WAIT, stream.message())
+            .await??
+            .expect("first list");
         assert_eq!(first.devices.len(), 4);
         streams.push(stream);
     }
     for (i, reason) in [(0, "XID 79"), (1, "XID 48")] {
         plugin.control.fail(&gpu(i), reason).await;
         for stream in &mut streams {
-            let list = tokio::time::timeout(WAIT, stream.message()).await??.expect("a list per change");
-            let unhealthy: Vec<_> = list.devices.iter().filter(|d| d.health == "Unhealthy").map(|d| d.id.clone()).collect();
+            let list = tokio::time::timeout(WAIT, stream.message())
+                .await??
+                .expect("a list per change");
+            let unhealthy: Vec<_> = list
+                .devices
+                .iter()
+                .filter(|d| d.health == "Unhealthy")
+                .map(|d| d.id.clone())
+                .collect();
             assert_eq!(unhealthy, (0..=i).map(gpu).collect::<Vec<_>>());
         }
     }
@@ -289,19 +439,31 @@ async fn concurrent_watchers_each_get_every_change() -> TestResult {
 }
 
 #[tokio::test]
-async fn two_instances_during_a_rolling_update_use_their_own_sockets_and_the_newest_wins() -> TestResult {
+async fn two_instances_during_a_rolling_update_use_their_own_sockets_and_the_newest_wins()
+-> TestResult {
     let dir = tempfile::tempdir()?;
     let kubelet = FakeKubelet::start(dir.path()).await?;
     let mut old = PluginProcess::spawn(dir.path(), &["--simulate", "2"]);
     let first = kubelet.wait_registrations(1, WAIT).await?;
     let new = PluginProcess::spawn(dir.path(), &["--simulate", "2"]);
-    let regs = kubelet.wait_registrations(2, WAIT).await.map_err(|e| format!("{e}\n{}", new.log()))?;
+    let regs = kubelet
+        .wait_registrations(2, WAIT)
+        .await
+        .map_err(|e| format!("{e}\n{}", new.log()))?;
     assert_ne!(regs[0].endpoint, regs[1].endpoint);
-    kubelet.wait_list("stream from the new instance", WAIT, |l| l.registration == 2 && l.messages >= 1).await?;
+    kubelet
+        .wait_list("stream from the new instance", WAIT, |l| {
+            l.registration == 2 && l.messages >= 1
+        })
+        .await?;
 
     // The old instance going away removes only its own socket; the new one keeps serving.
     old.signal(Signal::SIGTERM);
-    assert!(old.wait_exit(Duration::from_secs(2)).await.is_some_and(|s| s.success()));
+    assert!(
+        old.wait_exit(Duration::from_secs(2))
+            .await
+            .is_some_and(|s| s.success())
+    );
     assert!(!dir.path().join(&first[0].endpoint).exists());
     assert!(dir.path().join(&regs[1].endpoint).exists());
     kubelet.allocate(&[&[&gpu(0)]]).await?;

@@ -186,9 +186,13 @@ pub async fn run(
     socket.remove();
     match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
         Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => tracing::warn!(error = %registration::error_chain(&e), "gRPC server stopped with an error"),
+        Ok(Ok(Err(e))) => {
+            tracing::warn!(error = %registration::error_chain(&e), "gRPC server stopped with an error")
+        }
         Ok(Err(e)) => tracing::warn!(error = %e, "gRPC server task failed"),
-        Err(_) => tracing::warn!("gRPC connections still open after {SHUTDOWN_GRACE:?}; closing them"),
+        Err(_) => {
+            tracing::warn!("gRPC connections still open after {SHUTDOWN_GRACE:?}; closing them")
+        }
     }
     Ok(())
 }

@@ -3,8 +3,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::api::registration_client::RegistrationClient;
 use crate::api::RegisterRequest;
+use crate::api::registration_client::RegistrationClient;
 
 use super::uds;
 
@@ -37,7 +37,10 @@ pub enum RegisterError {
 }
 
 /// Calls `Register` once.
-pub async fn register(kubelet_socket: &Path, request: RegisterRequest) -> Result<(), RegisterError> {
+pub async fn register(
+    kubelet_socket: &Path,
+    request: RegisterRequest,
+) -> Result<(), RegisterError> {
     let attempt = async {
         let channel = uds::connect(kubelet_socket)
             .await

@@ -12,9 +12,10 @@ use tonic::{Request, Response, Status};
 use crate::allocation::{self, AllocateOptions, AllocationError, PreferenceRequest};
 use crate::api::device_plugin_server::DevicePlugin;
 use crate::api::{
-    AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, Device, DevicePluginOptions, Empty,
-    ListAndWatchResponse, NumaNode, PreStartContainerRequest, PreStartContainerResponse,
-    PreferredAllocationRequest, PreferredAllocationResponse, TopologyInfo,
+    AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, Device,
+    DevicePluginOptions, Empty, ListAndWatchResponse, NumaNode, PreStartContainerRequest,
+    PreStartContainerResponse, PreferredAllocationRequest, PreferredAllocationResponse,
+    TopologyInfo,
 };
 use crate::devices::{Inventory, InventoryWatch};
 
@@ -36,7 +37,11 @@ pub struct PluginService {
 
 impl PluginService {
     /// A service reading `inventory`; streams end when `shutdown` is cancelled.
-    pub fn new(inventory: InventoryWatch, options: AllocateOptions, shutdown: CancellationToken) -> Self {
+    pub fn new(
+        inventory: InventoryWatch,
+        options: AllocateOptions,
+        shutdown: CancellationToken,
+    ) -> Self {
         PluginService {
             inventory,
             options,
@@ -92,7 +97,10 @@ impl DevicePlugin for PluginService {
     /// slower than the changes gets the newest list, never a queue. Changes the kubelet cannot see (a new
     /// reason on an already Unhealthy device) are not re-sent. The stream never ends with an error: it ends
     /// at shutdown, or when the kubelet goes away and tonic drops it.
-    async fn list_and_watch(&self, _request: Request<Empty>) -> Result<Response<ListStream>, Status> {
+    async fn list_and_watch(
+        &self,
+        _request: Request<Empty>,
+    ) -> Result<Response<ListStream>, Status> {
         let mut last: Option<ListAndWatchResponse> = None;
         let stream = WatchStream::new(self.inventory.clone())
             .filter_map(move |inventory: Arc<Inventory>| {
@@ -129,10 +137,15 @@ impl DevicePlugin for PluginService {
                     .map(|device_i_ds| ContainerPreferredAllocationResponse { device_i_ds })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Response::new(PreferredAllocationResponse { container_responses }))
+        Ok(Response::new(PreferredAllocationResponse {
+            container_responses,
+        }))
     }
 
-    async fn allocate(&self, request: Request<AllocateRequest>) -> Result<Response<AllocateResponse>, Status> {
+    async fn allocate(
+        &self,
+        request: Request<AllocateRequest>,
+    ) -> Result<Response<AllocateResponse>, Status> {
         let inventory = self.inventory.borrow().clone();
         let containers: Vec<Vec<String>> = request
             .into_inner()
@@ -143,7 +156,9 @@ impl DevicePlugin for PluginService {
         match allocation::allocate(&inventory, &containers, &self.options, |p| p.exists()) {
             Ok(container_responses) => {
                 tracing::info!(devices = ?containers, "allocated");
-                Ok(Response::new(AllocateResponse { container_responses }))
+                Ok(Response::new(AllocateResponse {
+                    container_responses,
+                }))
             }
             Err(e) => {
                 tracing::warn!(devices = ?containers, error = %e, "refused allocation");
@@ -157,5 +172,131 @@ impl DevicePlugin for PluginService {
         _request: Request<PreStartContainerRequest>,
     ) -> Result<Response<PreStartContainerResponse>, Status> {
         Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::{DeviceEvent, DeviceInfo, Health};
+    use std::time::Duration;
+    use tokio::sync::watch;
+
+    const WAIT: Duration = Duration::from_secs(5);
+
+    fn inventory(n: usize) -> Inventory {
+        Inventory::new((0..n).map(|i| DeviceInfo {
+            id: format!("g{i}"),
+            numa_node: None,
+            device_nodes: vec![],
+        }))
+    }
+
+    fn set(tx: &watch::Sender<Arc<Inventory>>, id: &str, health: Health, reason: &str) {
+        tx.send_modify(|inv| {
+            let mut next = Inventory::clone(inv);
+            next.apply(DeviceEvent::Health {
+                id: id.into(),
+                health,
+                reason: reason.into(),
+            });
+            *inv = Arc::new(next);
+        });
+    }
+
+    async fn open(service: &PluginService) -> ListStream {
+        let response = service.list_and_watch(Request::new(Empty {})).await;
+        match response {
+            Ok(r) => r.into_inner(),
+            Err(status) => panic!("ListAndWatch refused: {status}"),
+        }
+    }
+
+    async fn next(stream: &mut ListStream) -> Option<ListAndWatchResponse> {
+        tokio::time::timeout(WAIT, stream.next())
+            .await
+            .ok()
+            .flatten()
+            .and_then(Result::ok)
+    }
+
+    fn unhealthy(list: &ListAndWatchResponse) -> Vec<&str> {
+        list.devices
+            .iter()
+            .filter(|d| d.health == "Unhealthy")
+            .map(|d| d.id.as_str())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_slow_watcher_gets_the_latest_list_not_a_backlog() {
+        let (tx, rx) = watch::channel(Arc::new(inventory(4)));
+        let service = PluginService::new(rx, AllocateOptions::default(), CancellationToken::new());
+        let mut stream = open(&service).await;
+        assert!(
+            next(&mut stream)
+                .await
+                .is_some_and(|l| unhealthy(&l).is_empty())
+        );
+        for round in 0..=100 {
+            let health = if round % 2 == 0 {
+                Health::Unhealthy
+            } else {
+                Health::Healthy
+            };
+            set(&tx, "g1", health, "flapping");
+        }
+        set(&tx, "g2", Health::Unhealthy, "XID 79");
+        let list = next(&mut stream).await;
+        assert_eq!(list.as_ref().map(unhealthy), Some(vec!["g1", "g2"]));
+    }
+
+    #[tokio::test]
+    async fn a_change_the_kubelet_cannot_see_is_not_resent() {
+        let (tx, rx) = watch::channel(Arc::new(inventory(2)));
+        let service = PluginService::new(rx, AllocateOptions::default(), CancellationToken::new());
+        let mut stream = open(&service).await;
+        next(&mut stream).await;
+        set(&tx, "g0", Health::Unhealthy, "XID 79");
+        assert!(next(&mut stream).await.is_some());
+        // Same health, new reason: Allocate's message changes, the list does not.
+        set(&tx, "g0", Health::Unhealthy, "XID 79, seen twice");
+        set(&tx, "g1", Health::Unhealthy, "XID 48");
+        let list = next(&mut stream).await;
+        assert_eq!(list.as_ref().map(unhealthy), Some(vec!["g0", "g1"]));
+    }
+
+    // Paused clock: the quiet period below passes instantly and cannot flake on a slow machine.
+    #[tokio::test(start_paused = true)]
+    async fn the_stream_stays_open_if_the_inventory_goes_away_and_ends_cleanly_at_shutdown() {
+        let (tx, rx) = watch::channel(Arc::new(inventory(1)));
+        let shutdown = CancellationToken::new();
+        let service = PluginService::new(rx, AllocateOptions::default(), shutdown.clone());
+        let mut stream = open(&service).await;
+        next(&mut stream).await;
+        drop(tx);
+        let still_open = tokio::time::timeout(Duration::from_millis(50), stream.next()).await;
+        assert!(
+            still_open.is_err(),
+            "the stream ended or sent something after the inventory went away"
+        );
+        shutdown.cancel();
+        let end = tokio::time::timeout(WAIT, stream.next()).await;
+        assert!(
+            matches!(end, Ok(None)),
+            "expected a clean end of stream, got {end:?}"
+        );
+    }
+
+    #[test]
+    fn allocation_errors_map_to_the_grpc_codes_the_kubelet_expects() {
+        let unhealthy = Status::from(AllocationError::UnhealthyDevice {
+            id: "g0".into(),
+            reason: "XID 79".into(),
+        });
+        assert_eq!(unhealthy.code(), tonic::Code::FailedPrecondition);
+        assert!(unhealthy.message().contains("g0") && unhealthy.message().contains("XID 79"));
+        let unknown = Status::from(AllocationError::UnknownDevice("x".into()));
+        assert_eq!(unknown.code(), tonic::Code::InvalidArgument);
     }
 }

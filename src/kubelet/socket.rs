@@ -26,7 +26,10 @@ pub const SOCKET_PREFIX: &str = "gpu-device-plugin-";
 pub fn unique_socket_name() -> Result<String, KubeletError> {
     let mut bytes = [0u8; 8];
     getrandom::fill(&mut bytes).map_err(|e| KubeletError::Random(e.to_string()))?;
-    Ok(format!("{SOCKET_PREFIX}{:016x}.sock", u64::from_be_bytes(bytes)))
+    Ok(format!(
+        "{SOCKET_PREFIX}{:016x}.sock",
+        u64::from_be_bytes(bytes)
+    ))
 }
 
 /// Checks that `dir/name` fits in a Unix socket address.
@@ -170,7 +173,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn bound_socket_is_private_and_removed_only_while_ours() -> Result<(), Box<dyn std::error::Error>> {
+    async fn bound_socket_is_private_and_removed_only_while_ours()
+    -> Result<(), Box<dyn std::error::Error>> {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("gpu-device-plugin-test.sock");
         let (tx, _rx) = mpsc::channel(1);
@@ -182,12 +186,16 @@ mod tests {
         assert!(!socket.is_in_place());
         std::fs::write(&path, b"someone else's")?;
         socket.remove();
-        assert!(path.exists(), "a file that is not our socket must not be removed");
+        assert!(
+            path.exists(),
+            "a file that is not our socket must not be removed"
+        );
         Ok(())
     }
 
     #[tokio::test]
-    async fn stale_sockets_are_removed_and_live_ones_kept() -> Result<(), Box<dyn std::error::Error>> {
+    async fn stale_sockets_are_removed_and_live_ones_kept() -> Result<(), Box<dyn std::error::Error>>
+    {
         let dir = tempfile::tempdir()?;
         let stale = dir.path().join(format!("{SOCKET_PREFIX}dead.sock"));
         drop(std::os::unix::net::UnixListener::bind(&stale)?);

@@ -64,11 +64,15 @@ impl DirWatch {
 fn is_restart_sign(event: &Event, ours: &OsString) -> bool {
     let appeared = matches!(
         event.kind,
-        EventKind::Create(_) | EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both | RenameMode::Any))
+        EventKind::Create(_)
+            | EventKind::Modify(ModifyKind::Name(
+                RenameMode::To | RenameMode::Both | RenameMode::Any
+            ))
     );
     let vanished = matches!(
         event.kind,
-        EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(RenameMode::From | RenameMode::Any))
+        EventKind::Remove(_)
+            | EventKind::Modify(ModifyKind::Name(RenameMode::From | RenameMode::Any))
     );
     if event.need_rescan() {
         return true;
@@ -93,18 +97,36 @@ mod tests {
     #[test]
     fn kubelet_socket_created_and_our_socket_removed_are_restart_signs() {
         let ours = OsString::from("gpu-device-plugin-1.sock");
-        assert!(is_restart_sign(&event(EventKind::Create(CreateKind::File), "kubelet.sock"), &ours));
-        assert!(is_restart_sign(&event(EventKind::Remove(RemoveKind::File), "gpu-device-plugin-1.sock"), &ours));
+        assert!(is_restart_sign(
+            &event(EventKind::Create(CreateKind::File), "kubelet.sock"),
+            &ours
+        ));
+        assert!(is_restart_sign(
+            &event(
+                EventKind::Remove(RemoveKind::File),
+                "gpu-device-plugin-1.sock"
+            ),
+            &ours
+        ));
     }
 
     #[test]
     fn unrelated_events_are_not_restart_signs() {
         let ours = OsString::from("gpu-device-plugin-1.sock");
         // The kubelet going away, another plugin's socket, and our own re-bind are not reasons to act.
-        assert!(!is_restart_sign(&event(EventKind::Remove(RemoveKind::File), "kubelet.sock"), &ours));
-        assert!(!is_restart_sign(&event(EventKind::Remove(RemoveKind::File), "other.sock"), &ours));
         assert!(!is_restart_sign(
-            &event(EventKind::Modify(ModifyKind::Name(RenameMode::To)), "gpu-device-plugin-1.sock"),
+            &event(EventKind::Remove(RemoveKind::File), "kubelet.sock"),
+            &ours
+        ));
+        assert!(!is_restart_sign(
+            &event(EventKind::Remove(RemoveKind::File), "other.sock"),
+            &ours
+        ));
+        assert!(!is_restart_sign(
+            &event(
+                EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+                "gpu-device-plugin-1.sock"
+            ),
             &ours
         ));
     }

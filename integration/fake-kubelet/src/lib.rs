@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 use gpu_device_plugin::api::device_plugin_client::DevicePluginClient;
 use gpu_device_plugin::api::registration_server::{Registration, RegistrationServer};
 use gpu_device_plugin::api::{
-    AllocateRequest, AllocateResponse, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Device,
-    DevicePluginOptions, Empty, PreferredAllocationRequest, PreferredAllocationResponse, RegisterRequest,
-    KUBELET_SOCKET, VERSION,
+    AllocateRequest, AllocateResponse, ContainerAllocateRequest,
+    ContainerPreferredAllocationRequest, Device, DevicePluginOptions, Empty, KUBELET_SOCKET,
+    PreferredAllocationRequest, PreferredAllocationResponse, RegisterRequest, VERSION,
 };
 use gpu_device_plugin::config::check_extended_resource_name;
 use gpu_device_plugin::kubelet::uds;
@@ -78,12 +78,18 @@ pub struct ListState {
 impl ListState {
     /// Health of device `id` in the latest list.
     pub fn health(&self, id: &str) -> Option<&str> {
-        self.devices.iter().find(|d| d.id == id).map(|d| d.health.as_str())
+        self.devices
+            .iter()
+            .find(|d| d.id == id)
+            .map(|d| d.health.as_str())
     }
 
     /// Number of devices the kubelet would count allocatable (health exactly `Healthy`).
     pub fn allocatable(&self) -> usize {
-        self.devices.iter().filter(|d| d.health == "Healthy").count()
+        self.devices
+            .iter()
+            .filter(|d| d.health == "Healthy")
+            .count()
     }
 }
 
@@ -141,7 +147,10 @@ impl FakeKubelet {
             lists: watch::Sender::new(ListState::default()),
             plugin: Mutex::new(None),
         });
-        let mut kubelet = FakeKubelet { shared, server: None };
+        let mut kubelet = FakeKubelet {
+            shared,
+            server: None,
+        };
         kubelet.serve()?;
         Ok(kubelet)
     }
@@ -203,7 +212,10 @@ impl FakeKubelet {
         let waited = tokio::time::timeout(timeout, rx.wait_for(|r| r.len() >= count)).await;
         match waited {
             Ok(Ok(regs)) => Ok(regs.clone()),
-            _ => Err(FakeKubeletError::Timeout(timeout, format!("registration #{count}"))),
+            _ => Err(FakeKubeletError::Timeout(
+                timeout,
+                format!("registration #{count}"),
+            )),
         }
     }
 
@@ -228,7 +240,11 @@ impl FakeKubelet {
     }
 
     fn client(&self) -> Result<DevicePluginClient<Channel>, FakeKubeletError> {
-        let plugin = self.shared.plugin.lock().map_err(|_| FakeKubeletError::NotRegistered)?;
+        let plugin = self
+            .shared
+            .plugin
+            .lock()
+            .map_err(|_| FakeKubeletError::NotRegistered)?;
         plugin
             .as_ref()
             .map(|p| p.client.clone())
@@ -238,7 +254,9 @@ impl FakeKubelet {
     /// Calls Allocate on the registered plugin, one container per entry of `containers`. A reply without one
     /// response per container is turned into an `INTERNAL` error, as the kubelet rejects it.
     pub async fn allocate(&self, containers: &[&[&str]]) -> Result<AllocateResponse, Status> {
-        let mut client = self.client().map_err(|e| Status::unavailable(e.to_string()))?;
+        let mut client = self
+            .client()
+            .map_err(|e| Status::unavailable(e.to_string()))?;
         let request = AllocateRequest {
             container_requests: containers
                 .iter()
@@ -265,7 +283,9 @@ impl FakeKubelet {
         must_include: &[&str],
         size: i32,
     ) -> Result<Vec<String>, Status> {
-        let mut client = self.client().map_err(|e| Status::unavailable(e.to_string()))?;
+        let mut client = self
+            .client()
+            .map_err(|e| Status::unavailable(e.to_string()))?;
         let strings = |ids: &[&str]| ids.iter().map(|s| s.to_string()).collect();
         let request = PreferredAllocationRequest {
             container_requests: vec![ContainerPreferredAllocationRequest {
@@ -274,15 +294,19 @@ impl FakeKubelet {
                 allocation_size: size,
             }],
         };
-        let PreferredAllocationResponse { container_responses } =
-            client.get_preferred_allocation(request).await?.into_inner();
+        let PreferredAllocationResponse {
+            container_responses,
+        } = client.get_preferred_allocation(request).await?.into_inner();
         if container_responses.len() != 1 {
             return Err(Status::internal(format!(
                 "plugin returned {} preferred allocations for 1 container",
                 container_responses.len()
             )));
         }
-        Ok(container_responses.into_iter().flat_map(|c| c.device_i_ds).collect())
+        Ok(container_responses
+            .into_iter()
+            .flat_map(|c| c.device_i_ds)
+            .collect())
     }
 }
 
@@ -327,9 +351,9 @@ impl Registration for RegistrationService {
         }
         let socket = self.shared.dir.join(&request.endpoint);
         let dial = async {
-            let channel = uds::connect(&socket)
-                .await
-                .map_err(|e| Status::unavailable(format!("cannot dial {}: {e:?}", socket.display())))?;
+            let channel = uds::connect(&socket).await.map_err(|e| {
+                Status::unavailable(format!("cannot dial {}: {e:?}", socket.display()))
+            })?;
             let mut client = DevicePluginClient::new(channel);
             let options = client
                 .get_device_plugin_options(Empty {})
@@ -339,7 +363,9 @@ impl Registration for RegistrationService {
         };
         let (client, dialed_options) = tokio::time::timeout(DIAL_BACK_TIMEOUT, dial)
             .await
-            .map_err(|_| Status::deadline_exceeded("plugin did not answer GetDevicePluginOptions"))??;
+            .map_err(|_| {
+                Status::deadline_exceeded("plugin did not answer GetDevicePluginOptions")
+            })??;
 
         let mut registration = 0;
         self.shared.registrations.send_modify(|regs| {
@@ -369,7 +395,11 @@ impl Registration for RegistrationService {
     }
 }
 
-async fn read_list_and_watch(mut client: DevicePluginClient<Channel>, shared: Arc<Shared>, registration: usize) {
+async fn read_list_and_watch(
+    mut client: DevicePluginClient<Channel>,
+    shared: Arc<Shared>,
+    registration: usize,
+) {
     shared.lists.send_modify(|s| {
         s.registration = registration;
         s.messages = 0;
@@ -378,7 +408,11 @@ async fn read_list_and_watch(mut client: DevicePluginClient<Channel>, shared: Ar
     let mut stream = match client.list_and_watch(Empty {}).await {
         Ok(response) => response.into_inner(),
         Err(status) => {
-            return ended(&shared, registration, Err(format!("ListAndWatch failed to open: {status}")));
+            return ended(
+                &shared,
+                registration,
+                Err(format!("ListAndWatch failed to open: {status}")),
+            );
         }
     };
     loop {
@@ -393,7 +427,11 @@ async fn read_list_and_watch(mut client: DevicePluginClient<Channel>, shared: Ar
             }),
             Ok(None) => return ended(&shared, registration, Ok(())),
             Err(status) => {
-                return ended(&shared, registration, Err(format!("ListAndWatch ended with an error: {status}")));
+                return ended(
+                    &shared,
+                    registration,
+                    Err(format!("ListAndWatch ended with an error: {status}")),
+                );
             }
         }
     }

@@ -1,6 +1,12 @@
 //! Helpers shared by the black-box tests: the real binary as a child process, and the library plugin on a
 //! real socket when a test needs to inject faults.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    missing_docs
+)]
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -57,12 +63,16 @@ impl PluginProcess {
 
     pub fn signal(&self, signal: nix::sys::signal::Signal) {
         let pid = self.child.id().expect("plugin is running");
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).expect("send signal");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)
+            .expect("send signal");
     }
 
     /// Waits for the process to exit within `timeout`.
     pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        tokio::time::timeout(timeout, self.child.wait()).await.ok()?.ok()
+        tokio::time::timeout(timeout, self.child.wait())
+            .await
+            .ok()?
+            .ok()
     }
 }
 
@@ -112,14 +122,20 @@ pub fn summary(mut samples: Vec<Duration>) -> String {
 
 /// Waits until a file whose name satisfies `pred` exists in `dir`; returns its name. Watches with inotify
 /// rather than polling, and looks once after the watch is set up so nothing created before is missed.
-pub async fn wait_for_file(dir: &Path, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
+pub async fn wait_for_file(
+    dir: &Path,
+    timeout: Duration,
+    pred: impl Fn(&str) -> bool,
+) -> Option<String> {
     use notify::Watcher;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let mut watcher = notify::recommended_watcher(move |_event| {
         let _ = tx.send(());
     })
     .ok()?;
-    watcher.watch(dir, notify::RecursiveMode::NonRecursive).ok()?;
+    watcher
+        .watch(dir, notify::RecursiveMode::NonRecursive)
+        .ok()?;
     let find = || {
         std::fs::read_dir(dir)
             .ok()?
