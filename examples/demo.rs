@@ -1,0 +1,147 @@
+//! The plugin doing its job on simulated GPUs, against a fake kubelet, with no GPU and no node:
+//! registration, the device list, Allocate, a GPU fault reaching the kubelet, a kubelet restart that keeps
+//! the fault, and recovery.
+//!
+//! Run with `cargo run --example demo`.
+
+use std::error::Error;
+use std::time::{Duration, Instant};
+
+use fake_kubelet::{FakeKubelet, ListState};
+use gpu_device_plugin::devices::simulated::{SimulatedGpus, simulated_uuid};
+use gpu_device_plugin::devices::spawn_inventory;
+use gpu_device_plugin::kubelet::{self, PluginConfig};
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn show(list: &ListState) {
+    for d in &list.devices {
+        let numa = d
+            .topology
+            .as_ref()
+            .and_then(|t| t.nodes.first())
+            .map_or("-".to_string(), |n| n.id.to_string());
+        println!("    {}  NUMA {numa}  {}", d.id, d.health);
+    }
+    println!(
+        "    allocatable: {} of {}",
+        list.allocatable(),
+        list.devices.len()
+    );
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_target(false)
+        .init();
+
+    let dir = tempfile::tempdir()?;
+    println!("\n== fake kubelet serving {}", dir.path().display());
+    let mut kubelet = FakeKubelet::start(dir.path()).await?;
+
+    println!("\n== plugin starting with 8 simulated GPUs");
+    let (gpus, faults) = SimulatedGpus::new(8);
+    let inventory = spawn_inventory(Box::new(gpus))?;
+    let shutdown = CancellationToken::new();
+    let config = PluginConfig::new(dir.path(), "nvidia.com/gpu");
+    let plugin = tokio::spawn(kubelet::run(config, inventory, shutdown.clone()));
+
+    let regs = kubelet.wait_registrations(1, WAIT).await?;
+    println!(
+        "\n== kubelet: {} registered at {}",
+        regs[0].resource_name, regs[0].endpoint
+    );
+    let list = kubelet
+        .wait_list("first list", WAIT, |l| !l.devices.is_empty())
+        .await?;
+    println!("== kubelet: ListAndWatch");
+    show(&list);
+
+    let gpu = simulated_uuid;
+    let (g0, g1, g3) = (gpu(0), gpu(1), gpu(3));
+    let chosen = kubelet
+        .preferred_allocation(
+            &list
+                .devices
+                .iter()
+                .map(|d| d.id.as_str())
+                .collect::<Vec<_>>(),
+            &[],
+            4,
+        )
+        .await?;
+    println!(
+        "\n== kubelet: GetPreferredAllocation for 4 GPUs -> one NUMA node:\n    {}",
+        chosen.join("\n    ")
+    );
+    let response = kubelet.allocate(&[&[&g0, &g1]]).await?;
+    let env = &response.container_responses[0].envs;
+    println!(
+        "\n== kubelet: Allocate [{g0}, {g1}]\n    NVIDIA_VISIBLE_DEVICES={}",
+        env.get("NVIDIA_VISIBLE_DEVICES").map_or("", String::as_str)
+    );
+
+    println!("\n== GPU {g3} reports a fault");
+    let faulted = Instant::now();
+    faults
+        .fail(
+            &g3,
+            "XID 79: GPU has fallen off the bus; reset the GPU or reboot the node",
+        )
+        .await;
+    let list = kubelet
+        .wait_list("fault seen", WAIT, |l| l.health(&g3) == Some("Unhealthy"))
+        .await?;
+    println!(
+        "== kubelet: ListAndWatch ({:?} after the fault)",
+        faulted.elapsed()
+    );
+    show(&list);
+    match kubelet.allocate(&[&[&g3]]).await {
+        Ok(_) => println!("    Allocate of the faulty GPU succeeded (unexpected)"),
+        Err(status) => println!(
+            "\n== kubelet: Allocate [{g3}] -> {:?}: {}",
+            status.code(),
+            status.message()
+        ),
+    }
+
+    println!("\n== kubelet restarts (deletes every socket, re-creates kubelet.sock)");
+    let restarted = Instant::now();
+    kubelet.restart()?;
+    let regs = kubelet.wait_registrations(2, WAIT).await?;
+    println!(
+        "== kubelet: registered again after {:?}",
+        regs[1].received_at - restarted
+    );
+    let list = kubelet
+        .wait_list("list after restart", WAIT, |l| {
+            l.registration == 2 && l.messages > 0
+        })
+        .await?;
+    println!("== kubelet: ListAndWatch on the new stream (the fault is remembered)");
+    show(&list);
+
+    println!("\n== GPU {g3} recovers");
+    faults.recover(&g3).await;
+    let list = kubelet
+        .wait_list("recovery", WAIT, |l| l.allocatable() == 8)
+        .await?;
+    show(&list);
+
+    println!("\n== plugin shutting down");
+    shutdown.cancel();
+    plugin.await??;
+    let left: Vec<_> = std::fs::read_dir(dir.path())?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    println!("== left in the directory: {left:?}\n");
+    Ok(())
+}
