@@ -13,7 +13,7 @@ use gpu_device_plugin::api::device_plugin_client::DevicePluginClient;
 use gpu_device_plugin::devices::simulated::simulated_uuid;
 use gpu_device_plugin::kubelet::uds;
 use nix::sys::signal::Signal;
-use support::{InProcessPlugin, PluginProcess, TestResult, WAIT, summary};
+use support::{Node, PluginProcess, TestResult, WAIT, summary};
 use tonic::Code;
 
 fn gpu(i: usize) -> String {
@@ -63,12 +63,8 @@ async fn plugin_registers_and_lists_every_simulated_gpu_healthy() -> TestResult 
 
 #[tokio::test]
 async fn health_change_reaches_the_kubelet_and_recovery_too() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let kubelet = FakeKubelet::start(dir.path()).await?;
-    let plugin = InProcessPlugin::start(dir.path(), 4);
-    kubelet
-        .wait_list("4 healthy", WAIT, |l| l.allocatable() == 4)
-        .await?;
+    let node = Node::start(4).await?;
+    let (kubelet, plugin) = (&node.kubelet, &node.plugin);
 
     plugin
         .control
@@ -151,10 +147,8 @@ async fn allocate_gives_each_container_its_gpus_with_cdi_and_device_nodes() -> T
 
 #[tokio::test]
 async fn allocate_rejects_bad_requests_with_codes_that_name_the_device() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let kubelet = FakeKubelet::start(dir.path()).await?;
-    let plugin = InProcessPlugin::start(dir.path(), 4);
-    kubelet.wait_registrations(1, WAIT).await?;
+    let node = Node::start(4).await?;
+    let kubelet = &node.kubelet;
     let (g0, g1) = (gpu(0), gpu(1));
 
     let err = kubelet
@@ -177,15 +171,7 @@ async fn allocate_rejects_bad_requests_with_codes_that_name_the_device() -> Test
         .expect_err("empty request refused");
     assert_eq!(err.code(), Code::InvalidArgument);
 
-    plugin
-        .control
-        .fail(&g1, "XID 48: double-bit ECC error")
-        .await;
-    kubelet
-        .wait_list("gpu 1 unhealthy", WAIT, |l| {
-            l.health(&g1) == Some("Unhealthy")
-        })
-        .await?;
+    node.fail(&g1, "XID 48: double-bit ECC error").await?;
     let err = kubelet
         .allocate(&[&[&g0, &g1]])
         .await
@@ -204,16 +190,9 @@ async fn allocate_rejects_bad_requests_with_codes_that_name_the_device() -> Test
 
 #[tokio::test]
 async fn preferred_allocation_avoids_unhealthy_gpus_and_stays_on_one_numa_node() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let kubelet = FakeKubelet::start(dir.path()).await?;
-    let plugin = InProcessPlugin::start(dir.path(), 8);
-    kubelet.wait_registrations(1, WAIT).await?;
-    plugin.control.fail(&gpu(1), "XID 79").await;
-    kubelet
-        .wait_list("gpu 1 unhealthy", WAIT, |l| {
-            l.health(&gpu(1)) == Some("Unhealthy")
-        })
-        .await?;
+    let node = Node::start(8).await?;
+    let kubelet = &node.kubelet;
+    node.fail(&gpu(1), "XID 79").await?;
 
     let all: Vec<String> = (0..8).map(gpu).collect();
     let available: Vec<&str> = all.iter().map(String::as_str).collect();
@@ -237,29 +216,18 @@ async fn preferred_allocation_avoids_unhealthy_gpus_and_stays_on_one_numa_node()
 #[tokio::test]
 async fn kubelet_restart_rebinds_socket_and_registers_again_100_times_keeping_health() -> TestResult
 {
-    let dir = tempfile::tempdir()?;
-    let mut kubelet = FakeKubelet::start(dir.path()).await?;
-    let plugin = InProcessPlugin::start(dir.path(), 4);
-    kubelet.wait_registrations(1, WAIT).await?;
-    plugin
-        .control
-        .fail(&gpu(3), "XID 79: GPU has fallen off the bus")
-        .await;
-    kubelet
-        .wait_list("gpu 3 unhealthy", WAIT, |l| {
-            l.health(&gpu(3)) == Some("Unhealthy")
-        })
+    let mut node = Node::start(4).await?;
+    node.fail(&gpu(3), "XID 79: GPU has fallen off the bus")
         .await?;
+    let (kubelet, dir) = (&mut node.kubelet, node.dir.path());
 
     let mut latencies = Vec::new();
     for round in 2..=101 {
-        let restarted = Instant::now();
-        kubelet.restart()?;
-        let regs = kubelet
-            .wait_registrations(round, WAIT)
+        let (registered, took) = kubelet
+            .restart_and_wait(WAIT)
             .await
             .map_err(|e| format!("restart {}: {e}", round - 1))?;
-        latencies.push(regs[round - 1].received_at - restarted);
+        latencies.push(took);
         let list = kubelet
             .wait_list("list on the new stream", WAIT, |l| {
                 l.registration == round && l.messages >= 1
@@ -273,7 +241,7 @@ async fn kubelet_restart_rebinds_socket_and_registers_again_100_times_keeping_he
             round - 1
         );
         assert_eq!(list.allocatable(), 3);
-        assert!(dir.path().join(&regs[round - 1].endpoint).exists());
+        assert!(dir.join(&registered.endpoint).exists());
     }
     assert_eq!(
         kubelet.registrations().len(),
@@ -303,13 +271,11 @@ async fn binary_survives_100_kubelet_restarts_in_a_row() -> TestResult {
         .map_err(|e| format!("{e}\n{}", plugin.log()))?;
     let mut latencies = Vec::new();
     for round in 2..=101 {
-        let restarted = Instant::now();
-        kubelet.restart()?;
-        let regs = kubelet
-            .wait_registrations(round, WAIT)
+        let (_, took) = kubelet
+            .restart_and_wait(WAIT)
             .await
             .map_err(|e| format!("restart {}: {e}\n{}", round - 1, plugin.log()))?;
-        latencies.push(regs[round - 1].received_at - restarted);
+        latencies.push(took);
         kubelet
             .wait_list("8 devices on the new stream", WAIT, |l| {
                 l.registration == round && l.allocatable() == 8
@@ -404,11 +370,8 @@ async fn sigint_also_shuts_down_cleanly() -> TestResult {
 
 #[tokio::test]
 async fn concurrent_watchers_each_get_every_change() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let kubelet = FakeKubelet::start(dir.path()).await?;
-    let plugin = InProcessPlugin::start(dir.path(), 4);
-    let regs = kubelet.wait_registrations(1, WAIT).await?;
-    let socket = dir.path().join(&regs[0].endpoint);
+    let node = Node::start(4).await?;
+    let socket = node.dir.path().join(&node.registration.endpoint);
 
     let mut streams = Vec::new();
     for _ in 0..3 {
@@ -421,7 +384,7 @@ async fn concurrent_watchers_each_get_every_change() -> TestResult {
         streams.push(stream);
     }
     for (i, reason) in [(0, "XID 79"), (1, "XID 48")] {
-        plugin.control.fail(&gpu(i), reason).await;
+        node.plugin.control.fail(&gpu(i), reason).await;
         for stream in &mut streams {
             let list = tokio::time::timeout(WAIT, stream.message())
                 .await??

@@ -197,6 +197,21 @@ impl FakeKubelet {
         self.serve()
     }
 
+    /// Restarts (see [`FakeKubelet::restart`]) and waits for the plugin to register again; returns the new
+    /// registration and the time from the start of the restart to the `Register` call arriving.
+    pub async fn restart_and_wait(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<(Registered, Duration), FakeKubeletError> {
+        let next = self.registrations().len() + 1;
+        let restarted = Instant::now();
+        self.restart()?;
+        let mut regs = self.wait_registrations(next, timeout).await?;
+        let registered = regs.swap_remove(next - 1);
+        let took = registered.received_at.saturating_duration_since(restarted);
+        Ok((registered, took))
+    }
+
     /// Registrations so far, oldest first.
     pub fn registrations(&self) -> Vec<Registered> {
         self.shared.registrations.borrow().clone()

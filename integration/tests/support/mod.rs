@@ -151,3 +151,43 @@ pub async fn wait_for_file(
         tokio::time::timeout_at(deadline, rx.recv()).await.ok()??;
     }
 }
+
+/// A fake kubelet and the in-process plugin on one temporary directory, registered and listing.
+pub struct Node {
+    pub kubelet: fake_kubelet::FakeKubelet,
+    pub plugin: InProcessPlugin,
+    pub registration: fake_kubelet::Registered,
+    pub dir: tempfile::TempDir,
+}
+
+impl Node {
+    pub async fn start(gpus: usize) -> Result<Node, Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let kubelet = fake_kubelet::FakeKubelet::start(dir.path()).await?;
+        let plugin = InProcessPlugin::start(dir.path(), gpus);
+        let registration = kubelet.wait_registrations(1, WAIT).await?.remove(0);
+        kubelet
+            .wait_list("first list", WAIT, |l| l.devices.len() == gpus)
+            .await?;
+        Ok(Node {
+            kubelet,
+            plugin,
+            registration,
+            dir,
+        })
+    }
+
+    /// Injects a fault on `id` and waits until the kubelet's list shows it Unhealthy.
+    pub async fn fail(
+        &self,
+        id: &str,
+        reason: &str,
+    ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
+        self.plugin.control.fail(id, reason).await;
+        let what = format!("{id} unhealthy");
+        Ok(self
+            .kubelet
+            .wait_list(&what, WAIT, |l| l.health(id) == Some("Unhealthy"))
+            .await?)
+    }
+}
