@@ -1,6 +1,6 @@
 //! The plugin doing its job on simulated GPUs, against a fake kubelet, with no GPU and no node:
-//! registration, the device list, Allocate, a GPU fault reaching the kubelet, a kubelet restart that keeps
-//! the fault, and recovery.
+//! registration, the device list, Allocate, GPU faults injected through a fault script reaching the kubelet,
+//! a kubelet restart that keeps the fault.
 //!
 //! Run with `cargo run --example demo`.
 
@@ -31,6 +31,14 @@ fn show(list: &ListState) {
     );
 }
 
+/// Appends one fault command to the script, as `echo ... >> faults` would.
+fn append(script: &std::path::Path, line: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    println!("   $ echo '{line}' >> {}", script.display());
+    let mut file = std::fs::OpenOptions::new().append(true).open(script)?;
+    writeln!(file, "{line}")
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
     tracing_subscriber::fmt()
@@ -46,7 +54,13 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let mut kubelet = FakeKubelet::start(dir.path()).await?;
 
     println!("\n== plugin starting with 8 simulated GPUs");
-    let (gpus, faults) = SimulatedGpus::new(8);
+    let script = dir.path().join("faults");
+    println!(
+        "   faults are injected by appending to {}",
+        script.display()
+    );
+    let (gpus, _control) = SimulatedGpus::new(8);
+    let gpus = gpus.with_fault_script(&script);
     let inventory = spawn_inventory(Box::new(gpus))?;
     let shutdown = CancellationToken::new();
     let config = PluginConfig::new(dir.path(), "nvidia.com/gpu");
@@ -87,14 +101,11 @@ async fn main() -> Result<(), Box<dyn Error>> {
         env.get("NVIDIA_VISIBLE_DEVICES").map_or("", String::as_str)
     );
 
-    println!("\n== GPU {g3} reports a fault");
+    println!("\n== GPU {g1} reports XID 13 (an application fault: the GPU stays Healthy)");
+    append(&script, &format!("xid {g1} 13"))?;
+    println!("\n== GPU {g3} reports XID 79 (fallen off the bus)");
     let faulted = Instant::now();
-    faults
-        .fail(
-            &g3,
-            "XID 79: GPU has fallen off the bus; reset the GPU or reboot the node",
-        )
-        .await;
+    append(&script, &format!("xid {g3} 79"))?;
     let list = kubelet
         .wait_list("fault seen", WAIT, |l| l.health(&g3) == Some("Unhealthy"))
         .await?;
@@ -126,13 +137,6 @@ async fn main() -> Result<(), Box<dyn Error>> {
         })
         .await?;
     println!("== kubelet: ListAndWatch on the new stream (the fault is remembered)");
-    show(&list);
-
-    println!("\n== GPU {g3} recovers");
-    faults.recover(&g3).await;
-    let list = kubelet
-        .wait_list("recovery", WAIT, |l| l.allocatable() == 8)
-        .await?;
     show(&list);
 
     println!("\n== plugin shutting down");

@@ -271,7 +271,7 @@ fn take_from(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::{DeviceEvent, DeviceInfo};
+    use crate::devices::DeviceInfo;
 
     /// Eight GPUs `g0`..`g7`, `g0`-`g3` on NUMA node 0 and `g4`-`g7` on node 1.
     fn node() -> Inventory {
@@ -283,11 +283,11 @@ mod tests {
     }
 
     fn fail(inv: &mut Inventory, id: &str) {
-        inv.apply(DeviceEvent::Health {
-            id: id.into(),
-            health: Health::Unhealthy,
-            reason: "XID 79: GPU has fallen off the bus".into(),
-        });
+        inv.set_health(
+            id,
+            Health::Unhealthy,
+            Some("XID 79: GPU has fallen off the bus".into()),
+        );
     }
 
     fn ids(names: &[&str]) -> Vec<String> {

@@ -60,6 +60,10 @@ pub struct Args {
     #[arg(long, env = "GPU_DEVICE_PLUGIN_SIMULATE", value_name = "N")]
     pub simulate: Option<usize>,
 
+    /// With --simulate: follow this fault script (created if missing); append `xid <uuid> 79` and the like
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_SIMULATE_EVENTS", value_name = "FILE")]
+    pub simulate_events: Option<PathBuf>,
+
     /// Socket file name in the kubelet directory [default: unique per process, gpu-device-plugin-<random>.sock]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_SOCKET_NAME", value_name = "NAME")]
     pub socket_name: Option<String>,
@@ -96,6 +100,8 @@ pub struct FileConfig {
     pub log_format: Option<LogFormat>,
     /// See `--simulate`.
     pub simulate: Option<usize>,
+    /// See `--simulate-events`.
+    pub simulate_events: Option<PathBuf>,
     /// See `--socket-name`.
     pub socket_name: Option<String>,
     /// See `--cdi`.
@@ -121,6 +127,8 @@ pub struct Settings {
     pub log_format: LogFormat,
     /// Number of simulated GPUs, if simulating.
     pub simulate: Option<usize>,
+    /// Fault script the simulated GPUs follow.
+    pub simulate_events: Option<PathBuf>,
     /// Fixed socket name, if any.
     pub socket_name: Option<String>,
     /// Allocate response options.
@@ -170,6 +178,15 @@ impl Settings {
             .or(file.resource_name)
             .unwrap_or_else(|| DEFAULT_RESOURCE_NAME.into());
         check_extended_resource_name(&resource_name)?;
+        let simulate = args.simulate.or(file.simulate);
+        let simulate_events = args.simulate_events.or(file.simulate_events);
+        if let (Some(path), None) = (&simulate_events, simulate) {
+            return Err(ConfigError::Invalid {
+                setting: "--simulate-events",
+                value: path.display().to_string(),
+                why: "only simulated GPUs follow a fault script; add --simulate N".into(),
+            });
+        }
         let socket_name = args.socket_name.or(file.socket_name);
         if let Some(name) = &socket_name {
             check_socket_name(name)?;
@@ -206,7 +223,8 @@ impl Settings {
                 .log_format
                 .or(file.log_format)
                 .unwrap_or(LogFormat::Text),
-            simulate: args.simulate.or(file.simulate),
+            simulate,
+            simulate_events,
             socket_name,
             allocate,
         })

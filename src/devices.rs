@@ -5,14 +5,18 @@
 //! State flows one way: source → `mpsc` of [`DeviceEvent`] → [`run_inventory`] → `watch` of [`Inventory`] →
 //! gRPC streams. A slow reader of the `watch` sees the latest inventory, never a backlog.
 
+pub mod script;
 pub mod simulated;
 
 use std::collections::HashMap;
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use tokio::sync::{mpsc, watch};
+
+use crate::health::{HealthEngine, Observation};
 
 /// What the plugin knows about one device apart from its health; fixed for as long as the device is present.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,29 +128,30 @@ impl Inventory {
         self.devices.is_empty()
     }
 
-    /// Applies one event; returns whether the inventory changed (health, reason or the set of devices).
+    /// Sets a device's health and reason (the reason is dropped while Healthy); returns whether anything
+    /// changed. A device that is not present is ignored.
+    pub fn set_health(&mut self, id: &str, health: Health, reason: Option<String>) -> bool {
+        let Some(&i) = self.index.get(id) else {
+            return false;
+        };
+        let device = &mut self.devices[i];
+        let reason = match health {
+            Health::Healthy => None,
+            Health::Unhealthy => reason,
+        };
+        if device.health == health && device.reason == reason {
+            return false;
+        }
+        device.health = health;
+        device.reason = reason;
+        true
+    }
+
+    /// Adds or removes a device; returns whether the set changed. Health events go through
+    /// [`Inventory::set_health`] after the health engine has judged them.
     pub fn apply(&mut self, event: DeviceEvent) -> bool {
         match event {
-            DeviceEvent::Health { id, health, reason } => {
-                let Some(&i) = self.index.get(&id) else {
-                    tracing::warn!(device = %id, "health event for a device that is not present; ignored");
-                    return false;
-                };
-                let device = &mut self.devices[i];
-                let reason = match health {
-                    Health::Healthy => None,
-                    Health::Unhealthy => Some(reason),
-                };
-                if device.health == health && device.reason == reason {
-                    return false;
-                }
-                let old = device.health;
-                device.health = health;
-                device.reason = reason;
-                tracing::info!(device = %id, old = %old, new = %health,
-                    reason = device.reason.as_deref().unwrap_or(""), "device health changed");
-                true
-            }
+            DeviceEvent::Observed { .. } => false,
             DeviceEvent::Added(info) => {
                 let id = info.id.clone();
                 let added = self.insert(info);
@@ -175,14 +180,14 @@ impl Inventory {
 /// A change reported by a device source.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceEvent {
-    /// The device's health is now `health`; `reason` says why (ignored when Healthy).
-    Health {
+    /// The backend saw something on a device; the health engine decides what it means.
+    Observed {
         /// Device ID.
         id: String,
-        /// New health.
-        health: Health,
-        /// Why, for operators; quoted by Allocate when it refuses the device.
-        reason: String,
+        /// What was seen.
+        observation: Observation,
+        /// When it was seen.
+        at: SystemTime,
     },
     /// A device appeared.
     Added(DeviceInfo),
@@ -224,23 +229,59 @@ pub fn spawn_inventory(mut source: Box<dyn DeviceSource>) -> Result<InventoryWat
     Ok(rx)
 }
 
-/// Folds `events` into the inventory published on `tx` until the event channel closes. A burst of events
-/// publishes once per event that changed something; readers of the watch coalesce to the latest.
+/// Folds `events` into the inventory published on `tx` until the event channel closes, judging observations
+/// with the health engine. Every health transition is one structured log event. A burst of events publishes
+/// once per event that changed something; readers of the watch coalesce to the latest.
 pub async fn run_inventory(
     mut events: mpsc::Receiver<DeviceEvent>,
     tx: watch::Sender<Arc<Inventory>>,
 ) {
+    let mut engine = HealthEngine::new();
     while let Some(event) = events.recv().await {
         tx.send_if_modified(|current| {
             // Clone-on-write: readers hold the old Arc until they look again.
             let mut next = Inventory::clone(current);
-            if next.apply(event) {
+            if apply_event(&mut engine, &mut next, event) {
                 *current = Arc::new(next);
                 true
             } else {
                 false
             }
         });
+    }
+}
+
+fn apply_event(engine: &mut HealthEngine, inventory: &mut Inventory, event: DeviceEvent) -> bool {
+    match event {
+        DeviceEvent::Observed {
+            id,
+            observation,
+            at,
+        } => {
+            if inventory.get(&id).is_none() {
+                tracing::warn!(device = %id, ?observation, "event for a device that is not present; ignored");
+                return false;
+            }
+            let outcome = engine.observe(&id, &observation, at);
+            if outcome.is_transition() {
+                tracing::info!(
+                    device = %id,
+                    old = %outcome.old,
+                    new = %outcome.new,
+                    condition = %outcome.condition,
+                    reason = outcome.reason.as_deref().unwrap_or(""),
+                    "device health changed"
+                );
+            } else {
+                tracing::debug!(device = %id, health = %outcome.new, condition = %outcome.condition, "condition recorded");
+            }
+            inventory.set_health(&id, outcome.new, outcome.reason)
+        }
+        DeviceEvent::Removed(id) => {
+            engine.remove(&id);
+            inventory.apply(DeviceEvent::Removed(id))
+        }
+        added => inventory.apply(added),
     }
 }
 
@@ -256,37 +297,39 @@ mod tests {
         }
     }
 
-    fn unhealthy(id: &str, reason: &str) -> DeviceEvent {
-        DeviceEvent::Health {
+    fn observed(id: &str, observation: Observation) -> DeviceEvent {
+        DeviceEvent::Observed {
             id: id.into(),
-            health: Health::Unhealthy,
-            reason: reason.into(),
+            observation,
+            at: SystemTime::UNIX_EPOCH,
         }
     }
 
     #[test]
-    fn unhealthy_event_marks_the_device_and_keeps_the_reason() {
+    fn set_health_marks_the_device_and_keeps_the_reason() {
         let mut inv = Inventory::new([gpu("a"), gpu("b")]);
-        assert!(inv.apply(unhealthy("b", "XID 79: fell off the bus")));
+        assert!(inv.set_health("b", Health::Unhealthy, Some("XID 79".into())));
         let b = inv.get("b").map(|d| (d.health, d.reason.clone()));
-        assert_eq!(
-            b,
-            Some((Health::Unhealthy, Some("XID 79: fell off the bus".into())))
-        );
+        assert_eq!(b, Some((Health::Unhealthy, Some("XID 79".into()))));
         assert_eq!(inv.get("a").map(|d| d.health), Some(Health::Healthy));
+        assert!(
+            !inv.set_health("b", Health::Unhealthy, Some("XID 79".into())),
+            "same state is no change"
+        );
+        assert!(inv.set_health("b", Health::Healthy, Some("ignored".into())));
+        assert_eq!(inv.get("b").and_then(|d| d.reason.clone()), None);
     }
 
     #[test]
-    fn repeating_the_same_health_is_not_a_change() {
+    fn health_for_an_unknown_device_changes_nothing() {
         let mut inv = Inventory::new([gpu("a")]);
-        assert!(inv.apply(unhealthy("a", "x")));
-        assert!(!inv.apply(unhealthy("a", "x")));
-    }
-
-    #[test]
-    fn event_for_unknown_device_changes_nothing() {
-        let mut inv = Inventory::new([gpu("a")]);
-        assert!(!inv.apply(unhealthy("zzz", "x")));
+        assert!(!inv.set_health("zzz", Health::Unhealthy, None));
+        let mut engine = HealthEngine::new();
+        assert!(!apply_event(
+            &mut engine,
+            &mut inv,
+            observed("zzz", Observation::Xid(79))
+        ));
         assert_eq!(inv.devices()[0].health, Health::Healthy);
     }
 
@@ -313,8 +356,12 @@ mod tests {
         let (etx, erx) = mpsc::channel(8);
         let (wtx, mut wrx) = watch::channel(Arc::new(Inventory::new([gpu("a")])));
         tokio::spawn(run_inventory(erx, wtx));
-        etx.send(unhealthy("a", "broken")).await.ok();
+        // A harmless XID is recorded without a new list; a fatal one publishes Unhealthy with the reason.
+        etx.send(observed("a", Observation::Xid(13))).await.ok();
+        etx.send(observed("a", Observation::Xid(79))).await.ok();
         wrx.changed().await.ok();
-        assert_eq!(wrx.borrow().devices()[0].health, Health::Unhealthy);
+        let device = wrx.borrow().devices()[0].clone();
+        assert_eq!(device.health, Health::Unhealthy);
+        assert!(device.reason.is_some_and(|r| r.starts_with("XID 79")));
     }
 }

@@ -2,6 +2,7 @@
 //!
 //! - [`kubelet`]: the kubelet protocol: gRPC server, registration, the socket-directory watch.
 //! - [`devices`]: the device model, the [`devices::DeviceSource`] trait and simulated GPUs.
+//! - [`health`]: the pure health engine: observations in, conditions and health out.
 //! - [`allocation`]: pure Allocate / GetPreferredAllocation decisions.
 //! - [`config`]: command line, environment and config file.
 
@@ -9,4 +10,5 @@ pub mod allocation;
 pub mod api;
 pub mod config;
 pub mod devices;
+pub mod health;
 pub mod kubelet;

@@ -73,10 +73,12 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
 
     let source: Box<dyn DeviceSource> = match settings.simulate {
         Some(count) => {
-            // The control handle is for tests that inject faults; from the command line the simulated GPUs
-            // stay healthy.
+            // The control handle is for tests; from the command line faults come from the fault script.
             let (gpus, _control) = SimulatedGpus::new(count);
-            Box::new(gpus)
+            match &settings.simulate_events {
+                Some(script) => Box::new(gpus.with_fault_script(script)),
+                None => Box::new(gpus),
+            }
         }
         None => bail!(
             "no GPU backend in this build yet: real GPUs need the NVML backend; use --simulate N to serve \

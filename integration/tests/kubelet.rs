@@ -11,6 +11,7 @@ use fake_kubelet::FakeKubelet;
 use gpu_device_plugin::api::Empty;
 use gpu_device_plugin::api::device_plugin_client::DevicePluginClient;
 use gpu_device_plugin::devices::simulated::simulated_uuid;
+use gpu_device_plugin::health::Observation;
 use gpu_device_plugin::kubelet::uds;
 use nix::sys::signal::Signal;
 use support::{Node, PluginProcess, TestResult, WAIT, summary};
@@ -62,25 +63,23 @@ async fn plugin_registers_and_lists_every_simulated_gpu_healthy() -> TestResult 
 }
 
 #[tokio::test]
-async fn health_change_reaches_the_kubelet_and_recovery_too() -> TestResult {
+async fn a_fatal_xid_reaches_the_kubelet_and_a_harmless_one_changes_nothing() -> TestResult {
     let node = Node::start(4).await?;
     let (kubelet, plugin) = (&node.kubelet, &node.plugin);
 
-    plugin
-        .control
-        .fail(&gpu(2), "XID 79: GPU has fallen off the bus")
-        .await;
+    // XID 13 is an application fault: recorded, the GPU stays allocatable, no new list.
+    plugin.control.observe(&gpu(2), Observation::Xid(13)).await;
+    plugin.control.observe(&gpu(2), Observation::Xid(79)).await;
     let list = kubelet
         .wait_list("gpu 2 unhealthy", WAIT, |l| {
             l.health(&gpu(2)) == Some("Unhealthy")
         })
         .await?;
     assert_eq!(list.allocatable(), 3);
-
-    plugin.control.recover(&gpu(2)).await;
-    kubelet
-        .wait_list("gpu 2 healthy again", WAIT, |l| l.allocatable() == 4)
-        .await?;
+    assert_eq!(
+        list.messages, 2,
+        "the first list and one for XID 79, none for XID 13"
+    );
     assert!(kubelet.list().errors.is_empty());
     Ok(())
 }
@@ -171,7 +170,7 @@ async fn allocate_rejects_bad_requests_with_codes_that_name_the_device() -> Test
         .expect_err("empty request refused");
     assert_eq!(err.code(), Code::InvalidArgument);
 
-    node.fail(&g1, "XID 48: double-bit ECC error").await?;
+    node.fail(&g1, 48).await?;
     let err = kubelet
         .allocate(&[&[&g0, &g1]])
         .await
@@ -192,7 +191,7 @@ async fn allocate_rejects_bad_requests_with_codes_that_name_the_device() -> Test
 async fn preferred_allocation_avoids_unhealthy_gpus_and_stays_on_one_numa_node() -> TestResult {
     let node = Node::start(8).await?;
     let kubelet = &node.kubelet;
-    node.fail(&gpu(1), "XID 79").await?;
+    node.fail(&gpu(1), 79).await?;
 
     let all: Vec<String> = (0..8).map(gpu).collect();
     let available: Vec<&str> = all.iter().map(String::as_str).collect();
@@ -217,8 +216,7 @@ async fn preferred_allocation_avoids_unhealthy_gpus_and_stays_on_one_numa_node()
 async fn kubelet_restart_rebinds_socket_and_registers_again_100_times_keeping_health() -> TestResult
 {
     let mut node = Node::start(4).await?;
-    node.fail(&gpu(3), "XID 79: GPU has fallen off the bus")
-        .await?;
+    node.fail(&gpu(3), 79).await?;
     let (kubelet, dir) = (&mut node.kubelet, node.dir.path());
 
     let mut latencies = Vec::new();
@@ -383,8 +381,11 @@ async fn concurrent_watchers_each_get_every_change() -> TestResult {
         assert_eq!(first.devices.len(), 4);
         streams.push(stream);
     }
-    for (i, reason) in [(0, "XID 79"), (1, "XID 48")] {
-        node.plugin.control.fail(&gpu(i), reason).await;
+    for (i, xid) in [(0, 79), (1, 48)] {
+        node.plugin
+            .control
+            .observe(&gpu(i), Observation::Xid(xid))
+            .await;
         for stream in &mut streams {
             let list = tokio::time::timeout(WAIT, stream.message())
                 .await??

@@ -1,11 +1,15 @@
 //! Simulated GPUs: a device source that needs no hardware, so the plugin can be tried and tested anywhere.
-//! A [`SimulatedControl`] changes health or the device set from outside, as a GPU fault would.
+//! Faults reach the same health engine as NVML events do, from a fault script file (see [`super::script`])
+//! or, in tests, from a [`SimulatedControl`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use tokio::sync::mpsc;
 
-use super::{DeviceEvent, DeviceInfo, DeviceSource, Health, SourceError};
+use super::script::{self, Command, Line};
+use super::{DeviceEvent, DeviceInfo, DeviceSource, SourceError};
+use crate::health::Observation;
 
 /// Devices per simulated NUMA node, so that simulated nodes exercise NUMA-aware preferred allocation the way a
 /// dual-socket GPU server does (four GPUs on each socket).
@@ -15,9 +19,10 @@ const GPUS_PER_NUMA_NODE: usize = 4;
 pub struct SimulatedGpus {
     devices: Vec<DeviceInfo>,
     control: mpsc::Receiver<DeviceEvent>,
+    script: Option<PathBuf>,
 }
 
-/// Injects faults and recoveries into a running [`SimulatedGpus`] source.
+/// Injects observations into a running [`SimulatedGpus`] source, as the GPU would.
 #[derive(Clone)]
 pub struct SimulatedControl {
     tx: mpsc::Sender<DeviceEvent>,
@@ -34,7 +39,19 @@ impl SimulatedGpus {
             })
             .collect();
         let (tx, control) = mpsc::channel(64);
-        (SimulatedGpus { devices, control }, SimulatedControl { tx })
+        let gpus = SimulatedGpus {
+            devices,
+            control,
+            script: None,
+        };
+        (gpus, SimulatedControl { tx })
+    }
+
+    /// Also follows the fault script at `path` (created if missing): each command appended to it becomes an
+    /// observation on the named GPU.
+    pub fn with_fault_script(mut self, path: &Path) -> Self {
+        self.script = Some(path.to_owned());
+        self
     }
 }
 
@@ -43,12 +60,59 @@ pub fn simulated_uuid(index: usize) -> String {
     format!("GPU-5133a6b0-51e0-4c1d-9a7e-{index:012x}")
 }
 
+/// What a simulated GPU reports for a fault command. `restore` has no event of its own: a GPU that answers
+/// again is noticed by probing, not by an event.
+pub fn observation_for(command: &Command) -> Option<Observation> {
+    match command {
+        Command::Xid { xid, .. } => Some(Observation::Xid(*xid)),
+        Command::Dbe { .. } => Some(Observation::DoubleBitEcc),
+        Command::Sbe { .. } => Some(Observation::SingleBitEcc),
+        Command::Lost { .. } => Some(Observation::GpuLost),
+        // The driver announces a new recovery action with XID 154.
+        Command::Action { .. } => Some(Observation::Xid(154)),
+        Command::Restore { .. } => None,
+    }
+}
+
 impl DeviceSource for SimulatedGpus {
     fn discover(&mut self) -> Result<Vec<DeviceInfo>, SourceError> {
         Ok(self.devices.clone())
     }
 
     fn start(self: Box<Self>, events: mpsc::Sender<DeviceEvent>) -> Result<(), SourceError> {
+        if let Some(path) = &self.script {
+            let tx = events.clone();
+            let follower = script::follow(path, move |line| {
+                // History describes the past; only appended commands are new faults.
+                let Line::Appended(text) = line else { return };
+                match script::parse_line(text) {
+                    Ok(Some(command)) => {
+                        if let Some(observation) = observation_for(&command) {
+                            let _stopped = tx.blocking_send(DeviceEvent::Observed {
+                                id: command.uuid().to_string(),
+                                observation,
+                                at: SystemTime::now(),
+                            });
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(error = %e, "skipped a fault script line"),
+                }
+            })
+            .map_err(|e| {
+                SourceError::Discovery(format!(
+                    "cannot follow fault script {}: {e}",
+                    path.display()
+                ))
+            })?;
+            tracing::info!(script = %follower.path().display(), "simulated GPUs follow this fault script");
+            // The follower lives as long as the event channel: it stops when the plugin does.
+            let events_closed = events.clone();
+            tokio::spawn(async move {
+                events_closed.closed().await;
+                drop(follower);
+            });
+        }
         let mut control = self.control;
         tokio::spawn(async move {
             while let Some(event) = control.recv().await {
@@ -62,22 +126,12 @@ impl DeviceSource for SimulatedGpus {
 }
 
 impl SimulatedControl {
-    /// Marks a device Unhealthy with `reason`, as a fault would.
-    pub async fn fail(&self, id: &str, reason: &str) {
-        self.send(DeviceEvent::Health {
+    /// Reports `observation` on device `id` now.
+    pub async fn observe(&self, id: &str, observation: Observation) {
+        self.send(DeviceEvent::Observed {
             id: id.into(),
-            health: Health::Unhealthy,
-            reason: reason.into(),
-        })
-        .await;
-    }
-
-    /// Marks a device Healthy again.
-    pub async fn recover(&self, id: &str) {
-        self.send(DeviceEvent::Health {
-            id: id.into(),
-            health: Health::Healthy,
-            reason: String::new(),
+            observation,
+            at: SystemTime::now(),
         })
         .await;
     }
@@ -101,5 +155,37 @@ mod tests {
         assert_eq!(devices[3].numa_node, Some(0));
         assert_eq!(devices[4].numa_node, Some(1));
         assert_eq!(devices[5].device_nodes, vec![PathBuf::from("/dev/nvidia5")]);
+    }
+
+    #[tokio::test]
+    async fn appended_fault_commands_become_observations() -> Result<(), Box<dyn std::error::Error>>
+    {
+        let dir = tempfile::tempdir()?;
+        let script = dir.path().join("faults");
+        std::fs::write(&script, format!("xid {} 79\n", simulated_uuid(0)))?;
+        let (gpus, _control) = SimulatedGpus::new(2);
+        let (tx, mut rx) = mpsc::channel(8);
+        Box::new(gpus.with_fault_script(&script)).start(tx)?;
+        let line = format!("bogus line\ndbe {}\n", simulated_uuid(1));
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&script)
+            .and_then(|mut f| {
+                use std::io::Write;
+                f.write_all(line.as_bytes())
+            })?;
+        let event = tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv()).await?;
+        // The line that was there before start is history, the bogus line is skipped, the DBE arrives.
+        let Some(DeviceEvent::Observed {
+            id, observation, ..
+        }) = event
+        else {
+            panic!("expected an observation, got {event:?}");
+        };
+        assert_eq!(
+            (id, observation),
+            (simulated_uuid(1), Observation::DoubleBitEcc)
+        );
+        Ok(())
     }
 }

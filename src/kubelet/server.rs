@@ -178,7 +178,7 @@ impl DevicePlugin for PluginService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::{DeviceEvent, DeviceInfo, Health};
+    use crate::devices::{DeviceInfo, Health};
     use std::time::Duration;
     use tokio::sync::watch;
 
@@ -195,11 +195,7 @@ mod tests {
     fn set(tx: &watch::Sender<Arc<Inventory>>, id: &str, health: Health, reason: &str) {
         tx.send_modify(|inv| {
             let mut next = Inventory::clone(inv);
-            next.apply(DeviceEvent::Health {
-                id: id.into(),
-                health,
-                reason: reason.into(),
-            });
+            next.set_health(id, health, Some(reason.into()));
             *inv = Arc::new(next);
         });
     }

@@ -177,13 +177,16 @@ impl Node {
         })
     }
 
-    /// Injects a fault on `id` and waits until the kubelet's list shows it Unhealthy.
+    /// Reports XID `xid` on `id` and waits until the kubelet's list shows the device Unhealthy.
     pub async fn fail(
         &self,
         id: &str,
-        reason: &str,
+        xid: u64,
     ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
-        self.plugin.control.fail(id, reason).await;
+        self.plugin
+            .control
+            .observe(id, gpu_device_plugin::health::Observation::Xid(xid))
+            .await;
         let what = format!("{id} unhealthy");
         Ok(self
             .kubelet
