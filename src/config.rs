@@ -10,6 +10,7 @@ use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 
 use crate::allocation::AllocateOptions;
+use crate::nvml::NvmlOptions;
 
 /// Default kubelet device plugin directory.
 pub const DEFAULT_KUBELET_DIR: &str = "/var/lib/kubelet/device-plugins";
@@ -64,6 +65,22 @@ pub struct Args {
     #[arg(long, env = "GPU_DEVICE_PLUGIN_SIMULATE_EVENTS", value_name = "FILE")]
     pub simulate_events: Option<PathBuf>,
 
+    /// NVML library to load [default: libnvidia-ml.so.1, found the way the dynamic loader finds it]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_NVML_LIB", value_name = "PATH")]
+    pub nvml_lib: Option<PathBuf>,
+
+    /// Exit when NVML cannot be loaded; false serves the driver's GPUs as unmonitored [default: true]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_FAIL_ON_INIT_ERROR", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    pub fail_on_init_error: Option<bool>,
+
+    /// Root of sysfs, where GPU NUMA nodes are read [default: /sys]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_SYSFS_ROOT", value_name = "DIR")]
+    pub sysfs_root: Option<PathBuf>,
+
+    /// Root of procfs, where the driver lists GPUs when NVML is unavailable [default: /proc]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_PROC_ROOT", value_name = "DIR")]
+    pub proc_root: Option<PathBuf>,
+
     /// Socket file name in the kubelet directory [default: unique per process, gpu-device-plugin-<random>.sock]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_SOCKET_NAME", value_name = "NAME")]
     pub socket_name: Option<String>,
@@ -102,6 +119,14 @@ pub struct FileConfig {
     pub simulate: Option<usize>,
     /// See `--simulate-events`.
     pub simulate_events: Option<PathBuf>,
+    /// See `--nvml-lib`.
+    pub nvml_lib: Option<PathBuf>,
+    /// See `--fail-on-init-error`.
+    pub fail_on_init_error: Option<bool>,
+    /// See `--sysfs-root`.
+    pub sysfs_root: Option<PathBuf>,
+    /// See `--proc-root`.
+    pub proc_root: Option<PathBuf>,
     /// See `--socket-name`.
     pub socket_name: Option<String>,
     /// See `--cdi`.
@@ -131,6 +156,10 @@ pub struct Settings {
     pub simulate_events: Option<PathBuf>,
     /// Fixed socket name, if any.
     pub socket_name: Option<String>,
+    /// Where NVML and the kernel's GPU views are.
+    pub nvml: NvmlOptions,
+    /// Whether an NVML that cannot be loaded stops the plugin.
+    pub fail_on_init_error: bool,
     /// Allocate response options.
     pub allocate: AllocateOptions,
 }
@@ -196,6 +225,7 @@ impl Settings {
             .or(file.state_dir)
             .unwrap_or_else(|| DEFAULT_STATE_DIR.into());
         let defaults = AllocateOptions::default();
+        let nvml_defaults = NvmlOptions::default();
         let allocate = AllocateOptions {
             cdi: args.cdi.or(file.cdi).unwrap_or(defaults.cdi),
             cdi_kind: args.cdi_kind.or(file.cdi_kind).unwrap_or(defaults.cdi_kind),
@@ -226,6 +256,24 @@ impl Settings {
             simulate,
             simulate_events,
             socket_name,
+            nvml: NvmlOptions {
+                library: args
+                    .nvml_lib
+                    .or(file.nvml_lib)
+                    .unwrap_or(nvml_defaults.library),
+                sysfs_root: args
+                    .sysfs_root
+                    .or(file.sysfs_root)
+                    .unwrap_or(nvml_defaults.sysfs_root),
+                proc_root: args
+                    .proc_root
+                    .or(file.proc_root)
+                    .unwrap_or(nvml_defaults.proc_root),
+            },
+            fail_on_init_error: args
+                .fail_on_init_error
+                .or(file.fail_on_init_error)
+                .unwrap_or(true),
             allocate,
         })
     }

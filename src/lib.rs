@@ -2,6 +2,7 @@
 //!
 //! - [`kubelet`]: the kubelet protocol: gRPC server, registration, the socket-directory watch.
 //! - [`devices`]: the device model, the [`devices::DeviceSource`] trait and simulated GPUs.
+//! - [`nvml`]: the NVML GPU backend: discovery and the health event thread.
 //! - [`health`]: the pure health engine: observations in, conditions and health out.
 //! - [`allocation`]: pure Allocate / GetPreferredAllocation decisions.
 //! - [`config`]: command line, environment and config file.
@@ -12,3 +13,4 @@ pub mod config;
 pub mod devices;
 pub mod health;
 pub mod kubelet;
+pub mod nvml;

@@ -10,6 +10,7 @@ use gpu_device_plugin::config::{self, LogFormat, Settings};
 use gpu_device_plugin::devices::simulated::SimulatedGpus;
 use gpu_device_plugin::devices::{self, DeviceSource};
 use gpu_device_plugin::kubelet::{self, PluginConfig};
+use gpu_device_plugin::nvml::{NvmlGpus, UnmonitoredGpus};
 
 fn main() -> ExitCode {
     let settings = match Settings::from_args(std::env::args_os()) {
@@ -80,10 +81,16 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
                 None => Box::new(gpus),
             }
         }
-        None => bail!(
-            "no GPU backend in this build yet: real GPUs need the NVML backend; use --simulate N to serve \
-             simulated GPUs"
-        ),
+        None => match NvmlGpus::open(settings.nvml.clone()) {
+            Ok(gpus) => Box::new(gpus),
+            Err(e) if settings.fail_on_init_error => {
+                bail!("{e}; set --fail-on-init-error=false to serve the driver's GPUs unmonitored")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "NVML unavailable; serving the driver's GPUs unmonitored");
+                Box::new(UnmonitoredGpus::from_procfs(&settings.nvml, e.to_string()))
+            }
+        },
     };
     let inventory = devices::spawn_inventory(source).context("cannot start the device source")?;
 

@@ -157,11 +157,7 @@ fn unknown_config_key_is_refused_naming_the_key() {
 }
 
 #[test]
-fn no_gpu_backend_without_simulate_says_what_to_do() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = run(
-        &["--state-dir", &state_arg(&dir), "--kubelet-dir", "/"],
-        &[],
-    );
-    assert_one_line_error(&out, &["--simulate"]);
+fn a_fault_script_without_simulated_gpus_is_refused() {
+    let out = run(&["--simulate-events", "/tmp/faults"], &[]);
+    assert_one_line_error(&out, &["--simulate-events", "--simulate N"]);
 }

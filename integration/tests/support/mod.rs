@@ -35,6 +35,11 @@ impl PluginProcess {
     /// Spawns the binary on `kubelet_dir` with `args` added (typically `--simulate N`). Its log goes to a file
     /// that [`PluginProcess::log`] reads, for assertion messages.
     pub fn spawn(kubelet_dir: &Path, args: &[&str]) -> Self {
+        Self::spawn_with_env(kubelet_dir, args, &[])
+    }
+
+    /// As [`PluginProcess::spawn`], with environment variables added.
+    pub fn spawn_with_env(kubelet_dir: &Path, args: &[&str], envs: &[(&str, &Path)]) -> Self {
         let state = tempfile::tempdir().expect("temp dir");
         let log = state.path().join("plugin.log");
         let log_file = std::fs::File::create(&log).expect("log file");
@@ -45,6 +50,7 @@ impl PluginProcess {
             .arg(state.path().join("state"))
             .args(args)
             .env("RUST_LOG", "debug")
+            .envs(envs.iter().map(|(k, v)| (*k, v.as_os_str())))
             .stdout(Stdio::null())
             .stderr(Stdio::from(log_file))
             .kill_on_drop(true)
@@ -193,4 +199,54 @@ impl Node {
             .wait_list(&what, WAIT, |l| l.health(id) == Some("Unhealthy"))
             .await?)
     }
+}
+
+/// The fake `libnvidia-ml` for this build profile, built on first use (`cargo test` builds test targets,
+/// not the workspace's cdylibs).
+pub fn fake_nvml_lib() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            // target/<profile>/deps/<test binary> -> target/<profile>
+            let exe = std::env::current_exe().expect("test binary path");
+            let profile_dir = exe
+                .parent()
+                .and_then(Path::parent)
+                .expect("target/<profile>")
+                .to_path_buf();
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let mut build = std::process::Command::new(cargo);
+            build.args(["build", "--quiet", "-p", "fake-nvml"]);
+            if profile_dir.ends_with("release") {
+                build.arg("--release");
+            }
+            let status = build.status().expect("run cargo build -p fake-nvml");
+            assert!(status.success(), "cargo build -p fake-nvml failed");
+            let lib = profile_dir.join("libfake_nvml.so");
+            assert!(lib.exists(), "{} missing after build", lib.display());
+            lib
+        })
+        .clone()
+}
+
+/// Appends lines to a fault script, as `echo ... >> file` does.
+pub fn append(path: &Path, lines: &[String]) {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .expect("open fault script");
+    for line in lines {
+        writeln!(file, "{line}").expect("append to fault script");
+    }
+}
+
+/// Peak resident set size of a process in KiB (VmHWM), from procfs.
+pub fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }

@@ -1,0 +1,313 @@
+//! The real binary on the real NVML code path (nvml-wrapper loading the fake libnvidia-ml), against the fake
+//! kubelet: faults appended to the fake's event file reach the kubelet as the health policy says.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+mod support;
+
+use std::path::PathBuf;
+
+use fake_kubelet::{FakeKubelet, ListState};
+use support::{PluginProcess, TestResult, WAIT, append, fake_nvml_lib, peak_rss_kib};
+use tonic::Code;
+
+/// UUID of the fake library's default GPU `index` (four when no config is given).
+fn gpu(index: usize) -> String {
+    format!("GPU-fa4e0000-0000-4000-8000-{index:012x}")
+}
+
+/// A fake kubelet and the plugin binary on the fake NVML library, registered and listing.
+struct NvmlNode {
+    kubelet: FakeKubelet,
+    plugin: PluginProcess,
+    events: PathBuf,
+    /// Kept for its Drop: the directory lives as long as the node.
+    _dir: tempfile::TempDir,
+}
+
+impl NvmlNode {
+    async fn start(
+        config: Option<&str>,
+        extra: &[&str],
+    ) -> Result<Self, Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let kubelet_dir = dir.path().join("device-plugins");
+        std::fs::create_dir(&kubelet_dir)?;
+        let events = dir.path().join("events");
+        std::fs::write(&events, "")?;
+        let mut envs = vec![("FAKE_NVML_EVENTS", events.as_path())];
+        let config_path = dir.path().join("gpus.json");
+        if let Some(config) = config {
+            std::fs::write(&config_path, config)?;
+            envs.push(("FAKE_NVML_CONFIG", config_path.as_path()));
+        }
+        let lib = fake_nvml_lib();
+        let mut args = vec!["--nvml-lib", lib.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let kubelet = FakeKubelet::start(&kubelet_dir).await?;
+        let plugin = PluginProcess::spawn_with_env(&kubelet_dir, &args, &envs);
+        kubelet
+            .wait_list("first list", WAIT, |l| !l.devices.is_empty())
+            .await
+            .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+        Ok(NvmlNode {
+            kubelet,
+            plugin,
+            events,
+            _dir: dir,
+        })
+    }
+
+    fn inject(&self, lines: &[String]) {
+        append(&self.events, lines);
+    }
+
+    async fn wait_unhealthy(&self, id: &str) -> Result<ListState, Box<dyn std::error::Error>> {
+        let what = format!("{id} unhealthy");
+        Ok(self
+            .kubelet
+            .wait_list(&what, WAIT, |l| l.health(id) == Some("Unhealthy"))
+            .await
+            .map_err(|e| format!("{e}\n{}", self.plugin.log()))?)
+    }
+
+    /// Injects `lines` on GPU 0, then XID 79 on GPU 3 as a marker: events are handled in order, so once the
+    /// kubelet sees GPU 3 Unhealthy, every earlier line has had its effect. Returns GPU 0's health then.
+    async fn health_of_gpu0_after(
+        &self,
+        lines: &[String],
+    ) -> Result<String, Box<dyn std::error::Error>> {
+        let mut all = lines.to_vec();
+        all.push(format!("xid {} 79", gpu(3)));
+        self.inject(&all);
+        let list = self.wait_unhealthy(&gpu(3)).await?;
+        Ok(list.health(&gpu(0)).unwrap_or("missing").to_string())
+    }
+}
+
+#[tokio::test]
+async fn xid_79_reaches_the_kubelet_as_unhealthy_and_allocate_refuses_the_gpu() -> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    let first = node.kubelet.list();
+    assert_eq!(first.devices.len(), 4);
+    assert_eq!(first.allocatable(), 4);
+
+    node.inject(&[format!("xid {} 79", gpu(1))]);
+    let list = node.wait_unhealthy(&gpu(1)).await?;
+    assert_eq!(list.allocatable(), 3);
+
+    let err = node
+        .kubelet
+        .allocate(&[&[&gpu(1)]])
+        .await
+        .expect_err("unhealthy GPU refused");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains(&gpu(1)) && err.message().contains("XID 79"),
+        "{}",
+        err.message()
+    );
+    node.kubelet.allocate(&[&[&gpu(0)]]).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn application_xids_13_and_94_leave_the_gpu_healthy() -> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    let health = node
+        .health_of_gpu0_after(&[format!("xid {} 13", gpu(0)), format!("xid {} 94", gpu(0))])
+        .await?;
+    assert_eq!(health, "Healthy");
+    Ok(())
+}
+
+#[tokio::test]
+async fn xid_109_needs_a_reset_so_the_gpu_is_unhealthy() -> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    node.inject(&[format!("xid {} 109", gpu(2))]);
+    node.wait_unhealthy(&gpu(2)).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn double_bit_ecc_makes_the_gpu_unhealthy_and_single_bit_does_not() -> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    assert_eq!(
+        node.health_of_gpu0_after(&[format!("sbe {}", gpu(0))])
+            .await?,
+        "Healthy"
+    );
+    node.inject(&[format!("dbe {}", gpu(0))]);
+    node.wait_unhealthy(&gpu(0)).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_lost_gpu_is_unhealthy_as_gpu_lost() -> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    node.inject(&[format!("lost {}", gpu(2))]);
+    let list = node.wait_unhealthy(&gpu(2)).await?;
+    assert_eq!(list.allocatable(), 3);
+    let err = node
+        .kubelet
+        .allocate(&[&[&gpu(2)]])
+        .await
+        .expect_err("lost GPU refused");
+    assert!(
+        err.message().contains("stopped answering"),
+        "{}",
+        err.message()
+    );
+    assert!(
+        node.plugin.log().contains("gpu-lost"),
+        "{}",
+        node.plugin.log()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_gpu_registered_without_dbe_support_gets_no_dbe() -> TestResult {
+    let config = format!(
+        r#"{{"devices":[{{"uuid":"{}","supported_events":["xid","sbe"]}},{{"uuid":"{}"}},{{"uuid":"{}"}},{{"uuid":"{}"}}]}}"#,
+        gpu(0),
+        gpu(1),
+        gpu(2),
+        gpu(3)
+    );
+    let node = NvmlNode::start(Some(&config), &[]).await?;
+    assert_eq!(
+        node.health_of_gpu0_after(&[format!("dbe {}", gpu(0))])
+            .await?,
+        "Healthy"
+    );
+    // XIDs still arrive from the same GPU.
+    node.inject(&[format!("xid {} 79", gpu(0))]);
+    node.wait_unhealthy(&gpu(0)).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_malformed_event_line_is_skipped_and_the_plugin_keeps_going() -> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    node.inject(&[
+        "xid not-enough".to_string(),
+        "explode GPU-x".to_string(),
+        format!("xid {} 79", gpu(1)),
+    ]);
+    node.wait_unhealthy(&gpu(1)).await?;
+    assert_eq!(node.kubelet.list().allocatable(), 3);
+    Ok(())
+}
+
+#[tokio::test]
+async fn every_transition_is_one_structured_log_event() -> TestResult {
+    let node = NvmlNode::start(None, &["--log-format", "json"]).await?;
+    node.inject(&[
+        format!("xid {} 13", gpu(1)),
+        format!("xid {} 79", gpu(1)),
+        format!("xid {} 79", gpu(1)),
+    ]);
+    node.wait_unhealthy(&gpu(1)).await?;
+    // The kubelet's list and the log line come from the same step; look for the line it wrote.
+    let log = node.plugin.log();
+    let transitions: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["message"] == "device health changed")
+        .collect();
+    assert_eq!(transitions.len(), 1, "{log}");
+    let t = &transitions[0];
+    assert_eq!(
+        (t["device"].as_str(), t["old"].as_str(), t["new"].as_str()),
+        (Some(gpu(1).as_str()), Some("Healthy"), Some("Unhealthy"))
+    );
+    assert_eq!(t["condition"], "xid=79");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_storm_of_3000_harmless_xids_then_a_fatal_one_gets_the_fatal_one_through_and_stays_small()
+-> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    let mut lines: Vec<String> = (0..3000)
+        .map(|i| format!("xid {} {}", gpu(i % 3), [13, 31, 43][i % 3]))
+        .collect();
+    lines.push(format!("xid {} 79", gpu(3)));
+    node.inject(&lines);
+    let list = node.wait_unhealthy(&gpu(3)).await?;
+    assert_eq!(
+        list.allocatable(),
+        3,
+        "the harmless XIDs must leave GPUs 0-2 healthy"
+    );
+    let pid = node.plugin.child.id().expect("plugin running");
+    let peak = peak_rss_kib(pid).expect("VmHWM");
+    eprintln!("peak RSS after the storm: {peak} KiB");
+    assert!(peak < 64 * 1024, "peak RSS {peak} KiB");
+    Ok(())
+}
+
+#[tokio::test]
+async fn without_an_nvml_library_the_plugin_exits_with_one_clear_line() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+        .args([
+            "--nvml-lib",
+            "/nonexistent/libnvidia-ml.so.1",
+            "--kubelet-dir",
+        ])
+        .arg(dir.path())
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .env_remove("RUST_LOG")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    let lines: Vec<_> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].contains("/nonexistent/libnvidia-ml.so.1")
+            && lines[0].contains("--fail-on-init-error"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn without_nvml_and_fail_on_init_error_false_the_drivers_gpus_are_served_unmonitored()
+-> TestResult {
+    let dir = tempfile::tempdir()?;
+    let kubelet_dir = dir.path().join("device-plugins");
+    std::fs::create_dir(&kubelet_dir)?;
+    let gpus = dir.path().join("proc/driver/nvidia/gpus/0000:17:00.0");
+    std::fs::create_dir_all(&gpus)?;
+    std::fs::write(
+        gpus.join("information"),
+        "Model: \t NVIDIA H100\nGPU UUID: \t GPU-from-procfs\nDevice Minor: \t 0\n",
+    )?;
+    let proc_root = dir.path().join("proc");
+    let kubelet = FakeKubelet::start(&kubelet_dir).await?;
+    let plugin = PluginProcess::spawn(
+        &kubelet_dir,
+        &[
+            "--nvml-lib",
+            "/nonexistent/libnvidia-ml.so.1",
+            "--fail-on-init-error=false",
+            "--proc-root",
+            proc_root.to_str().unwrap(),
+        ],
+    );
+    let list = kubelet
+        .wait_list("the driver's GPU", WAIT, |l| !l.devices.is_empty())
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    assert_eq!(list.health("GPU-from-procfs"), Some("Healthy"));
+    // Logged before the GPUs were listed, so it is in the log by now: health is not watched, and why.
+    let log = plugin.log();
+    assert!(
+        log.contains("unmonitored") && log.contains("/nonexistent/libnvidia-ml.so.1"),
+        "{log}"
+    );
+    drop(dir);
+    Ok(())
+}

@@ -1,0 +1,499 @@
+//! The NVML GPU backend: discovers GPUs and turns NVML health events into observations for the health engine.
+//!
+//! One dedicated OS thread owns the NVML event set and blocks in `nvmlEventSetWait`; a blocking call has no
+//! place on the async runtime. It registers each GPU for critical XID, double-bit and single-bit ECC events,
+//! masked by what the GPU supports (registering an unsupported type fails and frees the whole set). When
+//! NVML cannot be loaded at all, [`UnmonitoredGpus`] can serve the GPUs the driver lists in procfs, marked
+//! `unmonitored`, instead.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::{Device, EventSet, Nvml};
+use tokio::sync::mpsc;
+
+use crate::devices::{DeviceEvent, DeviceInfo, DeviceSource, SourceError};
+use crate::health::Observation;
+
+/// The library name NVIDIA's driver installs.
+pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
+
+/// How long one `nvmlEventSetWait` blocks. Events wake it at once; the timeout only bounds how long the
+/// thread takes to notice that the plugin is stopping, at the cost of one wake-up per period when idle.
+const WAIT_TIMEOUT_MS: u32 = 2000;
+
+/// The events the plugin watches.
+fn wanted_events() -> EventTypes {
+    EventTypes::CRITICAL_XID_ERROR
+        | EventTypes::DOUBLE_BIT_ECC_ERROR
+        | EventTypes::SINGLE_BIT_ECC_ERROR
+}
+
+/// Where NVML and the kernel's views of the GPUs are found.
+#[derive(Debug, Clone)]
+pub struct NvmlOptions {
+    /// Path or name of `libnvidia-ml.so.1`.
+    pub library: PathBuf,
+    /// Root of sysfs, for each GPU's NUMA node (`<root>/bus/pci/devices/<bus id>/numa_node`).
+    pub sysfs_root: PathBuf,
+    /// Root of procfs, for the driver's GPU list when NVML cannot be loaded.
+    pub proc_root: PathBuf,
+}
+
+impl Default for NvmlOptions {
+    fn default() -> Self {
+        NvmlOptions {
+            library: PathBuf::from(DEFAULT_LIBRARY),
+            sysfs_root: PathBuf::from("/sys"),
+            proc_root: PathBuf::from("/proc"),
+        }
+    }
+}
+
+/// NVML could not be used at all.
+#[derive(Debug, thiserror::Error)]
+pub enum NvmlInitError {
+    /// The library could not be loaded.
+    #[error(
+        "cannot load NVML library {library}: {cause} (is the NVIDIA driver installed and its library mounted into the pod?)"
+    )]
+    Load {
+        /// The library path or name.
+        library: String,
+        /// The loader's message.
+        cause: String,
+    },
+    /// The library loaded, but initialisation failed.
+    #[error("NVML initialisation failed ({library}): {cause}")]
+    Init {
+        /// The library path or name.
+        library: String,
+        /// NVML's error.
+        cause: String,
+    },
+}
+
+/// GPUs from NVML.
+pub struct NvmlGpus {
+    nvml: Nvml,
+    options: NvmlOptions,
+    /// NVML index and ID of each GPU, in discovery order.
+    gpus: Vec<(u32, String)>,
+    /// GPUs that could not be read at discovery (no UUID): reported lost as soon as the source starts.
+    lost_at_start: Vec<String>,
+}
+
+impl NvmlGpus {
+    /// Loads and initialises NVML.
+    pub fn open(options: NvmlOptions) -> Result<Self, NvmlInitError> {
+        let library = options.library.display().to_string();
+        let nvml = Nvml::builder()
+            .lib_path(OsStr::new(options.library.as_os_str()))
+            .init()
+            .map_err(|e| match e {
+                NvmlError::LibloadingError(cause) => NvmlInitError::Load {
+                    library: library.clone(),
+                    cause: cause.to_string(),
+                },
+                other => NvmlInitError::Init {
+                    library: library.clone(),
+                    cause: other.to_string(),
+                },
+            })?;
+        Ok(NvmlGpus {
+            nvml,
+            options,
+            gpus: Vec::new(),
+            lost_at_start: Vec::new(),
+        })
+    }
+}
+
+impl DeviceSource for NvmlGpus {
+    fn discover(&mut self) -> Result<Vec<DeviceInfo>, SourceError> {
+        let count = self
+            .nvml
+            .device_count()
+            .map_err(|e| SourceError::Discovery(format!("NVML cannot count GPUs: {e}")))?;
+        let mut found = Vec::new();
+        self.gpus.clear();
+        for index in 0..count {
+            let gpu = self
+                .nvml
+                .device_by_index(index)
+                .and_then(|d| Ok((d.uuid()?, d)));
+            let info = match gpu {
+                Ok((uuid, device)) => describe(&device, uuid, &self.options.sysfs_root),
+                Err(e) => {
+                    // The GPU is counted but does not answer: keep it visible, as lost, rather than shrink
+                    // capacity silently. Without its UUID it can only be named by index.
+                    let id = format!("GPU-unreadable-index-{index}");
+                    tracing::error!(index, error = %e, device = %id, "GPU does not answer NVML at discovery");
+                    self.lost_at_start.push(id.clone());
+                    DeviceInfo {
+                        id,
+                        numa_node: None,
+                        device_nodes: vec![],
+                    }
+                }
+            };
+            self.gpus.push((index, info.id.clone()));
+            found.push(info);
+        }
+        Ok(found)
+    }
+
+    fn start(self: Box<Self>, events: mpsc::Sender<DeviceEvent>) -> Result<(), SourceError> {
+        for id in &self.lost_at_start {
+            observe(&events, id, Observation::GpuLost);
+        }
+        let NvmlGpus { nvml, gpus, .. } = *self;
+        std::thread::Builder::new()
+            .name("nvml-events".into())
+            .spawn(move || watch_events(&nvml, &gpus, &events))
+            .map_err(|e| {
+                SourceError::Discovery(format!("cannot start the NVML event thread: {e}"))
+            })?;
+        Ok(())
+    }
+}
+
+fn describe(device: &Device<'_>, uuid: String, sysfs_root: &Path) -> DeviceInfo {
+    let minor = device.minor_number();
+    let numa_node = device
+        .pci_info()
+        .ok()
+        .and_then(|pci| numa_node(sysfs_root, &pci.bus_id));
+    let name = device.name().unwrap_or_default();
+    tracing::info!(device = %uuid, name = %name, minor = ?minor.as_ref().ok(), numa = ?numa_node, "found GPU");
+    DeviceInfo {
+        id: uuid,
+        numa_node,
+        device_nodes: minor
+            .map(|m| vec![PathBuf::from(format!("/dev/nvidia{m}"))])
+            .unwrap_or_default(),
+    }
+}
+
+/// The NUMA node of the PCI device `bus_id` (NVML's form, `00000000:17:00.0`), from sysfs; `None` where the
+/// kernel does not know (-1) or the file is missing.
+pub fn numa_node(sysfs_root: &Path, bus_id: &str) -> Option<i64> {
+    let path = sysfs_root
+        .join("bus/pci/devices")
+        .join(sysfs_bus_id(bus_id))
+        .join("numa_node");
+    let node: i64 = std::fs::read_to_string(path).ok()?.trim().parse().ok()?;
+    (node >= 0).then_some(node)
+}
+
+/// NVML writes an 8-digit PCI domain in upper case; sysfs names devices with a 4-digit one in lower case.
+fn sysfs_bus_id(bus_id: &str) -> String {
+    let lower = bus_id.trim().to_ascii_lowercase();
+    match lower.split_once(':') {
+        Some((domain, rest)) if domain.len() > 4 => {
+            format!("{}:{rest}", &domain[domain.len() - 4..])
+        }
+        _ => lower,
+    }
+}
+
+fn observe(events: &mpsc::Sender<DeviceEvent>, id: &str, observation: Observation) -> bool {
+    events
+        .blocking_send(DeviceEvent::Observed {
+            id: id.to_string(),
+            observation,
+            at: SystemTime::now(),
+        })
+        .is_ok()
+}
+
+/// Registers every GPU and forwards events until the plugin stops (the event channel closes).
+fn watch_events(nvml: &Nvml, gpus: &[(u32, String)], events: &mpsc::Sender<DeviceEvent>) {
+    let (set, watched) = match register_all(nvml, gpus, events) {
+        Ok(registered) => registered,
+        Err(e) => {
+            let why = format!("NVML cannot create an event set: {e}");
+            tracing::error!(error = %e, "health events cannot be watched on any GPU");
+            for (_, id) in gpus {
+                observe(events, id, Observation::Unmonitored(why.clone()));
+            }
+            return;
+        }
+    };
+    let Some(set) = set else {
+        tracing::warn!("no GPU can report health events; nothing to watch");
+        return;
+    };
+    let ids: HashMap<u32, &str> = gpus.iter().map(|(i, id)| (*i, id.as_str())).collect();
+    let mut lost: Vec<&str> = Vec::new();
+    let mut unexpected = 0u32;
+    tracing::info!(gpus = watched.len(), "watching NVML health events");
+    while !events.is_closed() {
+        match set.wait(WAIT_TIMEOUT_MS) {
+            Ok(data) => {
+                unexpected = 0;
+                let id = data.device.index().ok().and_then(|i| ids.get(&i).copied());
+                let Some(id) = id else {
+                    tracing::warn!("NVML event for a GPU that cannot be identified; ignored");
+                    continue;
+                };
+                for observation in observations(data.event_type, data.event_data) {
+                    if !observe(events, id, observation) {
+                        return;
+                    }
+                }
+            }
+            Err(NvmlError::Timeout) => unexpected = 0,
+            Err(NvmlError::GpuLost) => {
+                // The event does not say which GPU: ask each one.
+                for (index, id) in gpus {
+                    if lost.contains(&id.as_str()) {
+                        continue;
+                    }
+                    let answers = nvml.device_by_index(*index).and_then(|d| d.uuid());
+                    if let Err(NvmlError::GpuLost) = answers {
+                        lost.push(id);
+                        tracing::error!(device = %id, "GPU is lost");
+                        observe(events, id, Observation::GpuLost);
+                    }
+                }
+            }
+            Err(e) => {
+                unexpected += 1;
+                if unexpected == 1 {
+                    tracing::error!(error = %e, "NVML event wait failed");
+                }
+                // A wait that fails at once would spin; pace the retries.
+                std::thread::sleep(Duration::from_millis(100 * u64::from(unexpected.min(50))));
+            }
+        }
+    }
+    tracing::debug!("NVML event thread stopped");
+}
+
+/// Creates the event set and registers every GPU for the events it supports. A GPU whose registration fails
+/// is reported `unmonitored`; as a failed registration frees the whole set, the set is then created again
+/// and the GPUs registered so far registered again.
+fn register_all<'n>(
+    nvml: &'n Nvml,
+    gpus: &[(u32, String)],
+    events: &mpsc::Sender<DeviceEvent>,
+) -> Result<(Option<EventSet<'n>>, Vec<u32>), NvmlError> {
+    let mut set = nvml.create_event_set()?;
+    let mut registered: Vec<(u32, EventTypes)> = Vec::new();
+    for (index, id) in gpus {
+        let device = match nvml.device_by_index(*index) {
+            Ok(device) => device,
+            Err(e) => {
+                observe(
+                    events,
+                    id,
+                    Observation::Unmonitored(format!("NVML cannot open the GPU: {e}")),
+                );
+                continue;
+            }
+        };
+        let supported = match device.supported_event_types() {
+            Ok(supported) => supported,
+            Err(e) => {
+                observe(
+                    events,
+                    id,
+                    Observation::Unmonitored(format!("NVML cannot list its event types: {e}")),
+                );
+                continue;
+            }
+        };
+        let mask = supported & wanted_events();
+        if mask.is_empty() {
+            observe(
+                events,
+                id,
+                Observation::Unmonitored("it supports none of the XID and ECC events".into()),
+            );
+            continue;
+        }
+        if mask != wanted_events() {
+            tracing::info!(device = %id, watched = ?mask, "GPU supports only some health events");
+        }
+        match device.register_events(mask, set) {
+            Ok(kept) => {
+                set = kept;
+                registered.push((*index, mask));
+            }
+            Err(e) => {
+                observe(
+                    events,
+                    id,
+                    Observation::Unmonitored(format!(
+                        "NVML refused the event registration: {}",
+                        e.error
+                    )),
+                );
+                set = nvml.create_event_set()?;
+                for (index, mask) in &registered {
+                    set = nvml
+                        .device_by_index(*index)?
+                        .register_events(*mask, set)
+                        .map_err(|e| e.error)?;
+                }
+            }
+        }
+    }
+    let indices: Vec<u32> = registered.iter().map(|(i, _)| *i).collect();
+    Ok(((!indices.is_empty()).then_some(set), indices))
+}
+
+/// The observations one NVML event carries.
+fn observations(event_type: EventTypes, data: Option<XidError>) -> Vec<Observation> {
+    let mut found = Vec::new();
+    if event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
+        // NVML reports 999 when it could not tell the XID; an unknown XID counts as one needing a reset.
+        let xid = match data {
+            Some(XidError::Value(xid)) => xid,
+            Some(XidError::Unknown) | None => 999,
+        };
+        found.push(Observation::Xid(xid));
+    }
+    if event_type.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
+        found.push(Observation::DoubleBitEcc);
+    }
+    if event_type.contains(EventTypes::SINGLE_BIT_ECC_ERROR) {
+        found.push(Observation::SingleBitEcc);
+    }
+    found
+}
+
+/// GPUs the driver lists in `<proc>/driver/nvidia/gpus/*/information`, served `unmonitored` when NVML cannot
+/// be loaded and `--fail-on-init-error=false`: they stay allocatable, and the logs say their health is not
+/// watched.
+pub struct UnmonitoredGpus {
+    devices: Vec<DeviceInfo>,
+    why: String,
+}
+
+impl UnmonitoredGpus {
+    /// Reads the driver's GPU list; `why` says why NVML is not used.
+    pub fn from_procfs(options: &NvmlOptions, why: String) -> Self {
+        let dir = options.proc_root.join("driver/nvidia/gpus");
+        let mut devices = Vec::new();
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            let mut entries: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+            entries.sort();
+            for entry in entries {
+                let Ok(text) = std::fs::read_to_string(entry.join("information")) else {
+                    continue;
+                };
+                if let Some(mut info) = parse_information(&text) {
+                    let bus_id = entry
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default();
+                    info.numa_node = numa_node(&options.sysfs_root, &bus_id);
+                    devices.push(info);
+                }
+            }
+        }
+        UnmonitoredGpus { devices, why }
+    }
+}
+
+/// The UUID and minor number from a driver `information` file (`GPU UUID:`, `Device Minor:` lines).
+fn parse_information(text: &str) -> Option<DeviceInfo> {
+    let field = |name: &str| {
+        text.lines().find_map(|l| {
+            l.strip_prefix(name)
+                .map(|v| v.trim_start_matches(':').trim().to_string())
+        })
+    };
+    let uuid = field("GPU UUID")?;
+    let minor = field("Device Minor").and_then(|m| m.parse::<u32>().ok());
+    Some(DeviceInfo {
+        id: uuid,
+        numa_node: None,
+        device_nodes: minor
+            .map(|m| vec![PathBuf::from(format!("/dev/nvidia{m}"))])
+            .unwrap_or_default(),
+    })
+}
+
+impl DeviceSource for UnmonitoredGpus {
+    fn discover(&mut self) -> Result<Vec<DeviceInfo>, SourceError> {
+        if self.devices.is_empty() {
+            tracing::warn!("NVML is unavailable and the driver lists no GPUs; serving none");
+        }
+        Ok(self.devices.clone())
+    }
+
+    fn start(self: Box<Self>, events: mpsc::Sender<DeviceEvent>) -> Result<(), SourceError> {
+        for device in &self.devices {
+            let observation = Observation::Unmonitored(self.why.clone());
+            let event = DeviceEvent::Observed {
+                id: device.id.clone(),
+                observation,
+                at: SystemTime::now(),
+            };
+            if events.try_send(event).is_err() {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sysfs_bus_ids_have_a_short_lower_case_domain() {
+        assert_eq!(sysfs_bus_id("00000000:17:00.0"), "0000:17:00.0");
+        assert_eq!(sysfs_bus_id("0000:AB:00.0"), "0000:ab:00.0");
+    }
+
+    #[test]
+    fn numa_node_comes_from_sysfs_and_minus_one_means_unknown()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let root = tempfile::tempdir()?;
+        let dev = root.path().join("bus/pci/devices/0000:17:00.0");
+        std::fs::create_dir_all(&dev)?;
+        std::fs::write(dev.join("numa_node"), "1\n")?;
+        assert_eq!(numa_node(root.path(), "00000000:17:00.0"), Some(1));
+        std::fs::write(dev.join("numa_node"), "-1\n")?;
+        assert_eq!(numa_node(root.path(), "00000000:17:00.0"), None);
+        assert_eq!(numa_node(root.path(), "00000000:99:00.0"), None);
+        Ok(())
+    }
+
+    #[test]
+    fn driver_information_file_gives_uuid_and_device_node() {
+        let text = "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 42\nGPU UUID: \t GPU-1234\nDevice Minor: \t 3\n";
+        let info = parse_information(text);
+        assert_eq!(info.as_ref().map(|i| i.id.as_str()), Some("GPU-1234"));
+        assert_eq!(
+            info.map(|i| i.device_nodes),
+            Some(vec![PathBuf::from("/dev/nvidia3")])
+        );
+    }
+
+    #[test]
+    fn an_xid_event_without_a_value_counts_as_unknown() {
+        assert_eq!(
+            observations(EventTypes::CRITICAL_XID_ERROR, Some(XidError::Value(79))),
+            vec![Observation::Xid(79)]
+        );
+        assert_eq!(
+            observations(EventTypes::CRITICAL_XID_ERROR, Some(XidError::Unknown)),
+            vec![Observation::Xid(999)]
+        );
+        assert_eq!(
+            observations(EventTypes::DOUBLE_BIT_ECC_ERROR, None),
+            vec![Observation::DoubleBitEcc]
+        );
+    }
+}
