@@ -311,3 +311,57 @@ async fn without_nvml_and_fail_on_init_error_false_the_drivers_gpus_are_served_u
     drop(dir);
     Ok(())
 }
+
+/// Loads the fake in this process through nvml-wrapper and checks what NVML clients read from it: the
+/// struct layouts (PCI info, memory, field values) and the answers other device plugins ask for.
+#[test]
+fn the_fake_library_answers_nvml_calls_with_nvml_struct_layouts() -> TestResult {
+    use nvml_wrapper::Nvml;
+    use nvml_wrapper::enum_wrappers::device::TopologyLevel;
+    use nvml_wrapper::enums::device::SampleValue;
+    use nvml_wrapper::error::NvmlError;
+    use nvml_wrapper::structs::device::FieldId;
+
+    let lib = fake_nvml_lib();
+    let nvml = Nvml::builder().lib_path(lib.as_os_str()).init()?;
+    assert_eq!(nvml.sys_driver_version()?, "550.163.01");
+    assert_eq!(nvml.sys_cuda_driver_version()?, 12040);
+    assert_eq!(nvml.device_count()?, 4);
+
+    let device = nvml.device_by_index(1)?;
+    assert_eq!(device.uuid()?, gpu(1));
+    assert_eq!(nvml.device_by_uuid(gpu(1))?.index()?, 1);
+    assert_eq!(device.name()?, "NVIDIA H100 80GB HBM3");
+    assert_eq!(device.minor_number()?, 1);
+    let pci = device.pci_info()?;
+    assert_eq!(
+        (pci.bus_id.as_str(), pci.domain, pci.bus, pci.device),
+        ("00000000:01:00.0", 0, 1, 0)
+    );
+    assert_eq!(device.memory_info()?.total, 81559 * 1024 * 1024);
+    let cc = device.cuda_compute_capability()?;
+    assert_eq!((cc.major, cc.minor), (9, 0));
+    assert_eq!(device.mig_mode()?.current, 0);
+    let other = nvml.device_by_index(2)?;
+    assert_eq!(device.topology_common_ancestor(other)?, TopologyLevel::Node);
+    assert!(matches!(
+        device.link_wrapper_for(0).is_active(),
+        Err(NvmlError::NotSupported)
+    ));
+
+    // NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: None (0) until an `action` command says otherwise.
+    let values = device.field_values_for(&[FieldId(230), FieldId(1)])?;
+    let action = values[0].as_ref().map(|s| &s.value);
+    assert!(matches!(action, Ok(Ok(SampleValue::U32(0)))), "{action:?}");
+    assert!(matches!(
+        values[1].as_ref().map(|s| &s.value),
+        Ok(Err(NvmlError::NotSupported))
+    ));
+
+    let set = nvml.create_event_set()?;
+    assert!(
+        matches!(set.wait(1), Err(NvmlError::Timeout)),
+        "no events without a fault script"
+    );
+    Ok(())
+}
