@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use fake_kubelet::{FakeKubelet, ListState};
 use gpu_device_plugin::devices::simulated::{SimulatedGpus, simulated_uuid};
-use gpu_device_plugin::devices::spawn_inventory;
+use gpu_device_plugin::health::monitor::{self, MonitorConfig};
 use gpu_device_plugin::kubelet::{self, PluginConfig};
 use tokio_util::sync::CancellationToken;
 
@@ -61,7 +61,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     );
     let (gpus, _control) = SimulatedGpus::new(8);
     let gpus = gpus.with_fault_script(&script);
-    let inventory = spawn_inventory(Box::new(gpus))?;
+    let inventory = monitor::spawn(Box::new(gpus), MonitorConfig::in_memory())?;
     let shutdown = CancellationToken::new();
     let config = PluginConfig::new(dir.path(), "nvidia.com/gpu");
     let plugin = tokio::spawn(kubelet::run(config, inventory, shutdown.clone()));

@@ -10,6 +10,9 @@ use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 
 use crate::allocation::AllocateOptions;
+use crate::health::checkpoint;
+use crate::health::monitor::MonitorConfig;
+use crate::health::{HealthConfig, Policy};
 use crate::nvml::NvmlOptions;
 
 /// Default kubelet device plugin directory.
@@ -81,6 +84,18 @@ pub struct Args {
     #[arg(long, env = "GPU_DEVICE_PLUGIN_PROC_ROOT", value_name = "DIR")]
     pub proc_root: Option<PathBuf>,
 
+    /// XIDs to ignore, `xids` (every XID) or `all` (every health check), as NVIDIA's plugin reads it
+    #[arg(long, env = "DP_DISABLE_HEALTHCHECKS", value_name = "LIST")]
+    pub disable_healthchecks: Option<String>,
+
+    /// XIDs that always make a GPU Unhealthy, over every ignore, as NVIDIA's plugin reads it
+    #[arg(long, env = "DP_ENABLE_HEALTHCHECKS", value_name = "LIST")]
+    pub enable_healthchecks: Option<String>,
+
+    /// File holding this boot's id, to recognise reboots [default: /proc/sys/kernel/random/boot_id]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_BOOT_ID_FILE", value_name = "FILE")]
+    pub boot_id_file: Option<PathBuf>,
+
     /// Socket file name in the kubelet directory [default: unique per process, gpu-device-plugin-<random>.sock]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_SOCKET_NAME", value_name = "NAME")]
     pub socket_name: Option<String>,
@@ -129,6 +144,10 @@ pub struct FileConfig {
     pub proc_root: Option<PathBuf>,
     /// See `--socket-name`.
     pub socket_name: Option<String>,
+    /// See `--boot-id-file`.
+    pub boot_id_file: Option<PathBuf>,
+    /// The health policy.
+    pub health: Option<HealthConfig>,
     /// See `--cdi`.
     pub cdi: Option<bool>,
     /// See `--cdi-kind`.
@@ -160,6 +179,8 @@ pub struct Settings {
     pub nvml: NvmlOptions,
     /// Whether an NVML that cannot be loaded stops the plugin.
     pub fail_on_init_error: bool,
+    /// Health policy, checkpoint location and boot id.
+    pub monitor: MonitorConfig,
     /// Allocate response options.
     pub allocate: AllocateOptions,
 }
@@ -224,6 +245,20 @@ impl Settings {
             .state_dir
             .or(file.state_dir)
             .unwrap_or_else(|| DEFAULT_STATE_DIR.into());
+        let policy = Policy::new(
+            &file.health.clone().unwrap_or_default(),
+            args.disable_healthchecks.as_deref(),
+            args.enable_healthchecks.as_deref(),
+        )
+        .map_err(|e| ConfigError::Invalid {
+            setting: if e.key.starts_with("DP_") {
+                "environment variable"
+            } else {
+                "config key"
+            },
+            value: e.key,
+            why: e.why,
+        })?;
         let defaults = AllocateOptions::default();
         let nvml_defaults = NvmlOptions::default();
         let allocate = AllocateOptions {
@@ -248,7 +283,7 @@ impl Settings {
                 .or(file.kubelet_dir)
                 .unwrap_or_else(|| DEFAULT_KUBELET_DIR.into()),
             resource_name,
-            state_dir,
+            state_dir: state_dir.clone(),
             log_format: args
                 .log_format
                 .or(file.log_format)
@@ -274,6 +309,14 @@ impl Settings {
                 .fail_on_init_error
                 .or(file.fail_on_init_error)
                 .unwrap_or(true),
+            monitor: MonitorConfig {
+                policy,
+                state_dir: Some(state_dir.clone()),
+                boot_id_path: args
+                    .boot_id_file
+                    .or(file.boot_id_file)
+                    .unwrap_or_else(|| checkpoint::DEFAULT_BOOT_ID_PATH.into()),
+            },
             allocate,
         })
     }

@@ -1,9 +1,9 @@
-//! The devices the plugin advertises and their health: the model every other module shares, the
-//! [`DeviceSource`] trait a GPU backend implements, and the task that folds a source's events into the
-//! `watch` channel every ListAndWatch stream reads.
+//! The devices the plugin advertises and their health: the model every other module shares and the
+//! [`DeviceSource`] trait a GPU backend implements.
 //!
-//! State flows one way: source → `mpsc` of [`DeviceEvent`] → [`run_inventory`] → `watch` of [`Inventory`] →
-//! gRPC streams. A slow reader of the `watch` sees the latest inventory, never a backlog.
+//! State flows one way: source → `mpsc` of [`DeviceEvent`] → the health monitor (`crate::health::monitor`)
+//! → `watch` of [`Inventory`] → gRPC streams. A slow reader of the `watch` sees the latest inventory, never a
+//! backlog.
 
 pub mod script;
 pub mod simulated;
@@ -16,7 +16,7 @@ use std::time::SystemTime;
 
 use tokio::sync::{mpsc, watch};
 
-use crate::health::{HealthEngine, Observation};
+use crate::health::Observation;
 
 /// What the plugin knows about one device apart from its health; fixed for as long as the device is present.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -208,82 +208,18 @@ pub trait DeviceSource: Send + 'static {
     /// The devices present now, in a stable order.
     fn discover(&mut self) -> Result<Vec<DeviceInfo>, SourceError>;
 
-    /// Starts reporting changes into `events`. The source stops when `events` is closed or its own resources
-    /// are dropped; it must not block the caller.
-    fn start(self: Box<Self>, events: mpsc::Sender<DeviceEvent>) -> Result<(), SourceError>;
+    /// Starts reporting changes into `events`, and answering each probe request (device IDs) on `probes`
+    /// with an [`Observation::Probe`] per device. The source stops when `events` is closed; it must not
+    /// block the caller.
+    fn start(
+        self: Box<Self>,
+        events: mpsc::Sender<DeviceEvent>,
+        probes: mpsc::Receiver<Vec<String>>,
+    ) -> Result<(), SourceError>;
 }
 
 /// Shared, cheaply cloned view of the current inventory.
 pub type InventoryWatch = watch::Receiver<Arc<Inventory>>;
-
-/// Discovers the source's devices, starts it, and spawns the task that keeps the returned watch current.
-/// Must be called inside a tokio runtime.
-pub fn spawn_inventory(mut source: Box<dyn DeviceSource>) -> Result<InventoryWatch, SourceError> {
-    let found = source.discover()?;
-    tracing::info!(devices = found.len(), "discovered devices");
-    let (tx, rx) = watch::channel(Arc::new(Inventory::new(found)));
-    // Bounded: a source that outruns the inventory task waits rather than growing memory.
-    let (event_tx, event_rx) = mpsc::channel(1024);
-    source.start(event_tx)?;
-    tokio::spawn(run_inventory(event_rx, tx));
-    Ok(rx)
-}
-
-/// Folds `events` into the inventory published on `tx` until the event channel closes, judging observations
-/// with the health engine. Every health transition is one structured log event. A burst of events publishes
-/// once per event that changed something; readers of the watch coalesce to the latest.
-pub async fn run_inventory(
-    mut events: mpsc::Receiver<DeviceEvent>,
-    tx: watch::Sender<Arc<Inventory>>,
-) {
-    let mut engine = HealthEngine::new();
-    while let Some(event) = events.recv().await {
-        tx.send_if_modified(|current| {
-            // Clone-on-write: readers hold the old Arc until they look again.
-            let mut next = Inventory::clone(current);
-            if apply_event(&mut engine, &mut next, event) {
-                *current = Arc::new(next);
-                true
-            } else {
-                false
-            }
-        });
-    }
-}
-
-fn apply_event(engine: &mut HealthEngine, inventory: &mut Inventory, event: DeviceEvent) -> bool {
-    match event {
-        DeviceEvent::Observed {
-            id,
-            observation,
-            at,
-        } => {
-            if inventory.get(&id).is_none() {
-                tracing::warn!(device = %id, ?observation, "event for a device that is not present; ignored");
-                return false;
-            }
-            let outcome = engine.observe(&id, &observation, at);
-            if outcome.is_transition() {
-                tracing::info!(
-                    device = %id,
-                    old = %outcome.old,
-                    new = %outcome.new,
-                    condition = %outcome.condition,
-                    reason = outcome.reason.as_deref().unwrap_or(""),
-                    "device health changed"
-                );
-            } else {
-                tracing::debug!(device = %id, health = %outcome.new, condition = %outcome.condition, "condition recorded");
-            }
-            inventory.set_health(&id, outcome.new, outcome.reason)
-        }
-        DeviceEvent::Removed(id) => {
-            engine.remove(&id);
-            inventory.apply(DeviceEvent::Removed(id))
-        }
-        added => inventory.apply(added),
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -294,14 +230,6 @@ mod tests {
             id: id.to_string(),
             numa_node: None,
             device_nodes: vec![],
-        }
-    }
-
-    fn observed(id: &str, observation: Observation) -> DeviceEvent {
-        DeviceEvent::Observed {
-            id: id.into(),
-            observation,
-            at: SystemTime::UNIX_EPOCH,
         }
     }
 
@@ -324,12 +252,6 @@ mod tests {
     fn health_for_an_unknown_device_changes_nothing() {
         let mut inv = Inventory::new([gpu("a")]);
         assert!(!inv.set_health("zzz", Health::Unhealthy, None));
-        let mut engine = HealthEngine::new();
-        assert!(!apply_event(
-            &mut engine,
-            &mut inv,
-            observed("zzz", Observation::Xid(79))
-        ));
         assert_eq!(inv.devices()[0].health, Health::Healthy);
     }
 
@@ -349,19 +271,5 @@ mod tests {
         let inv = Inventory::new([gpu("a"), second]);
         assert_eq!(inv.len(), 1);
         assert_eq!(inv.devices()[0].info.numa_node, None);
-    }
-
-    #[tokio::test]
-    async fn inventory_task_publishes_each_change() {
-        let (etx, erx) = mpsc::channel(8);
-        let (wtx, mut wrx) = watch::channel(Arc::new(Inventory::new([gpu("a")])));
-        tokio::spawn(run_inventory(erx, wtx));
-        // A harmless XID is recorded without a new list; a fatal one publishes Unhealthy with the reason.
-        etx.send(observed("a", Observation::Xid(13))).await.ok();
-        etx.send(observed("a", Observation::Xid(79))).await.ok();
-        wrx.changed().await.ok();
-        let device = wrx.borrow().devices()[0].clone();
-        assert_eq!(device.health, Health::Unhealthy);
-        assert!(device.reason.is_some_and(|r| r.starts_with("XID 79")));
     }
 }

@@ -3,7 +3,8 @@
 //! - [`kubelet`]: the kubelet protocol: gRPC server, registration, the socket-directory watch.
 //! - [`devices`]: the device model, the [`devices::DeviceSource`] trait and simulated GPUs.
 //! - [`nvml`]: the NVML GPU backend: discovery and the health event thread.
-//! - [`health`]: the pure health engine: observations in, conditions and health out.
+//! - [`health`]: the health engine (pure: observations and time in, conditions, health and messages out),
+//!   its policy, checkpoint, and the monitor task around it.
 //! - [`allocation`]: pure Allocate / GetPreferredAllocation decisions.
 //! - [`config`]: command line, environment and config file.
 

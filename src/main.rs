@@ -7,8 +7,9 @@ use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
 
 use gpu_device_plugin::config::{self, LogFormat, Settings};
+use gpu_device_plugin::devices::DeviceSource;
 use gpu_device_plugin::devices::simulated::SimulatedGpus;
-use gpu_device_plugin::devices::{self, DeviceSource};
+use gpu_device_plugin::health::monitor;
 use gpu_device_plugin::kubelet::{self, PluginConfig};
 use gpu_device_plugin::nvml::{NvmlGpus, UnmonitoredGpus};
 
@@ -92,7 +93,8 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
             }
         },
     };
-    let inventory = devices::spawn_inventory(source).context("cannot start the device source")?;
+    let inventory = monitor::spawn(source, settings.monitor.clone())
+        .context("cannot start the device source")?;
 
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;

@@ -9,16 +9,19 @@
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enums::device::SampleValue;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::structs::device::FieldId;
 use nvml_wrapper::{Device, EventSet, Nvml};
 use tokio::sync::mpsc;
 
 use crate::devices::{DeviceEvent, DeviceInfo, DeviceSource, SourceError};
-use crate::health::Observation;
+use crate::health::{Observation, ProbeResult};
 
 /// The library name NVIDIA's driver installs.
 pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
@@ -148,17 +151,29 @@ impl DeviceSource for NvmlGpus {
         Ok(found)
     }
 
-    fn start(self: Box<Self>, events: mpsc::Sender<DeviceEvent>) -> Result<(), SourceError> {
+    fn start(
+        self: Box<Self>,
+        events: mpsc::Sender<DeviceEvent>,
+        probes: mpsc::Receiver<Vec<String>>,
+    ) -> Result<(), SourceError> {
         for id in &self.lost_at_start {
             observe(&events, id, Observation::GpuLost);
         }
         let NvmlGpus { nvml, gpus, .. } = *self;
+        let nvml = Arc::new(nvml);
+        let gpus = Arc::new(gpus);
+        let thread_error =
+            |e: std::io::Error| SourceError::Discovery(format!("cannot start an NVML thread: {e}"));
+        let (probe_nvml, probe_gpus, probe_events) = (nvml.clone(), gpus.clone(), events.clone());
+        // Probes get a thread of their own: the event thread spends its life blocked in the event wait.
+        std::thread::Builder::new()
+            .name("nvml-probe".into())
+            .spawn(move || answer_probes(&probe_nvml, &probe_gpus, &probe_events, probes))
+            .map_err(thread_error)?;
         std::thread::Builder::new()
             .name("nvml-events".into())
             .spawn(move || watch_events(&nvml, &gpus, &events))
-            .map_err(|e| {
-                SourceError::Discovery(format!("cannot start the NVML event thread: {e}"))
-            })?;
+            .map_err(thread_error)?;
         Ok(())
     }
 }
@@ -210,6 +225,57 @@ fn observe(events: &mpsc::Sender<DeviceEvent>, id: &str, observation: Observatio
             at: SystemTime::now(),
         })
         .is_ok()
+}
+
+/// NVML field id of the driver's recovery action (`NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`).
+pub const RECOVERY_ACTION_FIELD: u32 = 230;
+
+/// Answers probe requests until the plugin stops: does each GPU answer, and what recovery action does the
+/// driver report for it.
+fn answer_probes(
+    nvml: &Nvml,
+    gpus: &[(u32, String)],
+    events: &mpsc::Sender<DeviceEvent>,
+    mut probes: mpsc::Receiver<Vec<String>>,
+) {
+    while let Some(ids) = probes.blocking_recv() {
+        for id in ids {
+            let Some((index, _)) = gpus.iter().find(|(_, known)| *known == id) else {
+                continue;
+            };
+            if !observe(events, &id, Observation::Probe(probe(nvml, *index))) {
+                return;
+            }
+        }
+    }
+}
+
+/// Probes one GPU.
+pub fn probe(nvml: &Nvml, index: u32) -> ProbeResult {
+    let device = nvml
+        .device_by_index(index)
+        .and_then(|d| d.uuid().map(|_| d));
+    match device {
+        Ok(device) => ProbeResult::Answered {
+            recovery_action: recovery_action(&device),
+        },
+        Err(NvmlError::GpuLost) => ProbeResult::Lost,
+        Err(e) => ProbeResult::Failed(e.to_string()),
+    }
+}
+
+/// The driver's recovery action for the GPU, or `None` where the driver does not report one.
+fn recovery_action(device: &Device<'_>) -> Option<u32> {
+    let values = device
+        .field_values_for(&[FieldId(RECOVERY_ACTION_FIELD)])
+        .ok()?;
+    let sample = values.into_iter().next()?.ok()?;
+    match sample.value.ok()? {
+        SampleValue::U32(v) => Some(v),
+        SampleValue::U64(v) => u32::try_from(v).ok(),
+        SampleValue::I64(v) => u32::try_from(v).ok(),
+        SampleValue::F64(_) => None,
+    }
 }
 
 /// Registers every GPU and forwards events until the plugin stops (the event channel closes).
@@ -430,7 +496,13 @@ impl DeviceSource for UnmonitoredGpus {
         Ok(self.devices.clone())
     }
 
-    fn start(self: Box<Self>, events: mpsc::Sender<DeviceEvent>) -> Result<(), SourceError> {
+    fn start(
+        self: Box<Self>,
+        events: mpsc::Sender<DeviceEvent>,
+        mut probes: mpsc::Receiver<Vec<String>>,
+    ) -> Result<(), SourceError> {
+        // Without NVML nothing can be probed; the requests are drained so the sender never blocks.
+        tokio::spawn(async move { while probes.recv().await.is_some() {} });
         for device in &self.devices {
             let observation = Observation::Unmonitored(self.why.clone());
             let event = DeviceEvent::Observed {

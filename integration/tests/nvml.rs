@@ -221,7 +221,16 @@ async fn every_transition_is_one_structured_log_event() -> TestResult {
         (t["device"].as_str(), t["old"].as_str(), t["new"].as_str()),
         (Some(gpu(1).as_str()), Some("Healthy"), Some("Unhealthy"))
     );
-    assert_eq!(t["condition"], "xid=79");
+    assert_eq!(t["conditions"], "xid=13,xid=79");
+    let message = t["health_message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("Unhealthy: XID 79: the GPU has fallen off the bus"),
+        "{message}"
+    );
+    assert!(
+        message.contains("Also recorded, not affecting health: XID 13"),
+        "{message}"
+    );
     Ok(())
 }
 

@@ -2,14 +2,16 @@
 //! Faults reach the same health engine as NVML events do, from a fault script file (see [`super::script`])
 //! or, in tests, from a [`SimulatedControl`].
 
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
 
 use tokio::sync::mpsc;
 
 use super::script::{self, Command, Line};
 use super::{DeviceEvent, DeviceInfo, DeviceSource, SourceError};
-use crate::health::Observation;
+use crate::health::{Observation, ProbeResult};
 
 /// Devices per simulated NUMA node, so that simulated nodes exercise NUMA-aware preferred allocation the way a
 /// dual-socket GPU server does (four GPUs on each socket).
@@ -61,7 +63,7 @@ pub fn simulated_uuid(index: usize) -> String {
 }
 
 /// What a simulated GPU reports for a fault command. `restore` has no event of its own: a GPU that answers
-/// again is noticed by probing, not by an event.
+/// again is noticed by probing, not by an event; `action` is announced by XID 154, as the driver does.
 pub fn observation_for(command: &Command) -> Option<Observation> {
     match command {
         Command::Xid { xid, .. } => Some(Observation::Xid(*xid)),
@@ -74,20 +76,70 @@ pub fn observation_for(command: &Command) -> Option<Observation> {
     }
 }
 
+/// What the fault script says about each GPU now: lost or not, and the driver's recovery action.
+#[derive(Debug, Default)]
+struct GpuStates {
+    lost: HashSet<String>,
+    recovery_action: HashMap<String, u32>,
+}
+
+impl GpuStates {
+    fn apply(&mut self, command: &Command) {
+        match command {
+            Command::Lost { uuid } => {
+                self.lost.insert(uuid.clone());
+            }
+            Command::Restore { uuid } => {
+                self.lost.remove(uuid);
+            }
+            Command::Action { uuid, action } => {
+                self.recovery_action.insert(uuid.clone(), *action);
+            }
+            _ => {}
+        }
+    }
+
+    fn probe(&self, id: &str) -> ProbeResult {
+        if self.lost.contains(id) {
+            ProbeResult::Lost
+        } else {
+            ProbeResult::Answered {
+                recovery_action: Some(self.recovery_action.get(id).copied().unwrap_or(0)),
+            }
+        }
+    }
+}
+
+fn lock(states: &Mutex<GpuStates>) -> MutexGuard<'_, GpuStates> {
+    states
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 impl DeviceSource for SimulatedGpus {
     fn discover(&mut self) -> Result<Vec<DeviceInfo>, SourceError> {
         Ok(self.devices.clone())
     }
 
-    fn start(self: Box<Self>, events: mpsc::Sender<DeviceEvent>) -> Result<(), SourceError> {
+    fn start(
+        self: Box<Self>,
+        events: mpsc::Sender<DeviceEvent>,
+        mut probes: mpsc::Receiver<Vec<String>>,
+    ) -> Result<(), SourceError> {
+        let states = Arc::new(Mutex::new(GpuStates::default()));
         if let Some(path) = &self.script {
             let tx = events.clone();
+            let script_states = states.clone();
             let follower = script::follow(path, move |line| {
-                // History describes the past; only appended commands are new faults.
-                let Line::Appended(text) = line else { return };
+                let (text, appended) = match line {
+                    Line::Existing(text) => (text, false),
+                    Line::Appended(text) => (text, true),
+                };
                 match script::parse_line(text) {
                     Ok(Some(command)) => {
-                        if let Some(observation) = observation_for(&command) {
+                        lock(&script_states).apply(&command);
+                        // History sets state; only appended commands are new faults.
+                        if let (true, Some(observation)) = (appended, observation_for(&command)) {
                             let _stopped = tx.blocking_send(DeviceEvent::Observed {
                                 id: command.uuid().to_string(),
                                 observation,
@@ -113,6 +165,25 @@ impl DeviceSource for SimulatedGpus {
                 drop(follower);
             });
         }
+        let probe_events = events.clone();
+        tokio::spawn(async move {
+            while let Some(ids) = probes.recv().await {
+                let answers: Vec<_> = {
+                    let states = lock(&states);
+                    ids.into_iter().map(|id| (states.probe(&id), id)).collect()
+                };
+                for (result, id) in answers {
+                    let event = DeviceEvent::Observed {
+                        id,
+                        observation: Observation::Probe(result),
+                        at: SystemTime::now(),
+                    };
+                    if probe_events.send(event).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
         let mut control = self.control;
         tokio::spawn(async move {
             while let Some(event) = control.recv().await {
@@ -165,7 +236,8 @@ mod tests {
         std::fs::write(&script, format!("xid {} 79\n", simulated_uuid(0)))?;
         let (gpus, _control) = SimulatedGpus::new(2);
         let (tx, mut rx) = mpsc::channel(8);
-        Box::new(gpus.with_fault_script(&script)).start(tx)?;
+        let (_probe_tx, probe_rx) = mpsc::channel(1);
+        Box::new(gpus.with_fault_script(&script)).start(tx, probe_rx)?;
         let line = format!("bogus line\ndbe {}\n", simulated_uuid(1));
         std::fs::OpenOptions::new()
             .append(true)

@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
+use gpu_device_plugin::devices::InventoryWatch;
 use gpu_device_plugin::devices::simulated::{SimulatedControl, SimulatedGpus};
-use gpu_device_plugin::devices::{self, InventoryWatch};
+use gpu_device_plugin::health::monitor::{self, MonitorConfig};
 use gpu_device_plugin::kubelet::{self, KubeletError, PluginConfig};
 use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
@@ -93,7 +94,8 @@ pub struct InProcessPlugin {
 impl InProcessPlugin {
     pub fn start(kubelet_dir: &Path, gpus: usize) -> Self {
         let (source, control) = SimulatedGpus::new(gpus);
-        let inventory = devices::spawn_inventory(Box::new(source)).expect("simulated GPUs start");
+        let inventory = monitor::spawn(Box::new(source), MonitorConfig::in_memory())
+            .expect("simulated GPUs start");
         let shutdown = CancellationToken::new();
         let config = PluginConfig::new(kubelet_dir, "nvidia.com/gpu");
         let task = tokio::spawn(kubelet::run(config, inventory.clone(), shutdown.clone()));

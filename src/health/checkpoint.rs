@@ -1,0 +1,290 @@
+//! The health checkpoint: every device's conditions in `<state-dir>/health-checkpoint.json`, so that a plugin
+//! restart does not forget a broken GPU. Written atomically (temp file, fsync, rename, fsync of the
+//! directory); a checkpoint that cannot be read or parsed is reported and ignored, never a crash loop.
+//!
+//! It records the node's boot id: conditions from an earlier boot are dropped, but for `recover: never`.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::{Condition, ConditionKind, HealthEngine};
+
+/// File name of the checkpoint in the state directory.
+pub const FILE_NAME: &str = "health-checkpoint.json";
+
+/// Where the kernel publishes this boot's random id.
+pub const DEFAULT_BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
+
+const VERSION: u32 = 1;
+
+/// The file's content.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Checkpoint {
+    /// Format version.
+    pub version: u32,
+    /// Boot id when written; `None` if it could not be read.
+    pub boot_id: Option<String>,
+    /// Devices with conditions, by ID.
+    pub devices: BTreeMap<String, DeviceRecord>,
+}
+
+/// One device in the checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DeviceRecord {
+    /// Active conditions.
+    pub conditions: Vec<ConditionRecord>,
+    /// Latest Unhealthy event, Unix milliseconds.
+    pub last_unhealthy_ms: Option<u64>,
+}
+
+/// One condition in the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ConditionRecord {
+    /// Condition name (`xid`, `gpu-lost`, …).
+    pub condition: String,
+    /// Its value, for `xid` and `recovery-action`.
+    pub value: Option<u64>,
+    /// Extra words (why unmonitored).
+    pub detail: Option<String>,
+    /// Times observed.
+    pub count: u64,
+    /// First seen, Unix milliseconds.
+    pub first_seen_ms: u64,
+    /// Last seen, Unix milliseconds.
+    pub last_seen_ms: u64,
+}
+
+fn to_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn from_ms(ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms)
+}
+
+impl Checkpoint {
+    /// The engine's state now.
+    pub fn of(engine: &HealthEngine, boot_id: Option<String>) -> Self {
+        let devices = engine
+            .devices()
+            .filter(|(_, state)| !state.conditions().is_empty())
+            .map(|(id, state)| {
+                let record = DeviceRecord {
+                    conditions: state
+                        .conditions()
+                        .iter()
+                        .map(|c| ConditionRecord {
+                            condition: c.kind.name().to_string(),
+                            value: c.kind.value(),
+                            detail: c.detail.clone(),
+                            count: c.count,
+                            first_seen_ms: to_ms(c.first_seen),
+                            last_seen_ms: to_ms(c.last_seen),
+                        })
+                        .collect(),
+                    last_unhealthy_ms: engine.last_unhealthy(id).map(to_ms),
+                };
+                (id.clone(), record)
+            })
+            .collect();
+        Checkpoint {
+            version: VERSION,
+            boot_id,
+            devices,
+        }
+    }
+}
+
+impl DeviceRecord {
+    /// The conditions, skipping any this version does not know.
+    pub fn conditions(&self) -> Vec<Condition> {
+        self.conditions
+            .iter()
+            .filter_map(|r| {
+                Some(Condition {
+                    kind: ConditionKind::from_parts(&r.condition, r.value)?,
+                    detail: r.detail.clone(),
+                    count: r.count,
+                    first_seen: from_ms(r.first_seen_ms),
+                    last_seen: from_ms(r.last_seen_ms),
+                })
+            })
+            .collect()
+    }
+
+    /// The last Unhealthy event.
+    pub fn last_unhealthy(&self) -> Option<SystemTime> {
+        self.last_unhealthy_ms.map(from_ms)
+    }
+}
+
+/// Why a checkpoint was not used.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// Reading or writing the file failed.
+    #[error("{action} {}: {source}", .path.display())]
+    Io {
+        /// What was being done.
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The file is not a checkpoint this version understands.
+    #[error("checkpoint {} is corrupt: {why}", .path.display())]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+/// The checkpoint file in a state directory.
+#[derive(Debug, Clone)]
+pub struct Store {
+    path: PathBuf,
+}
+
+impl Store {
+    /// The checkpoint in `state_dir`.
+    pub fn in_dir(state_dir: &Path) -> Self {
+        Store {
+            path: state_dir.join(FILE_NAME),
+        }
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads the checkpoint: `Ok(None)` when there is none yet.
+    pub fn load(&self) -> Result<Option<Checkpoint>, CheckpointError> {
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(CheckpointError::Io {
+                    action: "cannot read",
+                    path: self.path.clone(),
+                    source,
+                });
+            }
+        };
+        let checkpoint: Checkpoint =
+            serde_json::from_str(&text).map_err(|e| CheckpointError::Corrupt {
+                path: self.path.clone(),
+                why: e.to_string(),
+            })?;
+        if checkpoint.version != VERSION {
+            return Err(CheckpointError::Corrupt {
+                path: self.path.clone(),
+                why: format!("version {} is not {VERSION}", checkpoint.version),
+            });
+        }
+        Ok(Some(checkpoint))
+    }
+
+    /// Replaces the checkpoint atomically: a crash leaves the old file or the new one, never half of one.
+    pub fn save(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
+        let io = |action, source| CheckpointError::Io {
+            action,
+            path: self.path.clone(),
+            source,
+        };
+        let text =
+            serde_json::to_vec_pretty(checkpoint).map_err(|e| io("cannot encode", e.into()))?;
+        let tmp = self.path.with_extension("json.tmp");
+        let mut file = File::create(&tmp).map_err(|e| io("cannot create", e))?;
+        file.write_all(&text).map_err(|e| io("cannot write", e))?;
+        file.sync_all().map_err(|e| io("cannot sync", e))?;
+        drop(file);
+        std::fs::rename(&tmp, &self.path).map_err(|e| io("cannot replace", e))?;
+        if let Some(dir) = self.path.parent() {
+            // Make the rename itself durable.
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| io("cannot sync directory of", e))?;
+        }
+        Ok(())
+    }
+}
+
+/// This boot's id, or `None` if it cannot be read.
+pub fn read_boot_id(path: &Path) -> Option<String> {
+    let id = std::fs::read_to_string(path).ok()?;
+    let id = id.trim();
+    (!id.is_empty()).then(|| id.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::health::{Observation, Policy};
+
+    #[test]
+    fn a_checkpoint_round_trips_through_the_file() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let store = Store::in_dir(dir.path());
+        assert!(store.load()?.is_none(), "no checkpoint yet");
+        let mut engine = HealthEngine::new(Policy::default());
+        let at = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        engine.observe("GPU-a", &Observation::Xid(79), at);
+        engine.observe("GPU-a", &Observation::Xid(79), at + Duration::from_secs(5));
+        engine.observe("GPU-b", &Observation::Unmonitored("no events".into()), at);
+        let written = Checkpoint::of(&engine, Some("boot-1".into()));
+        store.save(&written)?;
+        let read = store.load()?.unwrap_or_default();
+        assert_eq!(read, written);
+        let a = read
+            .devices
+            .get("GPU-a")
+            .map(DeviceRecord::conditions)
+            .unwrap_or_default();
+        assert_eq!(a.len(), 1);
+        assert_eq!(
+            (a[0].kind.clone(), a[0].count, a[0].last_seen),
+            (ConditionKind::Xid(79), 2, at + Duration::from_secs(5))
+        );
+        assert!(!dir.path().join("health-checkpoint.json.tmp").exists());
+        Ok(())
+    }
+
+    #[test]
+    fn a_corrupt_checkpoint_is_an_error_not_a_panic() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let store = Store::in_dir(dir.path());
+        std::fs::write(
+            store.path(),
+            b"{\"version\": 1, \"devices\": {\"GPU-a\": 42",
+        )?;
+        assert!(matches!(store.load(), Err(CheckpointError::Corrupt { .. })));
+        std::fs::write(
+            store.path(),
+            b"{\"version\": 99, \"bootId\": null, \"devices\": {}}",
+        )?;
+        assert!(matches!(store.load(), Err(CheckpointError::Corrupt { .. })));
+        Ok(())
+    }
+
+    #[test]
+    fn boot_id_is_read_trimmed() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("boot_id");
+        std::fs::write(&path, "8a3f\n")?;
+        assert_eq!(read_boot_id(&path), Some("8a3f".into()));
+        assert_eq!(read_boot_id(&dir.path().join("missing")), None);
+        Ok(())
+    }
+}

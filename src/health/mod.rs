@@ -1,0 +1,498 @@
+//! The health engine, pure: observations from a GPU backend and the time in; per-device conditions, health
+//! and a message out. It never sleeps, reads files or logs: [`monitor`] does the IO around it, so every
+//! policy is a fast unit test with an injected clock.
+//!
+//! A GPU's health is the sum of its active conditions (named as in NVIDIA's DRA health schema): it is
+//! Unhealthy while any condition's effect, under the [`Policy`], is Unhealthy. Conditions clear:
+//! - when the driver's recovery action (read by probing the GPU) returns to None: every condition that may
+//!   recover clears at once — the driver is the authority where it reports one;
+//! - otherwise, when a probe succeeds after a quiet period with no new Unhealthy event. A lost GPU's probe
+//!   fails until it answers again, so `gpu-lost` and XID 79 clear only then;
+//! - never, for conditions whose rule says `recover: never`;
+//! - on a new boot, for every condition but those (see [`HealthEngine::restore`]).
+
+pub mod checkpoint;
+pub mod message;
+pub mod monitor;
+pub mod policy;
+pub mod xid;
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+use crate::devices::Health;
+pub use policy::{HealthConfig, Policy, Recover};
+pub use xid::{XidAction, XidInfo, xid_info};
+
+/// Something a GPU backend saw on one device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Observation {
+    /// A critical XID error event with this XID.
+    Xid(u64),
+    /// A double-bit (uncorrectable) ECC error event.
+    DoubleBitEcc,
+    /// A single-bit (corrected) ECC error event.
+    SingleBitEcc,
+    /// The device stopped answering: NVML returned GPU_IS_LOST.
+    GpuLost,
+    /// Health events cannot be watched on this device; the text says why.
+    Unmonitored(String),
+    /// The answer to a probe the engine asked for.
+    Probe(ProbeResult),
+}
+
+/// What probing a GPU found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProbeResult {
+    /// The GPU answered. `recovery_action` is the driver's recovery action field, `None` where the driver
+    /// does not report it (then the quiet-period rule decides recovery).
+    Answered {
+        /// NVML recovery action: 0 none, 1 GPU reset, 2 node reboot, 3 drain P2P, 4 drain and reset.
+        recovery_action: Option<u32>,
+    },
+    /// The GPU does not answer (GPU is lost).
+    Lost,
+    /// The probe failed for another reason; nothing is concluded.
+    Failed(String),
+}
+
+/// Whether a condition keeps the device away from new pods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Effect {
+    /// Recorded; the device stays Healthy.
+    None,
+    /// The device is Unhealthy while the condition holds.
+    Unhealthy,
+}
+
+/// A kind of condition, with its value where it has one.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ConditionKind {
+    /// `xid`, value = the XID.
+    Xid(u64),
+    /// `gpu-lost`.
+    GpuLost,
+    /// `unmonitored`.
+    Unmonitored,
+    /// `ecc-dbe`.
+    EccDbe,
+    /// `ecc-sbe-burst`: more single-bit ECC errors in a window than the policy tolerates.
+    EccSbeBurst,
+    /// `recovery-action`, value = the driver's recovery action (never 0: None is no condition).
+    RecoveryAction(u32),
+}
+
+impl ConditionKind {
+    /// The condition's name in the DRA health schema.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ConditionKind::Xid(_) => "xid",
+            ConditionKind::GpuLost => "gpu-lost",
+            ConditionKind::Unmonitored => "unmonitored",
+            ConditionKind::EccDbe => "ecc-dbe",
+            ConditionKind::EccSbeBurst => "ecc-sbe-burst",
+            ConditionKind::RecoveryAction(_) => "recovery-action",
+        }
+    }
+
+    /// The condition's value, for those that have one.
+    pub fn value(&self) -> Option<u64> {
+        match self {
+            ConditionKind::Xid(xid) => Some(*xid),
+            ConditionKind::RecoveryAction(action) => Some(u64::from(*action)),
+            _ => None,
+        }
+    }
+
+    /// The kind from its name and value, as stored in a checkpoint.
+    pub fn from_parts(name: &str, value: Option<u64>) -> Option<ConditionKind> {
+        Some(match (name, value) {
+            ("xid", Some(xid)) => ConditionKind::Xid(xid),
+            ("gpu-lost", _) => ConditionKind::GpuLost,
+            ("unmonitored", _) => ConditionKind::Unmonitored,
+            ("ecc-dbe", _) => ConditionKind::EccDbe,
+            ("ecc-sbe-burst", _) => ConditionKind::EccSbeBurst,
+            ("recovery-action", Some(action)) => {
+                ConditionKind::RecoveryAction(u32::try_from(action).ok()?)
+            }
+            _ => return None,
+        })
+    }
+
+    /// Conditions a probe cannot clear: `unmonitored` describes the watch, not the GPU, and a recovery
+    /// action clears only when the driver says None.
+    fn cleared_by_quiet_probe(&self) -> bool {
+        !matches!(
+            self,
+            ConditionKind::Unmonitored | ConditionKind::RecoveryAction(_)
+        )
+    }
+}
+
+impl fmt::Display for ConditionKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.value() {
+            Some(value) => write!(f, "{}={value}", self.name()),
+            None => f.write_str(self.name()),
+        }
+    }
+}
+
+/// A condition a device has, with how often and when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Condition {
+    /// Which condition.
+    pub kind: ConditionKind,
+    /// Extra words for the message (why a GPU is unmonitored).
+    pub detail: Option<String>,
+    /// How many times it was observed.
+    pub count: u64,
+    /// First observation.
+    pub first_seen: SystemTime,
+    /// Latest observation.
+    pub last_seen: SystemTime,
+}
+
+/// Per-device conditions and what the engine needs to decide recovery.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeviceHealth {
+    conditions: Vec<Condition>,
+    /// Latest observation of a condition with an Unhealthy effect; the quiet period counts from here.
+    last_unhealthy: Option<SystemTime>,
+    /// When to probe next; `None` when nothing waits for a probe.
+    next_probe: Option<SystemTime>,
+    /// Times of recent single-bit ECC errors, for burst detection.
+    sbe_times: VecDeque<SystemTime>,
+    /// Whether the driver reports the recovery action field; `None` until a probe has said.
+    recovery_field: Option<bool>,
+}
+
+impl DeviceHealth {
+    /// Active conditions, in the order first seen.
+    pub fn conditions(&self) -> &[Condition] {
+        &self.conditions
+    }
+
+    /// Whether the driver reports a recovery action for this GPU.
+    pub fn reports_recovery_action(&self) -> Option<bool> {
+        self.recovery_field
+    }
+}
+
+/// What one observation did to a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// Health before.
+    pub old: Health,
+    /// Health after.
+    pub new: Health,
+    /// Whether the set of active conditions changed (added or cleared), not only a count.
+    pub conditions_changed: bool,
+    /// The active conditions after, as `name=value`.
+    pub conditions: Vec<String>,
+    /// The device's message (KEP-4680 shape, at most 1024 characters); `None` when it has no condition.
+    pub message: Option<String>,
+    /// Whether the engine wants the device probed now (the driver announced a new recovery action).
+    pub probe_now: bool,
+}
+
+impl Outcome {
+    /// Whether health changed.
+    pub fn is_transition(&self) -> bool {
+        self.old != self.new
+    }
+}
+
+/// The health of every device, from the observations so far.
+#[derive(Debug, Default)]
+pub struct HealthEngine {
+    policy: Policy,
+    devices: HashMap<String, DeviceHealth>,
+}
+
+impl HealthEngine {
+    /// An engine applying `policy`, with no conditions recorded.
+    pub fn new(policy: Policy) -> Self {
+        HealthEngine {
+            policy,
+            devices: HashMap::new(),
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The state of `device`, if anything was observed on it.
+    pub fn device(&self, device: &str) -> Option<&DeviceHealth> {
+        self.devices.get(device)
+    }
+
+    /// Health of `device` under the policy.
+    pub fn health(&self, device: &str) -> Health {
+        self.devices
+            .get(device)
+            .map_or(Health::Healthy, |state| self.health_of(state))
+    }
+
+    fn health_of(&self, state: &DeviceHealth) -> Health {
+        if state
+            .conditions
+            .iter()
+            .any(|c| self.policy.effect(&c.kind) == Effect::Unhealthy)
+        {
+            Health::Unhealthy
+        } else {
+            Health::Healthy
+        }
+    }
+
+    /// The message for `device`, or `None` when it has no condition.
+    pub fn message(&self, device: &str) -> Option<String> {
+        let state = self.devices.get(device)?;
+        message::compose(self.health_of(state), &state.conditions, &self.policy)
+    }
+
+    /// Records `observation` on `device` at `now`.
+    pub fn observe(&mut self, device: &str, observation: &Observation, now: SystemTime) -> Outcome {
+        let mut state = self.devices.remove(device).unwrap_or_default();
+        let old = self.health_of(&state);
+        let before: Vec<ConditionKind> = state.conditions.iter().map(|c| c.kind.clone()).collect();
+        let mut probe_now = false;
+        match observation {
+            Observation::Xid(xid) => {
+                self.record(&mut state, ConditionKind::Xid(*xid), None, now);
+                // XID 154 announces a new recovery action: read it.
+                probe_now =
+                    xid_info(*xid).is_some_and(|i| i.action == XidAction::FollowRecoveryAction);
+            }
+            Observation::DoubleBitEcc => self.record(&mut state, ConditionKind::EccDbe, None, now),
+            Observation::GpuLost | Observation::Probe(ProbeResult::Lost) => {
+                self.record(&mut state, ConditionKind::GpuLost, None, now);
+            }
+            Observation::Unmonitored(why) => {
+                self.record(
+                    &mut state,
+                    ConditionKind::Unmonitored,
+                    Some(why.clone()),
+                    now,
+                );
+            }
+            Observation::SingleBitEcc => {
+                let burst = self.policy.sbe_burst;
+                state.sbe_times.push_back(now);
+                while state
+                    .sbe_times
+                    .front()
+                    .is_some_and(|t| now.duration_since(*t).unwrap_or_default() > burst.window)
+                    || state.sbe_times.len() > burst.count as usize + 1
+                {
+                    state.sbe_times.pop_front();
+                }
+                if state.sbe_times.len() > burst.count as usize {
+                    let detail = format!(
+                        "more than {} in {}",
+                        burst.count,
+                        humantime::format_duration(burst.window)
+                    );
+                    self.record(&mut state, ConditionKind::EccSbeBurst, Some(detail), now);
+                }
+            }
+            Observation::Probe(ProbeResult::Answered { recovery_action }) => {
+                self.answered(&mut state, *recovery_action, now);
+            }
+            Observation::Probe(ProbeResult::Failed(_)) => {}
+        }
+        let new = self.health_of(&state);
+        let after: Vec<ConditionKind> = state.conditions.iter().map(|c| c.kind.clone()).collect();
+        let outcome = Outcome {
+            old,
+            new,
+            conditions_changed: before != after,
+            conditions: after.iter().map(ToString::to_string).collect(),
+            message: message::compose(new, &state.conditions, &self.policy),
+            probe_now,
+        };
+        self.devices.insert(device.to_string(), state);
+        outcome
+    }
+
+    fn record(
+        &self,
+        state: &mut DeviceHealth,
+        kind: ConditionKind,
+        detail: Option<String>,
+        now: SystemTime,
+    ) {
+        if self.policy.effect(&kind) == Effect::Unhealthy {
+            state.last_unhealthy = Some(now);
+            if self.policy.recover(&kind) == Recover::Auto {
+                state.next_probe = Some(now + self.policy.quiet_period);
+            }
+        }
+        match state.conditions.iter_mut().find(|c| c.kind == kind) {
+            Some(existing) => {
+                existing.count += 1;
+                existing.last_seen = now;
+                if detail.is_some() {
+                    existing.detail = detail;
+                }
+            }
+            None => state.conditions.push(Condition {
+                kind,
+                detail,
+                count: 1,
+                first_seen: now,
+                last_seen: now,
+            }),
+        }
+    }
+
+    /// A probe succeeded: apply the driver's recovery action, then the quiet-period rule.
+    fn answered(&self, state: &mut DeviceHealth, recovery_action: Option<u32>, now: SystemTime) {
+        state.recovery_field = Some(recovery_action.is_some());
+        let had_action = state
+            .conditions
+            .iter()
+            .any(|c| matches!(c.kind, ConditionKind::RecoveryAction(_)));
+        match recovery_action {
+            Some(0) if had_action => {
+                // The driver says the GPU is usable again: it is the authority.
+                state.conditions.retain(|c| {
+                    !matches!(c.kind, ConditionKind::RecoveryAction(_))
+                        && !(self.policy.recover(&c.kind) == Recover::Auto
+                            && c.kind.cleared_by_quiet_probe())
+                });
+            }
+            Some(0) | None => {}
+            Some(action) => {
+                let kind = ConditionKind::RecoveryAction(action);
+                let current = state.conditions.iter().any(|c| c.kind == kind);
+                if !current {
+                    state
+                        .conditions
+                        .retain(|c| !matches!(c.kind, ConditionKind::RecoveryAction(_)));
+                    self.record(state, kind, None, now);
+                }
+            }
+        }
+        let action_pending = state
+            .conditions
+            .iter()
+            .any(|c| matches!(c.kind, ConditionKind::RecoveryAction(_)));
+        let quiet = state
+            .last_unhealthy
+            .is_none_or(|t| now.duration_since(t).unwrap_or_default() >= self.policy.quiet_period);
+        if quiet && !action_pending {
+            state.conditions.retain(|c| {
+                !(c.kind.cleared_by_quiet_probe() && self.policy.recover(&c.kind) == Recover::Auto)
+            });
+        }
+        self.reschedule(state, now);
+    }
+
+    /// After a probe: probe again after the probe interval while something may still recover.
+    fn reschedule(&self, state: &mut DeviceHealth, now: SystemTime) {
+        let waiting = state.conditions.iter().any(|c| {
+            c.kind.cleared_by_quiet_probe()
+                && self.policy.recover(&c.kind) == Recover::Auto
+                && self.policy.effect(&c.kind) == Effect::Unhealthy
+        });
+        state.next_probe = waiting.then(|| {
+            let quiet_end = state
+                .last_unhealthy
+                .map_or(now, |t| t + self.policy.quiet_period);
+            quiet_end.max(now + self.policy.probe_interval)
+        });
+    }
+
+    /// Devices to probe now; each is then not due again for a probe interval, so a probe that never comes
+    /// back is retried.
+    pub fn due_probes(&mut self, now: SystemTime) -> Vec<String> {
+        let interval = self.policy.probe_interval;
+        let mut due: Vec<String> = self
+            .devices
+            .iter_mut()
+            .filter(|(_, s)| s.next_probe.is_some_and(|t| t <= now))
+            .map(|(id, s)| {
+                s.next_probe = Some(now + interval);
+                id.clone()
+            })
+            .collect();
+        due.sort();
+        due
+    }
+
+    /// The earliest time a probe falls due, for the caller's timer.
+    pub fn next_deadline(&self) -> Option<SystemTime> {
+        self.devices.values().filter_map(|s| s.next_probe).min()
+    }
+
+    /// Forgets a device that is gone.
+    pub fn remove(&mut self, device: &str) {
+        self.devices.remove(device);
+    }
+
+    /// Devices with any condition, for the checkpoint.
+    pub fn devices(&self) -> impl Iterator<Item = (&String, &DeviceHealth)> {
+        self.devices.iter()
+    }
+
+    /// Puts back the state of a device from a checkpoint. On a new boot, conditions a reboot resolves (all
+    /// but `recover: never`) are dropped. Returns the outcome as if observed now.
+    pub fn restore(
+        &mut self,
+        device: &str,
+        conditions: Vec<Condition>,
+        last_unhealthy: Option<SystemTime>,
+        rebooted: bool,
+        now: SystemTime,
+    ) -> Outcome {
+        let conditions: Vec<Condition> = conditions
+            .into_iter()
+            .filter(|c| !rebooted || self.policy.recover(&c.kind) == Recover::Never)
+            .collect();
+        let mut state = DeviceHealth {
+            conditions,
+            last_unhealthy,
+            ..DeviceHealth::default()
+        };
+        self.reschedule(&mut state, now);
+        if state.next_probe.is_some() {
+            // Whatever the quiet period left, look at the GPU soon after start: it may have been reset while
+            // the plugin was away.
+            let quiet_end = last_unhealthy.map_or(now, |t| t + self.policy.quiet_period);
+            state.next_probe = Some(quiet_end.max(now));
+        }
+        let new = self.health_of(&state);
+        let outcome = Outcome {
+            old: Health::Healthy,
+            new,
+            conditions_changed: !state.conditions.is_empty(),
+            conditions: state
+                .conditions
+                .iter()
+                .map(|c| c.kind.to_string())
+                .collect(),
+            message: message::compose(new, &state.conditions, &self.policy),
+            probe_now: false,
+        };
+        self.devices.insert(device.to_string(), state);
+        outcome
+    }
+
+    /// The last Unhealthy event on `device`, for the checkpoint.
+    pub fn last_unhealthy(&self, device: &str) -> Option<SystemTime> {
+        self.devices.get(device).and_then(|s| s.last_unhealthy)
+    }
+
+    /// How long until `deadline` from `now` (zero if past).
+    pub fn until(deadline: SystemTime, now: SystemTime) -> Duration {
+        deadline.duration_since(now).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,255 @@
+//! The IO around the health engine: takes a device source's events, asks it for probes when the engine wants
+//! them, publishes the inventory every ListAndWatch stream reads, logs each transition once, and keeps the
+//! checkpoint current.
+//!
+//! Source → `mpsc` of events → this task (engine) → `watch` of the inventory → gRPC streams; probe requests
+//! go back to the source on their own channel.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{mpsc, watch};
+use tokio::time::MissedTickBehavior;
+
+use super::checkpoint::{self, Checkpoint, Store};
+use super::{HealthEngine, Observation, Outcome, Policy};
+use crate::devices::{DeviceEvent, DeviceSource, Inventory, InventoryWatch, SourceError};
+
+/// How the monitor runs.
+#[derive(Debug, Clone)]
+pub struct MonitorConfig {
+    /// The health policy.
+    pub policy: Policy,
+    /// Where the checkpoint lives; `None` keeps state in memory only.
+    pub state_dir: Option<PathBuf>,
+    /// Where this boot's id is read.
+    pub boot_id_path: PathBuf,
+}
+
+impl MonitorConfig {
+    /// Default policy, no checkpoint.
+    pub fn in_memory() -> Self {
+        MonitorConfig {
+            policy: Policy::default(),
+            state_dir: None,
+            boot_id_path: PathBuf::from(checkpoint::DEFAULT_BOOT_ID_PATH),
+        }
+    }
+}
+
+/// Discovers the source's devices, restores their health from the checkpoint, starts the source and the
+/// monitor task. Returns the inventory watch the gRPC server reads. Must be called inside a tokio runtime.
+pub fn spawn(
+    mut source: Box<dyn DeviceSource>,
+    config: MonitorConfig,
+) -> Result<InventoryWatch, SourceError> {
+    let found = source.discover()?;
+    tracing::info!(devices = found.len(), "discovered devices");
+    let mut inventory = Inventory::new(found);
+    let mut engine = HealthEngine::new(config.policy.clone());
+    let store = config.state_dir.as_deref().map(Store::in_dir);
+    let boot_id = checkpoint::read_boot_id(&config.boot_id_path);
+    if boot_id.is_none() {
+        tracing::warn!(path = %config.boot_id_path.display(), "cannot read the boot id; reboots will not be recognised");
+    }
+    if let Some(store) = &store {
+        restore(&mut engine, &mut inventory, store, boot_id.as_deref());
+    }
+
+    let ids: Vec<String> = inventory
+        .devices()
+        .iter()
+        .map(|d| d.info.id.clone())
+        .collect();
+    let (tx, rx) = watch::channel(Arc::new(inventory));
+    // Bounded: a source that outruns the engine waits rather than growing memory.
+    let (event_tx, event_rx) = mpsc::channel(1024);
+    let (probe_tx, probe_rx) = mpsc::channel(64);
+    source.start(event_tx, probe_rx)?;
+    // A first probe of every device reads the driver's recovery action and tells whether it has one.
+    if !ids.is_empty() {
+        let _full = probe_tx.try_send(ids);
+    }
+    let monitor = Monitor {
+        engine,
+        inventory: tx,
+        probes: probe_tx,
+        store,
+        boot_id,
+    };
+    tokio::spawn(monitor.run(event_rx));
+    Ok(rx)
+}
+
+fn restore(
+    engine: &mut HealthEngine,
+    inventory: &mut Inventory,
+    store: &Store,
+    boot_id: Option<&str>,
+) {
+    let saved = match store.load() {
+        Ok(Some(saved)) => saved,
+        Ok(None) => return,
+        Err(e) => {
+            tracing::warn!(error = %e, "ignoring the health checkpoint; starting with every GPU Healthy");
+            return;
+        }
+    };
+    let rebooted =
+        matches!((saved.boot_id.as_deref(), boot_id), (Some(before), Some(now)) if before != now);
+    if rebooted {
+        tracing::info!(
+            "the node rebooted since the checkpoint; dropping conditions a reboot resolves"
+        );
+    }
+    let now = SystemTime::now();
+    for (id, record) in &saved.devices {
+        if inventory.get(id).is_none() {
+            tracing::info!(device = %id, "device in the checkpoint is gone; dropped");
+            continue;
+        }
+        let outcome = engine.restore(
+            id,
+            record.conditions(),
+            record.last_unhealthy(),
+            rebooted,
+            now,
+        );
+        if !outcome.conditions.is_empty() {
+            tracing::info!(
+                device = %id,
+                health = %outcome.new,
+                conditions = %outcome.conditions.join(","),
+                health_message = outcome.message.as_deref().unwrap_or(""),
+                "restored device health from the checkpoint"
+            );
+        }
+        inventory.set_health(id, outcome.new, outcome.message);
+    }
+}
+
+struct Monitor {
+    engine: HealthEngine,
+    inventory: watch::Sender<Arc<Inventory>>,
+    probes: mpsc::Sender<Vec<String>>,
+    store: Option<Store>,
+    boot_id: Option<String>,
+}
+
+impl Monitor {
+    async fn run(mut self, mut events: mpsc::Receiver<DeviceEvent>) {
+        self.save();
+        let mut poll = tokio::time::interval(self.engine.policy().recovery_action_interval);
+        poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        poll.tick().await;
+        loop {
+            let now = SystemTime::now();
+            let due = self.engine.due_probes(now);
+            self.probe(due);
+            let wait = self
+                .engine
+                .next_deadline()
+                .map(|d| HealthEngine::until(d, now));
+            tokio::select! {
+                event = events.recv() => match event {
+                    Some(event) => self.handle(event),
+                    None => break,
+                },
+                () = sleep(wait) => {}
+                _ = poll.tick() => {
+                    let ids = self.inventory.borrow().devices().iter()
+                        .filter(|d| self.engine.device(&d.info.id).and_then(|s| s.reports_recovery_action()) == Some(true))
+                        .map(|d| d.info.id.clone())
+                        .collect();
+                    self.probe(ids);
+                }
+            }
+        }
+    }
+
+    fn probe(&self, ids: Vec<String>) {
+        if ids.is_empty() {
+            return;
+        }
+        tracing::debug!(devices = ?ids, "probing");
+        // A full queue means probes are already on their way; the engine asks again after the probe interval.
+        let _full = self.probes.try_send(ids);
+    }
+
+    fn handle(&mut self, event: DeviceEvent) {
+        match event {
+            DeviceEvent::Observed {
+                id,
+                observation,
+                at,
+            } => {
+                if self.inventory.borrow().get(&id).is_none() {
+                    tracing::warn!(device = %id, ?observation, "event for a device that is not present; ignored");
+                    return;
+                }
+                let outcome = self.engine.observe(&id, &observation, at);
+                log(&id, &observation, &outcome);
+                if outcome.probe_now {
+                    self.probe(vec![id.clone()]);
+                }
+                let (health, message) = (outcome.new, outcome.message.clone());
+                self.publish(|inv| inv.set_health(&id, health, message));
+                if outcome.is_transition() || outcome.conditions_changed {
+                    self.save();
+                }
+            }
+            DeviceEvent::Removed(id) => {
+                self.engine.remove(&id);
+                self.publish(|inv| inv.apply(DeviceEvent::Removed(id)));
+                self.save();
+            }
+            added @ DeviceEvent::Added(_) => self.publish(|inv| inv.apply(added)),
+        }
+    }
+
+    /// Applies `change` to a copy of the inventory and publishes it if it changed anything. Readers hold the
+    /// old `Arc` until they look again.
+    fn publish(&self, change: impl FnOnce(&mut Inventory) -> bool) {
+        self.inventory.send_if_modified(|current| {
+            let mut next = Inventory::clone(current);
+            if change(&mut next) {
+                *current = Arc::new(next);
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    fn save(&self) {
+        let Some(store) = &self.store else { return };
+        if let Err(e) = store.save(&Checkpoint::of(&self.engine, self.boot_id.clone())) {
+            tracing::error!(error = %e, "cannot save the health checkpoint; a restart would forget GPU faults");
+        }
+    }
+}
+
+fn log(id: &str, observation: &Observation, outcome: &Outcome) {
+    if outcome.is_transition() {
+        tracing::info!(
+            device = %id,
+            old = %outcome.old,
+            new = %outcome.new,
+            conditions = %outcome.conditions.join(","),
+            health_message = outcome.message.as_deref().unwrap_or(""),
+            "device health changed"
+        );
+    } else if outcome.conditions_changed {
+        tracing::info!(device = %id, health = %outcome.new, conditions = %outcome.conditions.join(","), "device conditions changed");
+    } else {
+        tracing::debug!(device = %id, ?observation, health = %outcome.new, "observation recorded");
+    }
+}
+
+async fn sleep(wait: Option<Duration>) {
+    match wait {
+        Some(wait) => tokio::time::sleep(wait).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,365 @@
+//! Health engine policies, each with an injected clock.
+
+use std::time::{Duration, SystemTime};
+
+use super::policy::{HealthConfig, Policy};
+use super::*;
+
+const GPU: &str = "GPU-a";
+
+fn t(secs: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000 + secs)
+}
+
+fn engine(yaml: &str) -> HealthEngine {
+    let config: HealthConfig = serde_norway::from_str(yaml).unwrap_or_default();
+    HealthEngine::new(Policy::new(&config, None, None).unwrap_or_default())
+}
+
+fn answered(action: Option<u32>) -> Observation {
+    Observation::Probe(ProbeResult::Answered {
+        recovery_action: action,
+    })
+}
+
+/// Quiet period 10 min, probe interval 30 s (the defaults).
+fn default_engine() -> HealthEngine {
+    engine("{}")
+}
+
+#[test]
+fn recovery_action_reported_by_the_driver_makes_the_gpu_unhealthy_until_it_returns_to_none() {
+    let mut e = default_engine();
+    let announced = e.observe(GPU, &Observation::Xid(154), t(0));
+    assert!(
+        announced.probe_now,
+        "XID 154 asks for the recovery action to be read"
+    );
+    assert_eq!(
+        announced.new,
+        Health::Healthy,
+        "XID 154 alone decides nothing"
+    );
+    let reset = e.observe(GPU, &answered(Some(1)), t(1));
+    assert_eq!(reset.new, Health::Unhealthy);
+    assert!(
+        reset
+            .message
+            .is_some_and(|m| m.contains("GPU reset required"))
+    );
+    // Back to None: Healthy at once, no quiet period; the XID it followed is cleared with it.
+    e.observe(GPU, &Observation::Xid(154), t(2));
+    let back = e.observe(GPU, &answered(Some(0)), t(3));
+    assert_eq!((back.old, back.new), (Health::Unhealthy, Health::Healthy));
+    assert!(back.conditions.is_empty(), "{:?}", back.conditions);
+}
+
+#[test]
+fn the_driver_is_the_authority_over_the_quiet_period() {
+    let mut e = default_engine();
+    e.observe(GPU, &Observation::Xid(79), t(0));
+    e.observe(GPU, &answered(Some(2)), t(1));
+    // Long after the quiet period, the driver still asks for a reboot: still Unhealthy.
+    assert_eq!(
+        e.observe(GPU, &answered(Some(2)), t(3600)).new,
+        Health::Unhealthy
+    );
+    assert_eq!(
+        e.observe(GPU, &answered(Some(0)), t(3601)).new,
+        Health::Healthy
+    );
+}
+
+#[test]
+fn a_reset_class_xid_recovers_after_the_quiet_period_and_a_successful_probe() {
+    let mut e = default_engine();
+    assert_eq!(
+        e.observe(GPU, &Observation::Xid(109), t(0)).new,
+        Health::Unhealthy
+    );
+    assert_eq!(
+        e.next_deadline(),
+        Some(t(600)),
+        "first probe when the quiet period ends"
+    );
+    assert!(e.due_probes(t(599)).is_empty());
+    // A probe before the quiet period is over changes nothing (driver without the field).
+    assert_eq!(
+        e.observe(GPU, &answered(None), t(300)).new,
+        Health::Unhealthy
+    );
+    assert_eq!(e.due_probes(t(600)), vec![GPU.to_string()]);
+    let recovered = e.observe(GPU, &answered(None), t(601));
+    assert_eq!(
+        (recovered.old, recovered.new),
+        (Health::Unhealthy, Health::Healthy)
+    );
+    assert_eq!(recovered.message, None);
+    assert_eq!(e.next_deadline(), None, "nothing left to probe");
+}
+
+#[test]
+fn a_new_fault_during_the_quiet_period_starts_it_again() {
+    let mut e = default_engine();
+    e.observe(GPU, &Observation::Xid(109), t(0));
+    e.observe(GPU, &Observation::DoubleBitEcc, t(500));
+    assert_eq!(
+        e.observe(GPU, &answered(None), t(700)).new,
+        Health::Unhealthy
+    );
+    assert_eq!(
+        e.observe(GPU, &answered(None), t(1100)).new,
+        Health::Healthy
+    );
+}
+
+#[test]
+fn harmless_events_do_not_delay_recovery() {
+    let mut e = default_engine();
+    e.observe(GPU, &Observation::Xid(109), t(0));
+    e.observe(GPU, &Observation::Xid(13), t(590));
+    assert_eq!(e.observe(GPU, &answered(None), t(601)).new, Health::Healthy);
+}
+
+#[test]
+fn a_lost_gpu_recovers_only_once_it_answers_again() {
+    let mut e = default_engine();
+    e.observe(GPU, &Observation::GpuLost, t(0));
+    // Probes keep failing while the GPU is off the bus, and each failure is a new lost event.
+    assert_eq!(
+        e.observe(GPU, &Observation::Probe(ProbeResult::Lost), t(600))
+            .new,
+        Health::Unhealthy
+    );
+    assert_eq!(
+        e.observe(GPU, &Observation::Probe(ProbeResult::Lost), t(630))
+            .new,
+        Health::Unhealthy
+    );
+    // Answering within the quiet period after the last failure is not enough either.
+    assert_eq!(
+        e.observe(GPU, &answered(None), t(700)).new,
+        Health::Unhealthy
+    );
+    assert_eq!(
+        e.observe(GPU, &answered(None), t(1230)).new,
+        Health::Healthy
+    );
+}
+
+#[test]
+fn a_failed_probe_is_retried_after_the_probe_interval() {
+    let mut e = default_engine();
+    e.observe(GPU, &Observation::Xid(109), t(0));
+    assert_eq!(e.due_probes(t(600)).len(), 1);
+    assert!(e.due_probes(t(610)).is_empty(), "already asked");
+    e.observe(
+        GPU,
+        &Observation::Probe(ProbeResult::Failed("timeout".into())),
+        t(611),
+    );
+    assert_eq!(
+        e.due_probes(t(630)).len(),
+        1,
+        "asked again one probe interval later"
+    );
+}
+
+#[test]
+fn recover_never_holds_against_probes_and_the_driver() {
+    let mut e = engine("conditions:\n  xid-79: {recover: never}\n");
+    e.observe(GPU, &Observation::Xid(79), t(0));
+    e.observe(GPU, &Observation::Xid(109), t(0));
+    assert_eq!(
+        e.next_deadline(),
+        Some(t(600)),
+        "the XID 109 may still recover"
+    );
+    e.observe(GPU, &answered(Some(1)), t(1));
+    let after = e.observe(GPU, &answered(Some(0)), t(2));
+    assert_eq!(after.new, Health::Unhealthy);
+    assert_eq!(
+        after.conditions,
+        vec!["xid=79".to_string()],
+        "109 cleared, 79 held"
+    );
+    assert_eq!(
+        e.observe(GPU, &answered(None), t(100_000)).new,
+        Health::Unhealthy
+    );
+}
+
+#[test]
+fn a_single_bit_ecc_burst_is_recorded_but_keeps_the_gpu_healthy() {
+    let mut e = engine("sbeBurst: {count: 3, window: 1m}\n");
+    for s in [0, 10, 20] {
+        assert!(
+            e.observe(GPU, &Observation::SingleBitEcc, t(s))
+                .conditions
+                .is_empty()
+        );
+    }
+    let burst = e.observe(GPU, &Observation::SingleBitEcc, t(30));
+    assert_eq!(burst.conditions, vec!["ecc-sbe-burst".to_string()]);
+    assert_eq!(burst.new, Health::Healthy);
+    // Spread out, the same number is no burst.
+    let mut e = engine("sbeBurst: {count: 3, window: 1m}\n");
+    for s in [0, 61, 122, 183] {
+        assert!(
+            e.observe(GPU, &Observation::SingleBitEcc, t(s))
+                .conditions
+                .is_empty()
+        );
+    }
+}
+
+#[test]
+fn restoring_after_a_plugin_restart_keeps_an_unhealthy_gpu_unhealthy_with_its_message() {
+    let mut before = default_engine();
+    before.observe(GPU, &Observation::Xid(79), t(0));
+    let message = before.message(GPU);
+    let conditions = before
+        .device(GPU)
+        .map(|d| d.conditions().to_vec())
+        .unwrap_or_default();
+    let mut after = default_engine();
+    let restored = after.restore(GPU, conditions, before.last_unhealthy(GPU), false, t(60));
+    assert_eq!(restored.new, Health::Unhealthy);
+    assert_eq!(restored.message, message);
+    assert_eq!(
+        after.next_deadline(),
+        Some(t(600)),
+        "recovery keeps its schedule"
+    );
+}
+
+#[test]
+fn a_new_boot_drops_what_a_reboot_resolves_but_not_recover_never() {
+    let mut before = engine("conditions:\n  ecc-dbe: {recover: never}\n");
+    before.observe(GPU, &Observation::Xid(79), t(0));
+    before.observe(GPU, &Observation::DoubleBitEcc, t(1));
+    let conditions = before
+        .device(GPU)
+        .map(|d| d.conditions().to_vec())
+        .unwrap_or_default();
+    let mut after = engine("conditions:\n  ecc-dbe: {recover: never}\n");
+    let restored = after.restore(
+        GPU,
+        conditions.clone(),
+        before.last_unhealthy(GPU),
+        true,
+        t(60),
+    );
+    assert_eq!(restored.conditions, vec!["ecc-dbe".to_string()]);
+    let mut plain = default_engine();
+    assert_eq!(
+        plain.restore(GPU, conditions, None, true, t(60)).new,
+        Health::Healthy
+    );
+}
+
+#[test]
+fn the_message_for_xid_79_says_what_happened_what_to_do_and_when() {
+    let mut e = default_engine();
+    e.observe(GPU, &Observation::Xid(79), t(0));
+    let m = e
+        .observe(GPU, &Observation::Xid(79), t(90))
+        .message
+        .unwrap_or_default();
+    assert!(
+        m.starts_with("Unhealthy: XID 79: the GPU has fallen off the bus"),
+        "{m}"
+    );
+    assert!(m.contains("drain and reboot the node"), "{m}");
+    assert!(
+        m.contains("seen 2 times, first 2027-01-15T08:00:00Z, last 2027-01-15T08:01:30Z"),
+        "{m}"
+    );
+}
+
+#[test]
+fn the_messages_for_dbe_and_a_lost_gpu_say_what_to_do() {
+    let mut e = default_engine();
+    let dbe = e
+        .observe(GPU, &Observation::DoubleBitEcc, t(0))
+        .message
+        .unwrap_or_default();
+    assert!(
+        dbe.contains(
+            "double-bit (uncorrectable) ECC error (ecc-dbe), seen once at 2027-01-15T08:00:00Z"
+        ),
+        "{dbe}"
+    );
+    assert!(dbe.contains("reset it"), "{dbe}");
+    let lost = e
+        .observe("GPU-b", &Observation::GpuLost, t(0))
+        .message
+        .unwrap_or_default();
+    assert!(
+        lost.contains("stopped answering (GPU is lost) (gpu-lost)")
+            && lost.contains("reboot the node"),
+        "{lost}"
+    );
+}
+
+#[test]
+fn recorded_conditions_are_in_the_message_but_say_they_do_not_affect_health() {
+    let mut e = default_engine();
+    let m = e.observe(GPU, &Observation::Xid(13), t(0));
+    assert_eq!(m.new, Health::Healthy);
+    let text = m.message.unwrap_or_default();
+    assert!(
+        text.starts_with("Healthy: Also recorded, not affecting health: XID 13"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_long_history_is_cut_at_1024_characters_with_an_ellipsis() {
+    let mut e = engine(
+        "criticalXids: [1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008, 1009, 1010]\n",
+    );
+    let mut last = None;
+    for xid in 1000..1011 {
+        last = e.observe(GPU, &Observation::Xid(xid), t(xid)).message;
+    }
+    let m = last.unwrap_or_default();
+    assert_eq!(m.chars().count(), 1024);
+    assert!(m.ends_with("..."));
+    assert!(m.starts_with("Unhealthy: XID 1000"));
+}
+
+#[test]
+fn an_unmonitored_gpu_stays_healthy_and_says_why() {
+    let mut e = default_engine();
+    let m = e.observe(
+        GPU,
+        &Observation::Unmonitored("NVML refused the event registration".into()),
+        t(0),
+    );
+    assert_eq!(m.new, Health::Healthy);
+    assert!(
+        m.message
+            .is_some_and(|m| m.contains("NVML refused the event registration"))
+    );
+}
+
+#[test]
+fn the_nvidia_policy_and_dp_variables_change_xid_effects_in_the_engine() {
+    let config: HealthConfig = serde_norway::from_str("xidPolicy: nvidia").unwrap_or_default();
+    let policy = Policy::new(&config, None, Some("13")).unwrap_or_default();
+    let mut e = HealthEngine::new(policy);
+    assert_eq!(
+        e.observe("a", &Observation::Xid(13), t(0)).new,
+        Health::Unhealthy,
+        "forced on"
+    );
+    assert_eq!(
+        e.observe("b", &Observation::Xid(94), t(0)).new,
+        Health::Unhealthy
+    );
+    assert_eq!(
+        e.observe("c", &Observation::Xid(109), t(0)).new,
+        Health::Healthy
+    );
+}
