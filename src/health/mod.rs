@@ -360,11 +360,12 @@ impl HealthEngine {
         match recovery_action {
             Some(0) if had_action => {
                 // The driver says the GPU is usable again: it is the authority.
-                state.conditions.retain(|c| {
-                    !matches!(c.kind, ConditionKind::RecoveryAction(_))
-                        && !(self.policy.recover(&c.kind) == Recover::Auto
+                let clears = |c: &Condition| {
+                    matches!(c.kind, ConditionKind::RecoveryAction(_))
+                        || (self.policy.recover(&c.kind) == Recover::Auto
                             && c.kind.cleared_by_quiet_probe())
-                });
+                };
+                state.conditions.retain(|c| !clears(c));
             }
             Some(0) | None => {}
             Some(action) => {
