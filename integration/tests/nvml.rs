@@ -4,85 +4,11 @@
 
 mod support;
 
-use std::path::PathBuf;
-
-use fake_kubelet::{FakeKubelet, ListState};
-use support::{PluginProcess, TestResult, WAIT, append, fake_nvml_lib, peak_rss_kib};
+use fake_kubelet::FakeKubelet;
+use support::{
+    NvmlNode, PluginProcess, TestResult, WAIT, fake_nvml_gpu as gpu, fake_nvml_lib, peak_rss_kib,
+};
 use tonic::Code;
-
-/// UUID of the fake library's default GPU `index` (four when no config is given).
-fn gpu(index: usize) -> String {
-    format!("GPU-fa4e0000-0000-4000-8000-{index:012x}")
-}
-
-/// A fake kubelet and the plugin binary on the fake NVML library, registered and listing.
-struct NvmlNode {
-    kubelet: FakeKubelet,
-    plugin: PluginProcess,
-    events: PathBuf,
-    /// Kept for its Drop: the directory lives as long as the node.
-    _dir: tempfile::TempDir,
-}
-
-impl NvmlNode {
-    async fn start(
-        config: Option<&str>,
-        extra: &[&str],
-    ) -> Result<Self, Box<dyn std::error::Error>> {
-        let dir = tempfile::tempdir()?;
-        let kubelet_dir = dir.path().join("device-plugins");
-        std::fs::create_dir(&kubelet_dir)?;
-        let events = dir.path().join("events");
-        std::fs::write(&events, "")?;
-        let mut envs = vec![("FAKE_NVML_EVENTS", events.as_path())];
-        let config_path = dir.path().join("gpus.json");
-        if let Some(config) = config {
-            std::fs::write(&config_path, config)?;
-            envs.push(("FAKE_NVML_CONFIG", config_path.as_path()));
-        }
-        let lib = fake_nvml_lib();
-        let mut args = vec!["--nvml-lib", lib.to_str().unwrap()];
-        args.extend_from_slice(extra);
-        let kubelet = FakeKubelet::start(&kubelet_dir).await?;
-        let plugin = PluginProcess::spawn_with_env(&kubelet_dir, &args, &envs);
-        kubelet
-            .wait_list("first list", WAIT, |l| !l.devices.is_empty())
-            .await
-            .map_err(|e| format!("{e}\n{}", plugin.log()))?;
-        Ok(NvmlNode {
-            kubelet,
-            plugin,
-            events,
-            _dir: dir,
-        })
-    }
-
-    fn inject(&self, lines: &[String]) {
-        append(&self.events, lines);
-    }
-
-    async fn wait_unhealthy(&self, id: &str) -> Result<ListState, Box<dyn std::error::Error>> {
-        let what = format!("{id} unhealthy");
-        Ok(self
-            .kubelet
-            .wait_list(&what, WAIT, |l| l.health(id) == Some("Unhealthy"))
-            .await
-            .map_err(|e| format!("{e}\n{}", self.plugin.log()))?)
-    }
-
-    /// Injects `lines` on GPU 0, then XID 79 on GPU 3 as a marker: events are handled in order, so once the
-    /// kubelet sees GPU 3 Unhealthy, every earlier line has had its effect. Returns GPU 0's health then.
-    async fn health_of_gpu0_after(
-        &self,
-        lines: &[String],
-    ) -> Result<String, Box<dyn std::error::Error>> {
-        let mut all = lines.to_vec();
-        all.push(format!("xid {} 79", gpu(3)));
-        self.inject(&all);
-        let list = self.wait_unhealthy(&gpu(3)).await?;
-        Ok(list.health(&gpu(0)).unwrap_or("missing").to_string())
-    }
-}
 
 #[tokio::test]
 async fn xid_79_reaches_the_kubelet_as_unhealthy_and_allocate_refuses_the_gpu() -> TestResult {

@@ -415,9 +415,12 @@ async fn read_list_and_watch(
     shared: Arc<Shared>,
     registration: usize,
 ) {
+    // A new stream starts from nothing: the kubelet knows only what this plugin instance sends.
     shared.lists.send_modify(|s| {
         s.registration = registration;
         s.messages = 0;
+        s.devices.clear();
+        s.received_at = None;
         s.ended = None;
     });
     let mut stream = match client.list_and_watch(Empty {}).await {

@@ -44,11 +44,12 @@ impl PluginProcess {
         let state = tempfile::tempdir().expect("temp dir");
         let log = state.path().join("plugin.log");
         let log_file = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
-            .arg("--kubelet-dir")
-            .arg(kubelet_dir)
-            .arg("--state-dir")
-            .arg(state.path().join("state"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"));
+        command.arg("--kubelet-dir").arg(kubelet_dir);
+        if !args.contains(&"--state-dir") {
+            command.arg("--state-dir").arg(state.path().join("state"));
+        }
+        let child = command
             .args(args)
             .env("RUST_LOG", "debug")
             .envs(envs.iter().map(|(k, v)| (*k, v.as_os_str())))
@@ -251,4 +252,155 @@ pub fn peak_rss_kib(pid: u32) -> Option<u64> {
         .lines()
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// UUID of the fake library's default GPU `index` (four when no config is given).
+pub fn fake_nvml_gpu(index: usize) -> String {
+    format!("GPU-fa4e0000-0000-4000-8000-{index:012x}")
+}
+
+/// A fake kubelet and the plugin binary on the fake NVML library, registered and listing. The plugin keeps
+/// its state (checkpoint) and boot id file in the node's directory, so it can be restarted as on a node.
+pub struct NvmlNode {
+    pub kubelet: fake_kubelet::FakeKubelet,
+    pub plugin: PluginProcess,
+    pub events: PathBuf,
+    pub dir: tempfile::TempDir,
+    envs: Vec<(&'static str, PathBuf)>,
+    extra: Vec<String>,
+}
+
+impl NvmlNode {
+    /// Starts with the fake's GPUs from `config` (JSON; default four) and `extra` plugin arguments (a
+    /// `--config FILE` argument may name `{dir}`, the node's directory).
+    pub async fn start(
+        config: Option<&str>,
+        extra: &[&str],
+    ) -> Result<Self, Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let kubelet_dir = dir.path().join("device-plugins");
+        std::fs::create_dir(&kubelet_dir)?;
+        let events = dir.path().join("events");
+        std::fs::write(&events, "")?;
+        std::fs::write(dir.path().join("boot_id"), "boot-1\n")?;
+        let mut envs = vec![("FAKE_NVML_EVENTS", events.clone())];
+        if let Some(config) = config {
+            let path = dir.path().join("gpus.json");
+            std::fs::write(&path, config)?;
+            envs.push(("FAKE_NVML_CONFIG", path));
+        }
+        let extra: Vec<String> = extra
+            .iter()
+            .map(|a| a.replace("{dir}", &dir.path().to_string_lossy()))
+            .collect();
+        let kubelet = fake_kubelet::FakeKubelet::start(&kubelet_dir).await?;
+        let plugin = Self::spawn_plugin(dir.path(), &envs, &extra);
+        let node = NvmlNode {
+            kubelet,
+            plugin,
+            events,
+            dir,
+            envs,
+            extra,
+        };
+        node.wait_registered(1).await?;
+        Ok(node)
+    }
+
+    fn spawn_plugin(
+        dir: &Path,
+        envs: &[(&'static str, PathBuf)],
+        extra: &[String],
+    ) -> PluginProcess {
+        let lib = fake_nvml_lib();
+        let state = dir.join("state");
+        let boot_id = dir.join("boot_id");
+        let mut args = vec![
+            "--nvml-lib",
+            lib.to_str().expect("utf-8 path"),
+            "--state-dir",
+            state.to_str().expect("utf-8 path"),
+            "--boot-id-file",
+            boot_id.to_str().expect("utf-8 path"),
+        ];
+        args.extend(extra.iter().map(String::as_str));
+        let envs: Vec<(&str, &Path)> = envs.iter().map(|(k, v)| (*k, v.as_path())).collect();
+        PluginProcess::spawn_with_env(&dir.join("device-plugins"), &args, &envs)
+    }
+
+    async fn wait_registered(
+        &self,
+        registration: usize,
+    ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
+        Ok(self
+            .kubelet
+            .wait_list("first list", WAIT, |l| {
+                l.registration == registration && l.messages >= 1
+            })
+            .await
+            .map_err(|e| format!("{e}\n{}", self.plugin.log()))?)
+    }
+
+    /// Stops the plugin with SIGTERM and starts it again on the same state; returns the first list the
+    /// kubelet gets from the new process.
+    pub async fn restart_plugin(
+        &mut self,
+    ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
+        self.plugin.signal(nix::sys::signal::Signal::SIGTERM);
+        self.plugin
+            .wait_exit(WAIT)
+            .await
+            .ok_or("plugin did not stop")?;
+        let next = self.kubelet.registrations().len() + 1;
+        self.plugin = Self::spawn_plugin(self.dir.path(), &self.envs, &self.extra);
+        self.wait_registered(next).await
+    }
+
+    pub fn inject(&self, lines: &[String]) {
+        append(&self.events, lines);
+    }
+
+    pub async fn wait_health(
+        &self,
+        id: &str,
+        health: &str,
+    ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
+        let what = format!("{id} {health}");
+        Ok(self
+            .kubelet
+            .wait_list(&what, WAIT, |l| l.health(id) == Some(health))
+            .await
+            .map_err(|e| format!("{e}\n{}", self.plugin.log()))?)
+    }
+
+    pub async fn wait_unhealthy(
+        &self,
+        id: &str,
+    ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
+        self.wait_health(id, "Unhealthy").await
+    }
+
+    /// Injects `lines`, then XID 79 on GPU 3 as a marker: events are handled in order, so once the kubelet
+    /// sees GPU 3 Unhealthy, every earlier line has had its effect. Returns the list then.
+    pub async fn list_after(
+        &self,
+        lines: &[String],
+    ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
+        let mut all = lines.to_vec();
+        all.push(format!("xid {} 79", fake_nvml_gpu(3)));
+        self.inject(&all);
+        self.wait_unhealthy(&fake_nvml_gpu(3)).await
+    }
+
+    /// GPU 0's health after `lines` (see [`NvmlNode::list_after`]).
+    pub async fn health_of_gpu0_after(
+        &self,
+        lines: &[String],
+    ) -> Result<String, Box<dyn std::error::Error>> {
+        let list = self.list_after(lines).await?;
+        Ok(list
+            .health(&fake_nvml_gpu(0))
+            .unwrap_or("missing")
+            .to_string())
+    }
 }
