@@ -520,3 +520,35 @@ mod tests {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod readme_tests {
+    use super::*;
+
+    /// The health config example in the README is what operators copy: it must load as written.
+    #[test]
+    fn the_readme_health_config_example_loads() -> Result<(), Box<dyn std::error::Error>> {
+        let readme = include_str!("../README.md");
+        let start = readme
+            .find("```yaml\nhealth:")
+            .ok_or("no health example in README.md")?
+            + "```yaml\n".len();
+        let end = start + readme[start..].find("```").ok_or("unterminated example")?;
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("config.yaml");
+        std::fs::write(&file, &readme[start..end])?;
+        let argv = [
+            "gpu-device-plugin",
+            "--config",
+            file.to_str().ok_or("path")?,
+        ];
+        let settings = Settings::from_args(argv)??;
+        let policy = &settings.monitor.policy;
+        assert_eq!(policy.quiet_period, std::time::Duration::from_secs(600));
+        assert_eq!(
+            policy.recover(&crate::health::ConditionKind::Xid(79)),
+            crate::health::Recover::Never
+        );
+        Ok(())
+    }
+}
