@@ -1,0 +1,126 @@
+//! Benchmarks a kubelet device plugin for NVIDIA GPUs — ours by default, or any other given by its command
+//! line — the same way for every plugin: the fake kubelet plays the kubelet, the fake libnvidia-ml plays the
+//! GPUs (first on the child's LD_LIBRARY_PATH as `libnvidia-ml.so.1`), faults are appended to its event file.
+//!
+//! Measures: fault → kubelet, kubelet restart → Register, start-up, idle footprint, event storm, Allocate
+//! latency, and footprint after many kubelet restarts. Prints a Markdown table and writes JSON.
+//! See BENCHMARKS.md.
+
+mod measure;
+mod report;
+mod rig;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+
+use report::Report;
+use rig::Rig;
+
+/// Command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "bench",
+    about = "Benchmark a GPU device plugin against the fake kubelet and fake NVML"
+)]
+pub(crate) struct Args {
+    /// Plugin command line; `{kubelet_dir}` and `{state_dir}` are replaced [default: this workspace's
+    /// gpu-device-plugin --kubelet-dir {kubelet_dir} --state-dir {state_dir}]
+    #[arg(long)]
+    pub(crate) plugin_cmd: Option<String>,
+    /// Device plugin directory the fake kubelet serves [default: a temporary directory]
+    #[arg(long)]
+    pub(crate) kubelet_dir: Option<PathBuf>,
+    /// GPUs the fake library reports
+    #[arg(long, default_value_t = 8)]
+    pub(crate) devices: usize,
+    /// GPUs for the second fault → kubelet run (0 skips it)
+    #[arg(long, default_value_t = 512)]
+    pub(crate) large_devices: usize,
+    /// Small counts, to prove the harness works (CI); asserts results exist and final states are right
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// Write the results as JSON here
+    #[arg(long)]
+    pub(crate) json: Option<PathBuf>,
+}
+
+/// How many of each, full or quick.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Counts {
+    pub(crate) faults: usize,
+    pub(crate) restarts: usize,
+    pub(crate) starts: usize,
+    pub(crate) idle: Duration,
+    pub(crate) storm_rate: u32,
+    pub(crate) storm: Duration,
+    pub(crate) allocates: usize,
+    pub(crate) soak_restarts: usize,
+}
+
+impl Counts {
+    fn new(quick: bool) -> Self {
+        if quick {
+            Counts {
+                faults: 10,
+                restarts: 5,
+                starts: 3,
+                idle: Duration::from_secs(2),
+                storm_rate: 2_000,
+                storm: Duration::from_secs(1),
+                allocates: 50,
+                soak_restarts: 10,
+            }
+        } else {
+            Counts {
+                faults: 200,
+                restarts: 100,
+                starts: 20,
+                idle: Duration::from_secs(30),
+                storm_rate: 10_000,
+                storm: Duration::from_secs(10),
+                allocates: 1_000,
+                soak_restarts: 300,
+            }
+        }
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args).await {
+        Ok(report) => {
+            print!("{}", report.markdown());
+            if let Some(path) = &args.json
+                && let Err(e) = std::fs::write(path, report.json())
+            {
+                eprintln!("bench: cannot write {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+            let problems = report.problems();
+            if problems.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                for p in problems {
+                    eprintln!("bench: {p}");
+                }
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            eprintln!("bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: &Args) -> anyhow::Result<Report> {
+    let counts = Counts::new(args.quick);
+    let rig = Rig::new(args).await?;
+    let mut report = Report::new(&rig.plugin_command(), args.quick);
+    measure::all(&rig, args, counts, &mut report).await?;
+    Ok(report)
+}

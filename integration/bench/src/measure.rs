@@ -1,0 +1,366 @@
+//! The measures. Each waits for what the kubelet side receives — never for the plugin's logs — so any plugin
+//! can be measured.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+use crate::report::Report;
+use crate::rig::{Plugin, Rig, WAIT, uuid};
+use crate::{Args, Counts};
+
+/// XIDs every plugin's default policy ignores (NVIDIA's list and the catalog agree): storm material.
+const HARMLESS_XIDS: [u64; 3] = [13, 31, 43];
+
+pub(crate) async fn all(
+    rig: &Rig,
+    args: &Args,
+    counts: Counts,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let mut registrations = rig.kubelet.lock().await.registrations().len();
+    let devices = args.devices.max(1);
+
+    // 3. start-up
+    let (mut to_register, mut to_list) = (Vec::new(), Vec::new());
+    for _ in 0..counts.starts {
+        let spawned = Instant::now();
+        let plugin = rig.spawn(devices)?;
+        registrations += 1;
+        let (registered, listed) = rig.wait_registered(registrations, &plugin).await?;
+        to_register.push(registered.saturating_duration_since(spawned));
+        to_list.push(listed.saturating_duration_since(spawned));
+        plugin.stop().await;
+    }
+    report.latency("start-up: spawn → Register received", &to_register);
+    report.latency("start-up: spawn → first ListAndWatch list", &to_list);
+
+    let plugin = rig.spawn(devices)?;
+    registrations += 1;
+    rig.wait_registered(registrations, &plugin).await?;
+    let pid = plugin.pid();
+
+    // 6. Allocate
+    let mut allocs = Vec::with_capacity(counts.allocates);
+    {
+        let kubelet = rig.kubelet.lock().await;
+        for i in 0..counts.allocates {
+            let id = uuid(i % devices);
+            let started = Instant::now();
+            kubelet.allocate(&[&[id.as_str()]]).await.with_context(|| {
+                format!("Allocate of {id} failed; plugin log:\n{}", plugin.log())
+            })?;
+            allocs.push(started.elapsed());
+        }
+    }
+    report.latency("Allocate, 1 device", &allocs);
+
+    // 2. kubelet restart → Register
+    let restarts = restart_kubelet(rig, &plugin, counts.restarts, &mut registrations).await?;
+    report.latency("kubelet restart → Register received", &restarts);
+
+    // 4. idle footprint
+    let before = ProcSample::read(pid)?;
+    tokio::time::sleep(counts.idle).await;
+    let after = ProcSample::read(pid)?;
+    let secs = counts.idle.as_secs_f64();
+    report.value("idle: RSS", after.rss_kib as f64 / 1024.0, "MiB");
+    report.value("idle: threads", after.threads as f64, "");
+    report.value(
+        &format!("idle: CPU time over {secs:.0} s"),
+        (after.cpu - before.cpu).as_secs_f64() * 1000.0,
+        "ms",
+    );
+    report.value(
+        "idle: voluntary context switches (wake-ups)",
+        (after
+            .voluntary_switches
+            .saturating_sub(before.voluntary_switches)) as f64
+            / secs,
+        "/s",
+    );
+
+    // 7. footprint after many kubelet restarts
+    rss_after_restarts(
+        rig,
+        &plugin,
+        counts.soak_restarts,
+        &mut registrations,
+        report,
+    )
+    .await?;
+
+    // 5. event storm
+    storm(rig, &plugin, devices, counts, report).await?;
+    plugin.stop().await;
+
+    // 1. fault → kubelet
+    for n in [devices, args.large_devices] {
+        if n == 0 {
+            continue;
+        }
+        let (samples, missed) = fault_latency(rig, n, counts.faults, &mut registrations).await?;
+        report.latency(
+            &format!("fault (XID 79) → kubelet sees Unhealthy, {n} GPUs"),
+            &samples,
+        );
+        report.check(
+            &format!("every fault seen, {n} GPUs"),
+            missed == 0,
+            format!("{} of {}", samples.len(), counts.faults),
+        );
+    }
+    Ok(())
+}
+
+async fn restart_kubelet(
+    rig: &Rig,
+    plugin: &Plugin,
+    count: usize,
+    registrations: &mut usize,
+) -> anyhow::Result<Vec<Duration>> {
+    let mut samples = Vec::with_capacity(count);
+    let mut kubelet = rig.kubelet.lock().await;
+    for i in 0..count {
+        let (_, took) = kubelet.restart_and_wait(WAIT).await.with_context(|| {
+            format!(
+                "restart {}: no registration; plugin log:\n{}",
+                i + 1,
+                plugin.log()
+            )
+        })?;
+        *registrations += 1;
+        let n = *registrations;
+        kubelet
+            .wait_list("list after restart", WAIT, |l| {
+                l.registration == n && l.messages >= 1
+            })
+            .await
+            .with_context(|| {
+                format!("restart {}: no list; plugin log:\n{}", i + 1, plugin.log())
+            })?;
+        samples.push(took);
+    }
+    Ok(samples)
+}
+
+async fn rss_after_restarts(
+    rig: &Rig,
+    plugin: &Plugin,
+    count: usize,
+    registrations: &mut usize,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let before = ProcSample::read(plugin.pid())?;
+    restart_kubelet(rig, plugin, count, registrations).await?;
+    let after = ProcSample::read(plugin.pid())?;
+    report.value(
+        &format!("before {count} kubelet restarts: RSS"),
+        before.rss_kib as f64 / 1024.0,
+        "MiB",
+    );
+    report.value(
+        &format!("after {count} kubelet restarts: RSS"),
+        after.rss_kib as f64 / 1024.0,
+        "MiB",
+    );
+    report.value(
+        &format!("before {count} kubelet restarts: threads"),
+        before.threads as f64,
+        "",
+    );
+    report.value(
+        &format!("after {count} kubelet restarts: threads"),
+        after.threads as f64,
+        "",
+    );
+    Ok(())
+}
+
+async fn storm(
+    rig: &Rig,
+    plugin: &Plugin,
+    devices: usize,
+    counts: Counts,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let messages_before = rig.kubelet.lock().await.list().total_messages;
+    let events = rig.events();
+    let rate = counts.storm_rate as usize;
+    let duration = counts.storm;
+    // Paced in 1 ms slices: a load generator, not synchronisation.
+    let written = tokio::task::spawn_blocking(move || -> anyhow::Result<usize> {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new().append(true).open(&events)?;
+        let per_ms = (rate / 1000).max(1);
+        let slices = duration.as_millis() as usize;
+        let start = Instant::now();
+        let mut n = 0;
+        for slice in 0..slices {
+            let mut text = String::new();
+            for _ in 0..per_ms {
+                text.push_str(&format!(
+                    "xid {} {}\n",
+                    uuid(n % devices),
+                    HARMLESS_XIDS[n % HARMLESS_XIDS.len()]
+                ));
+                n += 1;
+            }
+            file.write_all(text.as_bytes())?;
+            let next = start + Duration::from_millis(slice as u64 + 1);
+            if let Some(wait) = next.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+        }
+        Ok(n)
+    })
+    .await??;
+    let target = uuid(0);
+    let fatal_at = Instant::now();
+    rig.inject(&[format!("xid {target} 79")])?;
+    let kubelet = rig.kubelet.lock().await;
+    let list = kubelet
+        .wait_list("the fatal XID after the storm", WAIT, |l| {
+            l.health(&target) == Some("Unhealthy")
+        })
+        .await
+        .with_context(|| format!("the fatal XID never arrived; plugin log:\n{}", plugin.log()))?;
+    let fatal = list
+        .received_at
+        .map(|t| t.saturating_duration_since(fatal_at));
+    let sample = ProcSample::read(plugin.pid())?;
+    report.value(
+        &format!("storm: XID events written ({} /s)", counts.storm_rate),
+        written as f64,
+        "",
+    );
+    report.value(
+        "storm: ListAndWatch messages received",
+        (list.total_messages - messages_before) as f64,
+        "",
+    );
+    report.value(
+        "storm: peak RSS (VmHWM)",
+        sample.hwm_kib as f64 / 1024.0,
+        "MiB",
+    );
+    report.latency(
+        "storm: final fatal XID → kubelet sees Unhealthy",
+        &fatal.into_iter().collect::<Vec<_>>(),
+    );
+    let wrong: Vec<String> = (0..devices)
+        .filter_map(|i| {
+            let id = uuid(i);
+            let want = if i == 0 { "Unhealthy" } else { "Healthy" };
+            (list.health(&id) != Some(want)).then(|| format!("{id} is {:?}", list.health(&id)))
+        })
+        .collect();
+    let exact = wrong.is_empty() && list.devices.len() == devices;
+    report.check("storm: final list exactly right", exact, wrong.join(", "));
+    Ok(())
+}
+
+async fn fault_latency(
+    rig: &Rig,
+    devices: usize,
+    count: usize,
+    registrations: &mut usize,
+) -> anyhow::Result<(Vec<Duration>, usize)> {
+    let mut samples = Vec::with_capacity(count);
+    let mut missed = 0;
+    // Each GPU faults once per plugin instance (a plugin need not recover), so a run needs a fresh instance
+    // every `devices` faults.
+    while samples.len() + missed < count {
+        let plugin = rig.spawn(devices)?;
+        *registrations += 1;
+        let n = *registrations;
+        rig.wait_registered(n, &plugin).await?;
+        {
+            let kubelet = rig.kubelet.lock().await;
+            kubelet
+                .wait_list("every GPU listed healthy", WAIT, |l| {
+                    l.registration == n && l.allocatable() == devices
+                })
+                .await
+                .with_context(|| {
+                    format!(
+                        "not all {devices} GPUs healthy at start; plugin log:\n{}",
+                        plugin.log()
+                    )
+                })?;
+            for i in 0..devices.min(count - samples.len() - missed) {
+                let id = uuid(i);
+                let injected = Instant::now();
+                rig.inject(&[format!("xid {id} 79")])?;
+                match kubelet
+                    .wait_list("fault", WAIT, |l| {
+                        l.registration == n && l.health(&id) == Some("Unhealthy")
+                    })
+                    .await
+                {
+                    Ok(list) => match list.received_at {
+                        Some(at) => samples.push(at.saturating_duration_since(injected)),
+                        None => missed += 1,
+                    },
+                    Err(_) => missed += 1,
+                }
+            }
+        }
+        plugin.stop().await;
+        if samples.is_empty() && missed > 0 {
+            bail!("the plugin reported none of the faults");
+        }
+    }
+    Ok((samples, missed))
+}
+
+/// What procfs says about a process.
+struct ProcSample {
+    rss_kib: u64,
+    hwm_kib: u64,
+    threads: u64,
+    cpu: Duration,
+    voluntary_switches: u64,
+}
+
+impl ProcSample {
+    fn read(pid: u32) -> anyhow::Result<Self> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .context("plugin process is gone")?;
+        let field = |text: &str, name: &str| -> u64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                .unwrap_or(0)
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        // Fields after the command name (which may hold spaces): utime and stime are the 12th and 13th.
+        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        let fields: Vec<u64> = after
+            .split_whitespace()
+            .map(|f| f.parse().unwrap_or(0))
+            .collect();
+        let ticks = fields.get(11).copied().unwrap_or(0) + fields.get(12).copied().unwrap_or(0);
+        let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .unwrap_or(100)
+            .max(1) as u64;
+        // Wake-ups: voluntary switches of every thread, not only the main one.
+        let mut voluntary = 0;
+        if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+            for task in tasks.flatten() {
+                if let Ok(text) = std::fs::read_to_string(task.path().join("status")) {
+                    voluntary += field(&text, "voluntary_ctxt_switches:");
+                }
+            }
+        }
+        Ok(ProcSample {
+            rss_kib: field(&status, "VmRSS:"),
+            hwm_kib: field(&status, "VmHWM:"),
+            threads: field(&status, "Threads:"),
+            cpu: Duration::from_millis(ticks * 1000 / hz),
+            voluntary_switches: voluntary,
+        })
+    }
+}

@@ -1,0 +1,219 @@
+//! The test rig: the fake kubelet, the fake NVML library as `libnvidia-ml.so.1`, its GPU list and event file,
+//! and the plugin under test as a child process.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use fake_kubelet::FakeKubelet;
+use tokio::process::{Child, Command};
+use tokio::sync::Mutex;
+
+use crate::Args;
+
+/// How long any single wait may take before the run is declared failed.
+pub(crate) const WAIT: Duration = Duration::from_secs(30);
+
+/// Everything the measures share.
+pub(crate) struct Rig {
+    pub(crate) kubelet: Mutex<FakeKubelet>,
+    kubelet_dir: PathBuf,
+    work: tempfile::TempDir,
+    lib_dir: PathBuf,
+    command: Vec<String>,
+}
+
+/// A running plugin.
+pub(crate) struct Plugin {
+    pub(crate) child: Child,
+    _state: tempfile::TempDir,
+    log: PathBuf,
+}
+
+impl Plugin {
+    /// The process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id().unwrap_or(0)
+    }
+
+    /// The plugin's stderr so far, for error messages.
+    pub(crate) fn log(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(20).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within 5 s.
+    pub(crate) async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        if tokio::time::timeout(Duration::from_secs(5), self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.kill().await;
+        }
+    }
+}
+
+/// UUID of fake GPU `i` in every run.
+pub(crate) fn uuid(i: usize) -> String {
+    format!("GPU-be4c0000-0000-4000-8000-{i:012x}")
+}
+
+fn profile_dir() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("cannot find the bench binary")?;
+    exe.parent()
+        .map(Path::to_path_buf)
+        .context("bench binary has no directory")
+}
+
+/// Builds the fake library (and our plugin, when it is the one measured) in the bench's own profile.
+fn build(with_plugin: bool) -> anyhow::Result<PathBuf> {
+    let dir = profile_dir()?;
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut build = std::process::Command::new(cargo);
+    build.args(["build", "--quiet", "-p", "fake-nvml"]);
+    if with_plugin {
+        build.args(["-p", "gpu-device-plugin", "--bin", "gpu-device-plugin"]);
+    }
+    if dir.ends_with("release") {
+        build.arg("--release");
+    }
+    let status = build.status().context("cannot run cargo build")?;
+    if !status.success() {
+        bail!("cargo build of the fake library failed");
+    }
+    Ok(dir)
+}
+
+impl Rig {
+    /// Builds what is needed, links the fake library as `libnvidia-ml.so.1`, starts the fake kubelet.
+    pub(crate) async fn new(args: &Args) -> anyhow::Result<Self> {
+        let profile = build(args.plugin_cmd.is_none())?;
+        let work = tempfile::tempdir().context("cannot create a work directory")?;
+        let lib_dir = work.path().join("lib");
+        std::fs::create_dir(&lib_dir)?;
+        std::os::unix::fs::symlink(
+            profile.join("libfake_nvml.so"),
+            lib_dir.join("libnvidia-ml.so.1"),
+        )?;
+        let kubelet_dir = match &args.kubelet_dir {
+            Some(dir) => dir.clone(),
+            None => work.path().join("device-plugins"),
+        };
+        std::fs::create_dir_all(&kubelet_dir)
+            .with_context(|| format!("cannot create {}", kubelet_dir.display()))?;
+        let template = match &args.plugin_cmd {
+            Some(cmd) => cmd.clone(),
+            None => format!(
+                "{} --kubelet-dir {{kubelet_dir}} --state-dir {{state_dir}}",
+                profile.join("gpu-device-plugin").display()
+            ),
+        };
+        let command = shell_words::split(&template).context("cannot parse --plugin-cmd")?;
+        if command.is_empty() {
+            bail!("--plugin-cmd is empty");
+        }
+        let kubelet = FakeKubelet::start(&kubelet_dir).await?;
+        let rig = Rig {
+            kubelet: Mutex::new(kubelet),
+            kubelet_dir,
+            work,
+            lib_dir,
+            command,
+        };
+        Ok(rig)
+    }
+
+    /// The plugin command as run (with placeholders), for the report.
+    pub(crate) fn plugin_command(&self) -> String {
+        shell_words::join(&self.command)
+    }
+
+    fn config(&self) -> PathBuf {
+        self.work.path().join("gpus.json")
+    }
+
+    /// The fake library's event file.
+    pub(crate) fn events(&self) -> PathBuf {
+        self.work.path().join("events")
+    }
+
+    /// Starts the plugin on `devices` fake GPUs, with a fresh state directory and an empty event file.
+    pub(crate) fn spawn(&self, devices: usize) -> anyhow::Result<Plugin> {
+        let list: Vec<String> = (0..devices)
+            .map(|i| format!(r#"{{"uuid":"{}","minor":{i}}}"#, uuid(i)))
+            .collect();
+        std::fs::write(
+            self.config(),
+            format!(r#"{{"devices":[{}]}}"#, list.join(",")),
+        )?;
+        std::fs::write(self.events(), "")?;
+        let state = tempfile::tempdir()?;
+        let log = state.path().join("plugin.log");
+        let fill = |arg: &String| {
+            arg.replace("{kubelet_dir}", &self.kubelet_dir.to_string_lossy())
+                .replace("{state_dir}", &state.path().join("state").to_string_lossy())
+        };
+        let mut library_path = self.lib_dir.as_os_str().to_owned();
+        if let Some(existing) = std::env::var_os("LD_LIBRARY_PATH") {
+            library_path.push(":");
+            library_path.push(existing);
+        }
+        let child = Command::new(fill(&self.command[0]))
+            .args(self.command[1..].iter().map(fill))
+            .env("FAKE_NVML_CONFIG", self.config())
+            .env("FAKE_NVML_EVENTS", self.events())
+            .env("LD_LIBRARY_PATH", library_path)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("cannot start the plugin: {}", self.command[0]))?;
+        Ok(Plugin {
+            child,
+            _state: state,
+            log,
+        })
+    }
+
+    /// Appends lines to the event file in one write.
+    pub(crate) fn inject(&self, lines: &[String]) -> anyhow::Result<()> {
+        let mut text = lines.join("\n");
+        text.push('\n');
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.events())?;
+        file.write_all(text.as_bytes())?;
+        Ok(())
+    }
+
+    /// Waits for registration number `n` (1-based over the run) and the first list on its stream; returns
+    /// when each arrived.
+    pub(crate) async fn wait_registered(
+        &self,
+        n: usize,
+        plugin: &Plugin,
+    ) -> anyhow::Result<(std::time::Instant, std::time::Instant)> {
+        let kubelet = self.kubelet.lock().await;
+        let regs = kubelet
+            .wait_registrations(n, WAIT)
+            .await
+            .with_context(|| format!("no registration #{n}; plugin log:\n{}", plugin.log()))?;
+        let list = kubelet
+            .wait_list("first list", WAIT, |l| {
+                l.registration == n && l.messages >= 1
+            })
+            .await
+            .with_context(|| format!("no device list; plugin log:\n{}", plugin.log()))?;
+        let listed = list.received_at.context("list without a time")?;
+        Ok((regs[n - 1].received_at, listed))
+    }
+}
