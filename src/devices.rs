@@ -128,9 +128,23 @@ impl Inventory {
         self.devices.is_empty()
     }
 
+    /// Whether [`Inventory::set_health`] with these values would change anything; lets a caller skip
+    /// copying the inventory for the many events that change nothing.
+    pub fn would_change(&self, id: &str, health: Health, reason: Option<&str>) -> bool {
+        let reason = match health {
+            Health::Healthy => None,
+            Health::Unhealthy => reason,
+        };
+        self.get(id)
+            .is_some_and(|d| d.health != health || d.reason.as_deref() != reason)
+    }
+
     /// Sets a device's health and reason (the reason is dropped while Healthy); returns whether anything
     /// changed. A device that is not present is ignored.
     pub fn set_health(&mut self, id: &str, health: Health, reason: Option<String>) -> bool {
+        if !self.would_change(id, health, reason.as_deref()) {
+            return false;
+        }
         let Some(&i) = self.index.get(id) else {
             return false;
         };
@@ -139,9 +153,6 @@ impl Inventory {
             Health::Healthy => None,
             Health::Unhealthy => reason,
         };
-        if device.health == health && device.reason == reason {
-            return false;
-        }
         device.health = health;
         device.reason = reason;
         true

@@ -221,10 +221,12 @@ async fn a_corrupt_checkpoint_means_a_fresh_start_with_a_warning() -> TestResult
     let mut node = NvmlNode::start(None, &[]).await?;
     node.inject(&[format!("xid {} 79", gpu(2))]);
     node.wait_unhealthy(&gpu(2)).await?;
+    // Stopped, the plugin has finished writing; then the file is damaged, as by a disk fault.
+    node.stop_plugin().await?;
     let checkpoint = node.dir.path().join("state/health-checkpoint.json");
-    assert!(checkpoint.exists());
+    assert!(std::fs::read_to_string(&checkpoint)?.contains(&gpu(2)));
     std::fs::write(&checkpoint, b"{\"version\": 1, \"devices\": {\"GPU-")?;
-    let first = node.restart_plugin().await?;
+    let first = node.start_plugin().await?;
     assert_eq!(first.allocatable(), 4);
     let log = node.plugin.log();
     assert!(
@@ -234,6 +236,7 @@ async fn a_corrupt_checkpoint_means_a_fresh_start_with_a_warning() -> TestResult
     // And it keeps working: the next fault is saved in a good checkpoint again.
     node.inject(&[format!("xid {} 79", gpu(1))]);
     node.wait_unhealthy(&gpu(1)).await?;
+    node.stop_plugin().await?;
     let text = std::fs::read_to_string(&checkpoint)?;
     assert!(text.contains(&gpu(1)), "{text}");
     Ok(())

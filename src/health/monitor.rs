@@ -139,7 +139,7 @@ struct Monitor {
 
 impl Monitor {
     async fn run(mut self, mut events: mpsc::Receiver<DeviceEvent>) {
-        self.save();
+        self.save().await;
         let mut poll = tokio::time::interval(self.engine.policy().recovery_action_interval);
         poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
         poll.tick().await;
@@ -153,7 +153,7 @@ impl Monitor {
                 .map(|d| HealthEngine::until(d, now));
             tokio::select! {
                 event = events.recv() => match event {
-                    Some(event) => self.handle(event),
+                    Some(event) => self.handle(event).await,
                     None => break,
                 },
                 () = sleep(wait) => {}
@@ -177,7 +177,7 @@ impl Monitor {
         let _full = self.probes.try_send(ids);
     }
 
-    fn handle(&mut self, event: DeviceEvent) {
+    async fn handle(&mut self, event: DeviceEvent) {
         match event {
             DeviceEvent::Observed {
                 id,
@@ -194,15 +194,23 @@ impl Monitor {
                     self.probe(vec![id.clone()]);
                 }
                 let (health, message) = (outcome.new, outcome.message.clone());
-                self.publish(|inv| inv.set_health(&id, health, message));
+                // Most events (a harmless XID, a probe that changes nothing) leave the inventory as it is:
+                // check before copying it.
+                if self
+                    .inventory
+                    .borrow()
+                    .would_change(&id, health, message.as_deref())
+                {
+                    self.publish(|inv| inv.set_health(&id, health, message));
+                }
                 if outcome.is_transition() || outcome.conditions_changed {
-                    self.save();
+                    self.save().await;
                 }
             }
             DeviceEvent::Removed(id) => {
                 self.engine.remove(&id);
                 self.publish(|inv| inv.apply(DeviceEvent::Removed(id)));
-                self.save();
+                self.save().await;
             }
             added @ DeviceEvent::Added(_) => self.publish(|inv| inv.apply(added)),
         }
@@ -222,10 +230,22 @@ impl Monitor {
         });
     }
 
-    fn save(&self) {
-        let Some(store) = &self.store else { return };
-        if let Err(e) = store.save(&Checkpoint::of(&self.engine, self.boot_id.clone())) {
-            tracing::error!(error = %e, "cannot save the health checkpoint; a restart would forget GPU faults");
+    /// Writes the checkpoint on the blocking pool and waits for it: the fsync must not hold up the runtime
+    /// worker that is about to send the new list to the kubelet, and the next event is handled only once
+    /// this state is on disk. A write in progress when the process exits is finished (the runtime waits for
+    /// blocking tasks), so a transition the kubelet has seen is not lost.
+    async fn save(&self) {
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let checkpoint = Checkpoint::of(&self.engine, self.boot_id.clone());
+        let saved = tokio::task::spawn_blocking(move || store.save(&checkpoint)).await;
+        match saved {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "cannot save the health checkpoint; a restart would forget GPU faults");
+            }
+            Err(e) => tracing::error!(error = %e, "the checkpoint writer failed"),
         }
     }
 }

@@ -168,17 +168,22 @@ pub async fn run(
             registrar.reset();
         }
         let retry_at = registrar.next_attempt_at();
+        // An attempt that is due now starts at once: a timer, even an expired one, costs a tick (1 ms) of
+        // the runtime's timer wheel, and a kubelet restart is exactly when every millisecond counts.
+        let due = retry_at.is_some_and(|at| at <= Instant::now());
+        if !due {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = dir_watch.changed() => registrar.reset(),
+                () = sleep_until(retry_at) => {}
+            }
+            continue;
+        }
         tokio::select! {
             () = shutdown.cancelled() => break,
+            // A restart sign mid-attempt: this attempt talks to a kubelet that is going away.
             () = dir_watch.changed() => registrar.reset(),
-            () = sleep_until(retry_at) => {
-                tokio::select! {
-                    () = shutdown.cancelled() => break,
-                    // A restart sign mid-attempt: this attempt talks to a kubelet that is going away.
-                    () = dir_watch.changed() => registrar.reset(),
-                    () = registrar.attempt() => {}
-                }
-            }
+            () = registrar.attempt() => {}
         }
     }
 

@@ -341,19 +341,32 @@ impl NvmlNode {
             .map_err(|e| format!("{e}\n{}", self.plugin.log()))?)
     }
 
-    /// Stops the plugin with SIGTERM and starts it again on the same state; returns the first list the
-    /// kubelet gets from the new process.
-    pub async fn restart_plugin(
-        &mut self,
-    ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
+    /// Stops the plugin with SIGTERM and waits for it to exit.
+    pub async fn stop_plugin(&mut self) -> Result<(), Box<dyn std::error::Error>> {
         self.plugin.signal(nix::sys::signal::Signal::SIGTERM);
         self.plugin
             .wait_exit(WAIT)
             .await
             .ok_or("plugin did not stop")?;
+        Ok(())
+    }
+
+    /// Starts the plugin again (after [`NvmlNode::stop_plugin`]); returns the first list the kubelet gets
+    /// from the new process.
+    pub async fn start_plugin(
+        &mut self,
+    ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
         let next = self.kubelet.registrations().len() + 1;
         self.plugin = Self::spawn_plugin(self.dir.path(), &self.envs, &self.extra);
         self.wait_registered(next).await
+    }
+
+    /// Stops the plugin with SIGTERM and starts it again on the same state.
+    pub async fn restart_plugin(
+        &mut self,
+    ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
+        self.stop_plugin().await?;
+        self.start_plugin().await
     }
 
     pub fn inject(&self, lines: &[String]) {
