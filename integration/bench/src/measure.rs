@@ -18,16 +18,15 @@ pub(crate) async fn all(
     counts: Counts,
     report: &mut Report,
 ) -> anyhow::Result<()> {
-    let mut registrations = rig.kubelet.lock().await.registrations().len();
     let devices = args.devices.max(1);
 
     // 3. start-up
     let (mut to_register, mut to_list) = (Vec::new(), Vec::new());
     for _ in 0..counts.starts {
+        let n = rig.next_registration().await;
         let spawned = Instant::now();
         let plugin = rig.spawn(devices)?;
-        registrations += 1;
-        let (registered, listed) = rig.wait_registered(registrations, &plugin).await?;
+        let (registered, listed) = rig.wait_registered(n, &plugin).await?;
         to_register.push(registered.saturating_duration_since(spawned));
         to_list.push(listed.saturating_duration_since(spawned));
         plugin.stop().await;
@@ -35,9 +34,9 @@ pub(crate) async fn all(
     report.latency("start-up: spawn → Register received", &to_register);
     report.latency("start-up: spawn → first ListAndWatch list", &to_list);
 
+    let n = rig.next_registration().await;
     let plugin = rig.spawn(devices)?;
-    registrations += 1;
-    rig.wait_registered(registrations, &plugin).await?;
+    rig.wait_registered(n, &plugin).await?;
     let pid = plugin.pid();
 
     // 6. Allocate
@@ -56,7 +55,7 @@ pub(crate) async fn all(
     report.latency("Allocate, 1 device", &allocs);
 
     // 2. kubelet restart → Register
-    let restarts = restart_kubelet(rig, &plugin, counts.restarts, &mut registrations).await?;
+    let restarts = restart_kubelet(rig, &plugin, counts.restarts).await?;
     report.latency("kubelet restart → Register received", &restarts);
 
     // 4. idle footprint
@@ -81,14 +80,7 @@ pub(crate) async fn all(
     );
 
     // 7. footprint after many kubelet restarts
-    rss_after_restarts(
-        rig,
-        &plugin,
-        counts.soak_restarts,
-        &mut registrations,
-        report,
-    )
-    .await?;
+    rss_after_restarts(rig, &plugin, counts.soak_restarts, report).await?;
 
     // 5. event storm
     storm(rig, &plugin, devices, counts, report).await?;
@@ -99,7 +91,7 @@ pub(crate) async fn all(
         if n == 0 {
             continue;
         }
-        let (samples, missed) = fault_latency(rig, n, counts.faults, &mut registrations).await?;
+        let (samples, missed) = fault_latency(rig, n, counts.faults).await?;
         report.latency(
             &format!("fault (XID 79) → kubelet sees Unhealthy, {n} GPUs"),
             &samples,
@@ -117,7 +109,6 @@ async fn restart_kubelet(
     rig: &Rig,
     plugin: &Plugin,
     count: usize,
-    registrations: &mut usize,
 ) -> anyhow::Result<Vec<Duration>> {
     let mut samples = Vec::with_capacity(count);
     let mut kubelet = rig.kubelet.lock().await;
@@ -129,11 +120,12 @@ async fn restart_kubelet(
                 plugin.log()
             )
         })?;
-        *registrations += 1;
-        let n = *registrations;
+        // At least one registration per restart; a second one is possible when the clean-up of the
+        // directory races the plugin's re-bind. The newest wins.
+        let n = kubelet.registrations().len();
         kubelet
             .wait_list("list after restart", WAIT, |l| {
-                l.registration == n && l.messages >= 1
+                l.registration >= n && l.messages >= 1
             })
             .await
             .with_context(|| {
@@ -148,11 +140,10 @@ async fn rss_after_restarts(
     rig: &Rig,
     plugin: &Plugin,
     count: usize,
-    registrations: &mut usize,
     report: &mut Report,
 ) -> anyhow::Result<()> {
     let before = ProcSample::read(plugin.pid())?;
-    restart_kubelet(rig, plugin, count, registrations).await?;
+    restart_kubelet(rig, plugin, count).await?;
     let after = ProcSample::read(plugin.pid())?;
     report.value(
         &format!("before {count} kubelet restarts: RSS"),
@@ -264,22 +255,20 @@ async fn fault_latency(
     rig: &Rig,
     devices: usize,
     count: usize,
-    registrations: &mut usize,
 ) -> anyhow::Result<(Vec<Duration>, usize)> {
     let mut samples = Vec::with_capacity(count);
     let mut missed = 0;
     // Each GPU faults once per plugin instance (a plugin need not recover), so a run needs a fresh instance
     // every `devices` faults.
     while samples.len() + missed < count {
+        let n = rig.next_registration().await;
         let plugin = rig.spawn(devices)?;
-        *registrations += 1;
-        let n = *registrations;
         rig.wait_registered(n, &plugin).await?;
         {
             let kubelet = rig.kubelet.lock().await;
             kubelet
                 .wait_list("every GPU listed healthy", WAIT, |l| {
-                    l.registration == n && l.allocatable() == devices
+                    l.registration >= n && l.allocatable() == devices
                 })
                 .await
                 .with_context(|| {
@@ -294,7 +283,7 @@ async fn fault_latency(
                 rig.inject(&[format!("xid {id} 79")])?;
                 match kubelet
                     .wait_list("fault", WAIT, |l| {
-                        l.registration == n && l.health(&id) == Some("Unhealthy")
+                        l.registration >= n && l.health(&id) == Some("Unhealthy")
                     })
                     .await
                 {

@@ -195,6 +195,11 @@ impl Rig {
         Ok(())
     }
 
+    /// The number the next registration will have (1-based over the run).
+    pub(crate) async fn next_registration(&self) -> usize {
+        self.kubelet.lock().await.registrations().len() + 1
+    }
+
     /// Waits for registration number `n` (1-based over the run) and the first list on its stream; returns
     /// when each arrived.
     pub(crate) async fn wait_registered(
@@ -209,7 +214,7 @@ impl Rig {
             .with_context(|| format!("no registration #{n}; plugin log:\n{}", plugin.log()))?;
         let list = kubelet
             .wait_list("first list", WAIT, |l| {
-                l.registration == n && l.messages >= 1
+                l.registration >= n && l.messages >= 1
             })
             .await
             .with_context(|| format!("no device list; plugin log:\n{}", plugin.log()))?;

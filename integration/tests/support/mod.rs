@@ -335,7 +335,7 @@ impl NvmlNode {
         Ok(self
             .kubelet
             .wait_list("first list", WAIT, |l| {
-                l.registration == registration && l.messages >= 1
+                l.registration >= registration && l.messages >= 1
             })
             .await
             .map_err(|e| format!("{e}\n{}", self.plugin.log()))?)
