@@ -203,11 +203,26 @@ impl FakeKubelet {
         &mut self,
         timeout: Duration,
     ) -> Result<(Registered, Duration), FakeKubeletError> {
-        let next = self.registrations().len() + 1;
         let restarted = Instant::now();
         self.restart()?;
-        let mut regs = self.wait_registrations(next, timeout).await?;
-        let registered = regs.swap_remove(next - 1);
+        // The first registration that arrived after the restart began; a late second registration from
+        // before it (a plugin that registered twice) does not count.
+        let mut rx = self.shared.registrations.subscribe();
+        let waited = tokio::time::timeout(
+            timeout,
+            rx.wait_for(|r| r.iter().any(|reg| reg.received_at >= restarted)),
+        )
+        .await;
+        let registered = match waited {
+            Ok(Ok(regs)) => regs
+                .iter()
+                .find(|reg| reg.received_at >= restarted)
+                .cloned(),
+            _ => None,
+        };
+        let registered = registered.ok_or_else(|| {
+            FakeKubeletError::Timeout(timeout, "registration after restart".into())
+        })?;
         let took = registered.received_at.saturating_duration_since(restarted);
         Ok((registered, took))
     }
