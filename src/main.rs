@@ -32,8 +32,10 @@ fn main() -> ExitCode {
         }
     };
     init_logging(settings.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One thread runs everything async: the plugin's work is small and bursty, and handing a fault from task
+    // to task on one thread avoids cross-thread wake-ups on its way to the kubelet. Blocking work (NVML,
+    // checkpoint writes) runs on threads of its own.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
