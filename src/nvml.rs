@@ -499,10 +499,11 @@ impl DeviceSource for UnmonitoredGpus {
     fn start(
         self: Box<Self>,
         events: mpsc::Sender<DeviceEvent>,
-        mut probes: mpsc::Receiver<Vec<String>>,
+        probes: mpsc::Receiver<Vec<String>>,
     ) -> Result<(), SourceError> {
-        // Without NVML nothing can be probed; the requests are drained so the sender never blocks.
-        tokio::spawn(async move { while probes.recv().await.is_some() {} });
+        // Without NVML nothing can be probed: closing the channel tells the monitor so (it drops requests to
+        // a closed channel), and an unmonitored GPU has nothing that waits for a probe anyway.
+        drop(probes);
         for device in &self.devices {
             let observation = Observation::Unmonitored(self.why.clone());
             let event = DeviceEvent::Observed {
