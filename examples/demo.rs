@@ -1,6 +1,6 @@
 //! The plugin doing its job on simulated GPUs, against a fake kubelet, with no GPU and no node:
 //! registration, the device list, Allocate, GPU faults injected through a fault script reaching the kubelet,
-//! a kubelet restart that keeps the fault.
+//! a kubelet restart that keeps the fault, and recovery when the driver says the GPU is usable again.
 //!
 //! Run with `cargo run --example demo`.
 
@@ -137,6 +137,17 @@ async fn main() -> Result<(), Box<dyn Error>> {
         })
         .await?;
     println!("== kubelet: ListAndWatch on the new stream (the fault is remembered)");
+    show(&list);
+
+    println!(
+        "\n== the GPU is reset: the driver's recovery action goes to 1 (GPU reset) and back to 0 (None)"
+    );
+    append(&script, &format!("action {g3} 1"))?;
+    append(&script, &format!("action {g3} 0"))?;
+    let list = kubelet
+        .wait_list("recovery", WAIT, |l| l.health(&g3) == Some("Healthy"))
+        .await?;
+    println!("== kubelet: ListAndWatch (the GPU is back)");
     show(&list);
 
     println!("\n== plugin shutting down");

@@ -166,6 +166,9 @@ pub struct DeviceHealth {
     sbe_times: VecDeque<SystemTime>,
     /// Whether the driver reports the recovery action field; `None` until a probe has said.
     recovery_field: Option<bool>,
+    /// XID 154 said the recovery action changed since the last read: reading None now means it returned to
+    /// None, even if the plugin never read the value it had in between.
+    action_changed: bool,
 }
 
 impl DeviceHealth {
@@ -267,6 +270,7 @@ impl HealthEngine {
                 // XID 154 announces a new recovery action: read it.
                 probe_now =
                     xid_info(*xid).is_some_and(|i| i.action == XidAction::FollowRecoveryAction);
+                state.action_changed |= probe_now;
             }
             Observation::DoubleBitEcc => self.record(&mut state, ConditionKind::EccDbe, None, now),
             Observation::GpuLost | Observation::Probe(ProbeResult::Lost) => {
@@ -353,10 +357,11 @@ impl HealthEngine {
     /// A probe succeeded: apply the driver's recovery action, then the quiet-period rule.
     fn answered(&self, state: &mut DeviceHealth, recovery_action: Option<u32>, now: SystemTime) {
         state.recovery_field = Some(recovery_action.is_some());
-        let had_action = state
-            .conditions
-            .iter()
-            .any(|c| matches!(c.kind, ConditionKind::RecoveryAction(_)));
+        let had_action = std::mem::take(&mut state.action_changed)
+            || state
+                .conditions
+                .iter()
+                .any(|c| matches!(c.kind, ConditionKind::RecoveryAction(_)));
         match recovery_action {
             Some(0) if had_action => {
                 // The driver says the GPU is usable again: it is the authority.

@@ -55,6 +55,25 @@ fn recovery_action_reported_by_the_driver_makes_the_gpu_unhealthy_until_it_retur
 }
 
 #[test]
+fn a_recovery_action_that_went_and_came_back_between_reads_still_clears() {
+    let mut e = default_engine();
+    e.observe(GPU, &Observation::Xid(79), t(0));
+    // The driver went to 1 and back to 0 before the plugin read it: two XID 154s, one read of 0.
+    e.observe(GPU, &Observation::Xid(154), t(1));
+    e.observe(GPU, &Observation::Xid(154), t(2));
+    assert_eq!(
+        e.observe(GPU, &answered(Some(0)), t(3)).new,
+        Health::Healthy
+    );
+    // Without an XID 154, a read of 0 is no news: the quiet period still applies.
+    e.observe(GPU, &Observation::Xid(79), t(4));
+    assert_eq!(
+        e.observe(GPU, &answered(Some(0)), t(5)).new,
+        Health::Unhealthy
+    );
+}
+
+#[test]
 fn the_driver_is_the_authority_over_the_quiet_period() {
     let mut e = default_engine();
     e.observe(GPU, &Observation::Xid(79), t(0));
