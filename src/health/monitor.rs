@@ -75,7 +75,7 @@ pub fn spawn(
         engine,
         inventory: tx,
         probes: probe_tx,
-        store,
+        writer: store.map(Writer::new),
         boot_id,
     };
     tokio::spawn(monitor.run(event_rx));
@@ -133,13 +133,13 @@ struct Monitor {
     engine: HealthEngine,
     inventory: watch::Sender<Arc<Inventory>>,
     probes: mpsc::Sender<Vec<String>>,
-    store: Option<Store>,
+    writer: Option<Writer>,
     boot_id: Option<String>,
 }
 
 impl Monitor {
     async fn run(mut self, mut events: mpsc::Receiver<DeviceEvent>) {
-        self.save().await;
+        self.save();
         let mut poll = tokio::time::interval(self.engine.policy().recovery_action_interval);
         poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
         poll.tick().await;
@@ -153,7 +153,7 @@ impl Monitor {
                 .map(|d| HealthEngine::until(d, now));
             tokio::select! {
                 event = events.recv() => match event {
-                    Some(event) => self.handle(event).await,
+                    Some(event) => self.handle(event),
                     None => break,
                 },
                 () = sleep(wait) => {}
@@ -177,7 +177,7 @@ impl Monitor {
         let _full = self.probes.try_send(ids);
     }
 
-    async fn handle(&mut self, event: DeviceEvent) {
+    fn handle(&mut self, event: DeviceEvent) {
         match event {
             DeviceEvent::Observed {
                 id,
@@ -204,13 +204,13 @@ impl Monitor {
                     self.publish(|inv| inv.set_health(&id, health, message));
                 }
                 if outcome.is_transition() || outcome.conditions_changed {
-                    self.save().await;
+                    self.save();
                 }
             }
             DeviceEvent::Removed(id) => {
                 self.engine.remove(&id);
                 self.publish(|inv| inv.apply(DeviceEvent::Removed(id)));
-                self.save().await;
+                self.save();
             }
             added @ DeviceEvent::Added(_) => self.publish(|inv| inv.apply(added)),
         }
@@ -230,24 +230,70 @@ impl Monitor {
         });
     }
 
-    /// Writes the checkpoint on the blocking pool and waits for it: the fsync must not hold up the runtime
-    /// worker that is about to send the new list to the kubelet, and the next event is handled only once
-    /// this state is on disk. A write in progress when the process exits is finished (the runtime waits for
-    /// blocking tasks), so a transition the kubelet has seen is not lost.
-    async fn save(&self) {
-        let Some(store) = self.store.clone() else {
-            return;
-        };
-        let checkpoint = Checkpoint::of(&self.engine, self.boot_id.clone());
-        let saved = tokio::task::spawn_blocking(move || store.save(&checkpoint)).await;
-        match saved {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                tracing::error!(error = %e, "cannot save the health checkpoint; a restart would forget GPU faults");
-            }
-            Err(e) => tracing::error!(error = %e, "the checkpoint writer failed"),
+    /// Hands the current state to the checkpoint writer and carries on: a burst of faults on several GPUs
+    /// must not queue behind one fsync each on its way to the kubelet.
+    fn save(&self) {
+        if let Some(writer) = &self.writer {
+            writer.save(Checkpoint::of(&self.engine, self.boot_id.clone()));
         }
     }
+}
+
+/// Writes checkpoints off the runtime thread, newest first: while a write is in progress, later states
+/// replace each other in one pending slot, and the writer takes the newest when it is done. At most one
+/// blocking task writes at a time; the runtime waits for it when the process exits, so the last state a
+/// kubelet has seen is on disk before the plugin is gone.
+struct Writer {
+    store: Store,
+    state: Arc<std::sync::Mutex<WriterState>>,
+}
+
+#[derive(Default)]
+struct WriterState {
+    pending: Option<Checkpoint>,
+    running: bool,
+}
+
+impl Writer {
+    fn new(store: Store) -> Self {
+        Writer {
+            store,
+            state: Arc::default(),
+        }
+    }
+
+    fn save(&self, checkpoint: Checkpoint) {
+        let mut state = lock(&self.state);
+        state.pending = Some(checkpoint);
+        if state.running {
+            return;
+        }
+        state.running = true;
+        drop(state);
+        let (store, shared) = (self.store.clone(), self.state.clone());
+        tokio::task::spawn_blocking(move || {
+            loop {
+                let next = {
+                    let mut state = lock(&shared);
+                    let next = state.pending.take();
+                    if next.is_none() {
+                        state.running = false;
+                    }
+                    next
+                };
+                let Some(checkpoint) = next else { break };
+                if let Err(e) = store.save(&checkpoint) {
+                    tracing::error!(error = %e, "cannot save the health checkpoint; a restart would forget GPU faults");
+                }
+            }
+        });
+    }
+}
+
+fn lock(state: &std::sync::Mutex<WriterState>) -> std::sync::MutexGuard<'_, WriterState> {
+    state
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn log(id: &str, observation: &Observation, outcome: &Outcome) {
@@ -271,5 +317,37 @@ async fn sleep(wait: Option<Duration>) {
     match wait {
         Some(wait) => tokio::time::sleep(wait).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn checkpoint(n: usize) -> Checkpoint {
+        Checkpoint {
+            version: 1,
+            boot_id: Some(format!("state-{n}")),
+            devices: Default::default(),
+        }
+    }
+
+    #[test]
+    fn the_writer_leaves_the_newest_state_on_disk_once_the_runtime_is_gone()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let store = Store::in_dir(dir.path());
+        let runtime = tokio::runtime::Builder::new_current_thread().build()?;
+        runtime.block_on(async {
+            let writer = Writer::new(store.clone());
+            for n in 0..200 {
+                writer.save(checkpoint(n));
+            }
+        });
+        // Dropping the runtime waits for the writer, as the process does at exit.
+        drop(runtime);
+        let saved = store.load()?.and_then(|c| c.boot_id);
+        assert_eq!(saved.as_deref(), Some("state-199"));
+        Ok(())
     }
 }

@@ -97,7 +97,17 @@ impl Rig {
     /// Builds what is needed, links the fake library as `libnvidia-ml.so.1`, starts the fake kubelet.
     pub(crate) async fn new(args: &Args) -> anyhow::Result<Self> {
         let profile = build(args.plugin_cmd.is_none())?;
-        let work = tempfile::tempdir().context("cannot create a work directory")?;
+        // The fake driver's files (event file, GPU list, library link) go on tmpfs where there is one: a real
+        // driver's events do not go through a file system, so the plugin's checkpoint fsync (its state stays
+        // on the default temporary directory, normally disk) must not slow down the appends that stand in for
+        // them.
+        let shm = Path::new("/dev/shm");
+        let work = if shm.is_dir() {
+            tempfile::tempdir_in(shm)
+        } else {
+            tempfile::tempdir()
+        }
+        .context("cannot create a work directory")?;
         let lib_dir = work.path().join("lib");
         std::fs::create_dir(&lib_dir)?;
         std::os::unix::fs::symlink(
