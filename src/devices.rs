@@ -158,33 +158,23 @@ impl Inventory {
         true
     }
 
-    /// Adds or removes a device; returns whether the set changed. Health events go through
-    /// [`Inventory::set_health`] after the health engine has judged them.
-    pub fn apply(&mut self, event: DeviceEvent) -> bool {
-        match event {
-            DeviceEvent::Observed { .. } => false,
-            DeviceEvent::Added(info) => {
-                let id = info.id.clone();
-                let added = self.insert(info);
-                if added {
-                    tracing::info!(device = %id, "device added");
-                }
-                added
-            }
-            DeviceEvent::Removed(id) => {
-                let Some(i) = self.index.remove(&id) else {
-                    return false;
-                };
-                self.devices.remove(i);
-                for slot in self.index.values_mut() {
-                    if *slot > i {
-                        *slot -= 1;
-                    }
-                }
-                tracing::info!(device = %id, "device removed");
-                true
+    /// Adds a Healthy device; returns whether it was new.
+    pub fn add(&mut self, info: DeviceInfo) -> bool {
+        self.insert(info)
+    }
+
+    /// Removes a device; returns whether it was present.
+    pub fn remove(&mut self, id: &str) -> bool {
+        let Some(i) = self.index.remove(id) else {
+            return false;
+        };
+        self.devices.remove(i);
+        for slot in self.index.values_mut() {
+            if *slot > i {
+                *slot -= 1;
             }
         }
+        true
     }
 }
 
@@ -269,7 +259,7 @@ mod tests {
     #[test]
     fn removing_a_device_keeps_lookup_of_the_others_right() {
         let mut inv = Inventory::new([gpu("a"), gpu("b"), gpu("c")]);
-        assert!(inv.apply(DeviceEvent::Removed("a".into())));
+        assert!(inv.remove("a"));
         assert_eq!(inv.get("c").map(|d| d.info.id.as_str()), Some("c"));
         assert_eq!(inv.position("c"), Some(1));
         assert!(inv.get("a").is_none());

@@ -19,7 +19,7 @@ pub mod xid;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use crate::devices::Health;
 pub use policy::{HealthConfig, Policy, Recover};
@@ -492,11 +492,6 @@ impl HealthEngine {
     /// The last Unhealthy event on `device`, for the checkpoint.
     pub fn last_unhealthy(&self, device: &str) -> Option<SystemTime> {
         self.devices.get(device).and_then(|s| s.last_unhealthy)
-    }
-
-    /// How long until `deadline` from `now` (zero if past).
-    pub fn until(deadline: SystemTime, now: SystemTime) -> Duration {
-        deadline.duration_since(now).unwrap_or_default()
     }
 }
 

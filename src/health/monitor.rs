@@ -150,7 +150,7 @@ impl Monitor {
             let wait = self
                 .engine
                 .next_deadline()
-                .map(|d| HealthEngine::until(d, now));
+                .map(|d| d.duration_since(now).unwrap_or_default());
             tokio::select! {
                 event = events.recv() => match event {
                     Some(event) => self.handle(event),
@@ -209,10 +209,14 @@ impl Monitor {
             }
             DeviceEvent::Removed(id) => {
                 self.engine.remove(&id);
-                self.publish(|inv| inv.apply(DeviceEvent::Removed(id)));
+                tracing::info!(device = %id, "device removed");
+                self.publish(|inv| inv.remove(&id));
                 self.save();
             }
-            added @ DeviceEvent::Added(_) => self.publish(|inv| inv.apply(added)),
+            DeviceEvent::Added(info) => {
+                tracing::info!(device = %info.id, "device added");
+                self.publish(|inv| inv.add(info));
+            }
         }
     }
 
