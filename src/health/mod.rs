@@ -194,7 +194,8 @@ pub struct Outcome {
     pub conditions_changed: bool,
     /// The active conditions after, as `name=value`.
     pub conditions: Vec<String>,
-    /// The device's message (KEP-4680 shape, at most 1024 characters); `None` when it has no condition.
+    /// The device's message (KEP-4680 shape, at most 1024 characters) when the device is Unhealthy, changed
+    /// health or changed conditions; otherwise `None` (then [`HealthEngine::message`] has it).
     pub message: Option<String>,
     /// Whether the engine wants the device probed now (the driver announced a new recovery action).
     pub probe_now: bool,
@@ -311,12 +312,18 @@ impl HealthEngine {
         }
         let new = self.health_of(&state);
         let after: Vec<ConditionKind> = state.conditions.iter().map(|c| c.kind.clone()).collect();
+        let conditions_changed = before != after;
+        // Formatting the message (times in RFC 3339) is the costliest part of an event; a storm of harmless
+        // XIDs on a Healthy GPU needs none of it.
+        let wanted = new == Health::Unhealthy || old != new || conditions_changed;
         let outcome = Outcome {
             old,
             new,
-            conditions_changed: before != after,
+            conditions_changed,
             conditions: after.iter().map(ToString::to_string).collect(),
-            message: message::compose(new, &state.conditions, &self.policy),
+            message: wanted
+                .then(|| message::compose(new, &state.conditions, &self.policy))
+                .flatten(),
             probe_now,
         };
         self.devices.insert(device.to_string(), state);

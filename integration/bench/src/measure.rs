@@ -176,6 +176,7 @@ async fn storm(
     report: &mut Report,
 ) -> anyhow::Result<()> {
     let messages_before = rig.kubelet.lock().await.list().total_messages;
+    let cpu_before = ProcSample::read(plugin.pid())?.cpu;
     let events = rig.events();
     let rate = counts.storm_rate as usize;
     let duration = counts.storm;
@@ -234,6 +235,11 @@ async fn storm(
         "storm: peak RSS (VmHWM)",
         sample.hwm_kib as f64 / 1024.0,
         "MiB",
+    );
+    report.value(
+        "storm: plugin CPU time for the whole storm",
+        sample.cpu.saturating_sub(cpu_before).as_secs_f64() * 1000.0,
+        "ms",
     );
     report.latency(
         "storm: final fatal XID → kubelet sees Unhealthy",
