@@ -85,12 +85,13 @@ impl Inventory {
     pub fn new(devices: impl IntoIterator<Item = DeviceInfo>) -> Self {
         let mut inventory = Inventory::default();
         for info in devices {
-            inventory.insert(info);
+            inventory.add(info);
         }
         inventory
     }
 
-    fn insert(&mut self, info: DeviceInfo) -> bool {
+    /// Adds a Healthy device; returns whether it was new.
+    pub fn add(&mut self, info: DeviceInfo) -> bool {
         if self.index.contains_key(&info.id) {
             return false;
         }
@@ -156,11 +157,6 @@ impl Inventory {
         device.health = health;
         device.reason = reason;
         true
-    }
-
-    /// Adds a Healthy device; returns whether it was new.
-    pub fn add(&mut self, info: DeviceInfo) -> bool {
-        self.insert(info)
     }
 
     /// Removes a device; returns whether it was present.

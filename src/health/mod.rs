@@ -310,24 +310,38 @@ impl HealthEngine {
             }
             Observation::Probe(ProbeResult::Failed(_)) => {}
         }
-        let new = self.health_of(&state);
-        let after: Vec<ConditionKind> = state.conditions.iter().map(|c| c.kind.clone()).collect();
-        let conditions_changed = before != after;
+        let conditions_changed = !state.conditions.iter().map(|c| &c.kind).eq(before.iter());
+        let outcome = self.outcome(old, &state, conditions_changed, probe_now);
+        self.devices.insert(device.to_string(), state);
+        outcome
+    }
+
+    /// What a step did to a device, from its state after the step.
+    fn outcome(
+        &self,
+        old: Health,
+        state: &DeviceHealth,
+        conditions_changed: bool,
+        probe_now: bool,
+    ) -> Outcome {
+        let new = self.health_of(state);
         // Formatting the message (times in RFC 3339) is the costliest part of an event; a storm of harmless
         // XIDs on a Healthy GPU needs none of it.
         let wanted = new == Health::Unhealthy || old != new || conditions_changed;
-        let outcome = Outcome {
+        Outcome {
             old,
             new,
             conditions_changed,
-            conditions: after.iter().map(ToString::to_string).collect(),
+            conditions: state
+                .conditions
+                .iter()
+                .map(|c| c.kind.to_string())
+                .collect(),
             message: wanted
                 .then(|| message::compose(new, &state.conditions, &self.policy))
                 .flatten(),
             probe_now,
-        };
-        self.devices.insert(device.to_string(), state);
-        outcome
+        }
     }
 
     fn record(
@@ -414,11 +428,16 @@ impl HealthEngine {
                 && self.policy.effect(&c.kind) == Effect::Unhealthy
         });
         state.next_probe = waiting.then(|| {
-            let quiet_end = state
-                .last_unhealthy
-                .map_or(now, |t| t + self.policy.quiet_period);
-            quiet_end.max(now + self.policy.probe_interval)
+            self.quiet_end(state, now)
+                .max(now + self.policy.probe_interval)
         });
+    }
+
+    /// When the quiet period after the device's last Unhealthy event ends (`now` if it never had one).
+    fn quiet_end(&self, state: &DeviceHealth, now: SystemTime) -> SystemTime {
+        state
+            .last_unhealthy
+            .map_or(now, |t| t + self.policy.quiet_period)
     }
 
     /// Devices to probe now; each is then not due again for a probe interval, so a probe that never comes
@@ -476,22 +495,9 @@ impl HealthEngine {
         if state.next_probe.is_some() {
             // Whatever the quiet period left, look at the GPU soon after start: it may have been reset while
             // the plugin was away.
-            let quiet_end = last_unhealthy.map_or(now, |t| t + self.policy.quiet_period);
-            state.next_probe = Some(quiet_end.max(now));
+            state.next_probe = Some(self.quiet_end(&state, now).max(now));
         }
-        let new = self.health_of(&state);
-        let outcome = Outcome {
-            old: Health::Healthy,
-            new,
-            conditions_changed: !state.conditions.is_empty(),
-            conditions: state
-                .conditions
-                .iter()
-                .map(|c| c.kind.to_string())
-                .collect(),
-            message: message::compose(new, &state.conditions, &self.policy),
-            probe_now: false,
-        };
+        let outcome = self.outcome(Health::Healthy, &state, !state.conditions.is_empty(), false);
         self.devices.insert(device.to_string(), state);
         outcome
     }
