@@ -157,7 +157,7 @@ impl DeviceSource for NvmlGpus {
         probes: mpsc::Receiver<Vec<String>>,
     ) -> Result<(), SourceError> {
         for id in &self.lost_at_start {
-            observe(&events, id, Observation::GpuLost);
+            report_at_start(&events, id, Observation::GpuLost);
         }
         let NvmlGpus { nvml, gpus, .. } = *self;
         let nvml = Arc::new(nvml);
@@ -217,6 +217,19 @@ fn sysfs_bus_id(bus_id: &str) -> String {
     }
 }
 
+/// Reports from `start`, which runs on the async runtime's thread and must not block there: the channel is
+/// empty at start, so a full one only means far more GPUs than it holds, and the rest stay as they are.
+fn report_at_start(events: &mpsc::Sender<DeviceEvent>, id: &str, observation: Observation) -> bool {
+    events
+        .try_send(DeviceEvent::Observed {
+            id: id.to_string(),
+            observation,
+            at: SystemTime::now(),
+        })
+        .is_ok()
+}
+
+/// Reports from the NVML threads, which may block until the monitor takes the event.
 fn observe(events: &mpsc::Sender<DeviceEvent>, id: &str, observation: Observation) -> bool {
     events
         .blocking_send(DeviceEvent::Observed {
@@ -505,13 +518,11 @@ impl DeviceSource for UnmonitoredGpus {
         // a closed channel), and an unmonitored GPU has nothing that waits for a probe anyway.
         drop(probes);
         for device in &self.devices {
-            let observation = Observation::Unmonitored(self.why.clone());
-            let event = DeviceEvent::Observed {
-                id: device.id.clone(),
-                observation,
-                at: SystemTime::now(),
-            };
-            if events.try_send(event).is_err() {
+            if !report_at_start(
+                &events,
+                &device.id,
+                Observation::Unmonitored(self.why.clone()),
+            ) {
                 break;
             }
         }

@@ -300,3 +300,29 @@ fn the_fake_library_answers_nvml_calls_with_nvml_struct_layouts() -> TestResult 
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn a_gpu_that_does_not_answer_at_start_is_listed_unhealthy_not_a_crash() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let kubelet_dir = dir.path().join("device-plugins");
+    std::fs::create_dir(&kubelet_dir)?;
+    // History in the fake's event file: GPU 1 fell off the bus before the plugin started.
+    let events = dir.path().join("events");
+    std::fs::write(&events, format!("lost {}\n", gpu(1)))?;
+    let kubelet = FakeKubelet::start(&kubelet_dir).await?;
+    let lib = fake_nvml_lib();
+    let plugin = PluginProcess::spawn_with_env(
+        &kubelet_dir,
+        &["--nvml-lib", lib.to_str().unwrap()],
+        &[("FAKE_NVML_EVENTS", events.as_path())],
+    );
+    let list = kubelet
+        .wait_list("the unreadable GPU Unhealthy", WAIT, |l| {
+            l.health("GPU-unreadable-index-1") == Some("Unhealthy")
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    assert_eq!(list.devices.len(), 4);
+    assert_eq!(list.allocatable(), 3);
+    Ok(())
+}
