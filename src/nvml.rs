@@ -30,6 +30,11 @@ pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 /// thread takes to notice that the plugin is stopping, at the cost of one wake-up per period when idle.
 const WAIT_TIMEOUT_MS: u32 = 2000;
 
+/// How long start-up waits for the GPUs' event registration. NVML delivers only events that happen after
+/// registration, so a GPU listed to the kubelet before it is registered could fail unseen; past this, the
+/// plugin serves anyway (a driver this slow is reported) rather than keep every GPU from the node.
+const REGISTRATION_WAIT: Duration = Duration::from_secs(10);
+
 /// The events the plugin watches.
 fn wanted_events() -> EventTypes {
     EventTypes::CRITICAL_XID_ERROR
@@ -170,10 +175,22 @@ impl DeviceSource for NvmlGpus {
             .name("nvml-probe".into())
             .spawn(move || answer_probes(&probe_nvml, &probe_gpus, &probe_events, probes))
             .map_err(thread_error)?;
+        let (registered_tx, registered) = std::sync::mpsc::sync_channel(1);
         std::thread::Builder::new()
             .name("nvml-events".into())
-            .spawn(move || watch_events(&nvml, &gpus, &events))
+            .spawn(move || watch_events(&nvml, &gpus, &events, registered_tx))
             .map_err(thread_error)?;
+        // Return, and so let the GPUs be listed, only once their events are being watched. Blocking here is
+        // start-up, before anything is served; the event thread only needs the channel's free room meanwhile.
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+            registered.recv_timeout(REGISTRATION_WAIT)
+        {
+            tracing::warn!(
+                waited_s = REGISTRATION_WAIT.as_secs(),
+                "NVML event registration is still running; serving the GPUs now, but a fault before it \
+                 completes will not be seen"
+            );
+        }
         Ok(())
     }
 }
@@ -291,9 +308,17 @@ fn recovery_action(device: &Device<'_>) -> Option<u32> {
     }
 }
 
-/// Registers every GPU and forwards events until the plugin stops (the event channel closes).
-fn watch_events(nvml: &Nvml, gpus: &[(u32, String)], events: &mpsc::Sender<DeviceEvent>) {
-    let (set, watched) = match register_all(nvml, gpus, events) {
+/// Registers every GPU, says so on `registered` (or drops it on failure), and forwards events until the
+/// plugin stops (the event channel closes).
+fn watch_events(
+    nvml: &Nvml,
+    gpus: &[(u32, String)],
+    events: &mpsc::Sender<DeviceEvent>,
+    registered: std::sync::mpsc::SyncSender<()>,
+) {
+    let outcome = register_all(nvml, gpus, events);
+    let _told = registered.try_send(());
+    let (set, watched) = match outcome {
         Ok(registered) => registered,
         Err(e) => {
             let why = format!("NVML cannot create an event set: {e}");

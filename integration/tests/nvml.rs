@@ -4,6 +4,8 @@
 
 mod support;
 
+use std::ffi::OsStr;
+
 use fake_kubelet::FakeKubelet;
 use support::{
     NvmlNode, PluginProcess, TestResult, WAIT, fake_nvml_gpu as gpu, fake_nvml_lib, peak_rss_kib,
@@ -314,7 +316,7 @@ async fn a_gpu_that_does_not_answer_at_start_is_listed_unhealthy_not_a_crash() -
     let plugin = PluginProcess::spawn_with_env(
         &kubelet_dir,
         &["--nvml-lib", lib.to_str().unwrap()],
-        &[("FAKE_NVML_EVENTS", events.as_path())],
+        &[("FAKE_NVML_EVENTS", events.as_os_str())],
     );
     let list = kubelet
         .wait_list("the unreadable GPU Unhealthy", WAIT, |l| {
@@ -323,6 +325,41 @@ async fn a_gpu_that_does_not_answer_at_start_is_listed_unhealthy_not_a_crash() -
         .await
         .map_err(|e| format!("{e}\n{}", plugin.log()))?;
     assert_eq!(list.devices.len(), 4);
+    assert_eq!(list.allocatable(), 3);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_fault_the_moment_the_kubelet_first_sees_the_gpus_is_not_lost() -> TestResult {
+    // A slow driver: each event registration takes 300 ms. The plugin must not list a GPU to the kubelet
+    // before it watches that GPU's events, or a fault in between would be lost for good.
+    let dir = tempfile::tempdir()?;
+    let kubelet_dir = dir.path().join("device-plugins");
+    std::fs::create_dir(&kubelet_dir)?;
+    let events = dir.path().join("events");
+    std::fs::write(&events, "")?;
+    let kubelet = FakeKubelet::start(&kubelet_dir).await?;
+    let lib = fake_nvml_lib();
+    let plugin = PluginProcess::spawn_with_env(
+        &kubelet_dir,
+        &["--nvml-lib", lib.to_str().unwrap()],
+        &[
+            ("FAKE_NVML_EVENTS", events.as_os_str()),
+            ("FAKE_NVML_REGISTER_DELAY_MS", OsStr::new("300")),
+        ],
+    );
+    let first = kubelet
+        .wait_list("the first list", WAIT, |l| l.messages >= 1)
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    assert_eq!(first.allocatable(), 4);
+    support::append(&events, &[format!("xid {} 79", gpu(3))]);
+    let list = kubelet
+        .wait_list("the fault", WAIT, |l| {
+            l.health(&gpu(3)) == Some("Unhealthy")
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
     assert_eq!(list.allocatable(), 3);
     Ok(())
 }

@@ -16,7 +16,7 @@
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 
@@ -161,8 +161,9 @@ pub enum Line<'a> {
     Appended(&'a str),
 }
 
-/// Follows a file as it grows, with inotify: each complete line is handed to the callback, on a thread of
-/// its own, within a millisecond or so of being written. Dropping the follower stops it.
+/// Follows a file as it grows, with inotify: each complete line is handed to the callback on the watcher's
+/// own thread, as soon as inotify reports the write (no hand-over to another thread, so a fault reaches the
+/// callback with one thread wake-up, as a driver's event reaches its waiter). Dropping the follower stops it.
 pub struct Follower {
     _watcher: RecommendedWatcher,
     path: PathBuf,
@@ -175,55 +176,70 @@ impl Follower {
     }
 }
 
+/// What the watcher's callback needs: the file, a partial last line, the caller's callback.
+struct Reader<F> {
+    file: File,
+    pending: Vec<u8>,
+    on_line: F,
+}
+
 /// Starts following `path`, creating it empty if it does not exist. Lines already in the file are passed as
 /// [`Line::Existing`] before this returns; later lines as [`Line::Appended`].
-pub fn follow(
-    path: &Path,
-    mut on_line: impl FnMut(Line<'_>) + Send + 'static,
-) -> io::Result<Follower> {
+pub fn follow(path: &Path, on_line: impl FnMut(Line<'_>) + Send + 'static) -> io::Result<Follower> {
     let mut file = File::options()
         .create(true)
         .append(true)
         .read(true)
         .open(path)?;
     file.seek(SeekFrom::Start(0))?;
-    let (tx, rx) = std_mpsc::channel::<()>();
-    // Watch before reading the existing content so that nothing appended in between is missed.
+    let reader = Arc::new(Mutex::new(Reader {
+        file,
+        pending: Vec::new(),
+        on_line,
+    }));
+    // Held until the existing lines are read: an append the watcher reports meanwhile waits for them, so
+    // the order of lines is kept and nothing appended between the watch and the first read is missed.
+    let mut first = lock(&reader);
+    let shared = reader.clone();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        let wake = match event {
+        let changed = match event {
             Ok(e) => matches!(
                 e.kind,
                 EventKind::Modify(_) | EventKind::Create(_) | EventKind::Any
             ),
             Err(_) => true,
         };
-        if wake {
-            let _ = tx.send(());
+        if changed {
+            let reader = &mut *lock(&shared);
+            let on_line = &mut reader.on_line;
+            if let Err(e) = read_lines(&mut reader.file, &mut reader.pending, |l| {
+                on_line(Line::Appended(l))
+            }) {
+                eprintln!("fault script: cannot read: {e}");
+            }
         }
     })
     .map_err(io::Error::other)?;
     watcher
         .watch(path, RecursiveMode::NonRecursive)
         .map_err(io::Error::other)?;
-
-    let mut pending = Vec::new();
-    read_lines(&mut file, &mut pending, |l| on_line(Line::Existing(l)))?;
-    std::thread::Builder::new()
-        .name("fault-script".into())
-        .spawn(move || {
-            // Ends when the watcher (and with it the sender) is dropped.
-            while rx.recv().is_ok() {
-                while rx.try_recv().is_ok() {}
-                if let Err(e) = read_lines(&mut file, &mut pending, |l| on_line(Line::Appended(l)))
-                {
-                    eprintln!("fault script: cannot read: {e}");
-                }
-            }
-        })?;
+    let Reader {
+        file,
+        pending,
+        on_line,
+    } = &mut *first;
+    read_lines(file, pending, |l| on_line(Line::Existing(l)))?;
+    drop(first);
     Ok(Follower {
         _watcher: watcher,
         path: path.to_owned(),
     })
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Reads what was appended since the last call and hands over each complete line; a partial last line waits
@@ -255,6 +271,7 @@ fn read_lines(
 mod tests {
     use super::*;
     use std::io::Write;
+    use std::sync::mpsc as std_mpsc;
     use std::time::Duration;
 
     #[test]

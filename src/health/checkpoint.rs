@@ -1,8 +1,12 @@
 //! The health checkpoint: every device's conditions in `<state-dir>/health-checkpoint.json`, so that a plugin
-//! restart does not forget a broken GPU. Written atomically (temp file, fsync, rename, fsync of the
-//! directory); a checkpoint that cannot be read or parsed is reported and ignored, never a crash loop.
+//! restart does not forget a broken GPU. Written atomically (temp file, rename); a checkpoint that cannot be
+//! read or parsed is reported and ignored, never a crash loop.
 //!
 //! It records the node's boot id: conditions from an earlier boot are dropped, but for `recover: never`.
+//! So only a checkpoint holding such a condition has to survive a crash of the node itself: that one is
+//! written [`Durability::Synced`] (fsync of the file before the rename, of the directory after). Any other
+//! needs only to survive a restart of the plugin, which the page cache gives, and a new boot would drop its
+//! content anyway; fsyncing it would cost the node disk flushes on every fault for nothing.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -150,6 +154,26 @@ pub enum CheckpointError {
     },
 }
 
+/// How far a write must get before [`Store::save`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Survives a crash or power loss of the node: the file and the rename are fsynced.
+    Synced,
+    /// Survives a restart of the plugin; a node crash may leave the previous checkpoint.
+    Process,
+}
+
+impl Durability {
+    /// What the engine's state needs: [`Durability::Synced`] while it holds a condition a reboot keeps.
+    pub fn needed_by(engine: &HealthEngine) -> Self {
+        if engine.holds_conditions_past_reboot() {
+            Durability::Synced
+        } else {
+            Durability::Process
+        }
+    }
+}
+
 /// The checkpoint file in a state directory.
 #[derive(Debug, Clone)]
 pub struct Store {
@@ -196,8 +220,13 @@ impl Store {
         Ok(Some(checkpoint))
     }
 
-    /// Replaces the checkpoint atomically: a crash leaves the old file or the new one, never half of one.
-    pub fn save(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
+    /// Replaces the checkpoint atomically: a crash leaves the old file or the new one, never half of one
+    /// (with [`Durability::Process`], a node crash may leave the old one, or none if it was the first).
+    pub fn save(
+        &self,
+        checkpoint: &Checkpoint,
+        durability: Durability,
+    ) -> Result<(), CheckpointError> {
         let io = |action, source| CheckpointError::Io {
             action,
             path: self.path.clone(),
@@ -208,10 +237,13 @@ impl Store {
         let tmp = self.path.with_extension("json.tmp");
         let mut file = File::create(&tmp).map_err(|e| io("cannot create", e))?;
         file.write_all(&text).map_err(|e| io("cannot write", e))?;
-        file.sync_all().map_err(|e| io("cannot sync", e))?;
+        let synced = durability == Durability::Synced;
+        if synced {
+            file.sync_all().map_err(|e| io("cannot sync", e))?;
+        }
         drop(file);
         std::fs::rename(&tmp, &self.path).map_err(|e| io("cannot replace", e))?;
-        if let Some(dir) = self.path.parent() {
+        if synced && let Some(dir) = self.path.parent() {
             // Make the rename itself durable.
             File::open(dir)
                 .and_then(|d| d.sync_all())
@@ -244,7 +276,7 @@ mod tests {
         engine.observe("GPU-a", &Observation::Xid(79), at + Duration::from_secs(5));
         engine.observe("GPU-b", &Observation::Unmonitored("no events".into()), at);
         let written = Checkpoint::of(&engine, Some("boot-1".into()));
-        store.save(&written)?;
+        store.save(&written, Durability::Synced)?;
         let read = store.load()?.unwrap_or_default();
         assert_eq!(read, written);
         let a = read
@@ -258,6 +290,22 @@ mod tests {
             (ConditionKind::Xid(79), 2, at + Duration::from_secs(5))
         );
         assert!(!dir.path().join("health-checkpoint.json.tmp").exists());
+        Ok(())
+    }
+
+    #[test]
+    fn an_unsynced_checkpoint_reads_back_the_same() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let store = Store::in_dir(dir.path());
+        let mut engine = HealthEngine::new(Policy::default());
+        engine.observe(
+            "GPU-a",
+            &Observation::Xid(79),
+            UNIX_EPOCH + Duration::from_secs(1_800_000_000),
+        );
+        let written = Checkpoint::of(&engine, Some("boot-1".into()));
+        store.save(&written, Durability::Process)?;
+        assert_eq!(store.load()?, Some(written));
         Ok(())
     }
 

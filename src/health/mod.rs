@@ -502,6 +502,17 @@ impl HealthEngine {
         outcome
     }
 
+    /// Whether any device holds a condition that outlives a reboot (`recover: never`): only then must the
+    /// checkpoint reach the disk before the next crash; everything else a new boot drops anyway.
+    pub fn holds_conditions_past_reboot(&self) -> bool {
+        self.devices.values().any(|state| {
+            state
+                .conditions
+                .iter()
+                .any(|c| self.policy.recover(&c.kind) == Recover::Never)
+        })
+    }
+
     /// The last Unhealthy event on `device`, for the checkpoint.
     pub fn last_unhealthy(&self, device: &str) -> Option<SystemTime> {
         self.devices.get(device).and_then(|s| s.last_unhealthy)

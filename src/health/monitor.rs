@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::{mpsc, watch};
 use tokio::time::MissedTickBehavior;
 
-use super::checkpoint::{self, Checkpoint, Store};
+use super::checkpoint::{self, Checkpoint, Durability, Store};
 use super::{HealthEngine, Observation, Outcome, Policy};
 use crate::devices::{DeviceEvent, DeviceSource, Inventory, InventoryWatch, SourceError};
 
@@ -238,7 +238,10 @@ impl Monitor {
     /// must not queue behind one fsync each on its way to the kubelet.
     fn save(&self) {
         if let Some(writer) = &self.writer {
-            writer.save(Checkpoint::of(&self.engine, self.boot_id.clone()));
+            writer.save(
+                Checkpoint::of(&self.engine, self.boot_id.clone()),
+                Durability::needed_by(&self.engine),
+            );
         }
     }
 }
@@ -254,7 +257,7 @@ struct Writer {
 
 #[derive(Default)]
 struct WriterState {
-    pending: Option<Checkpoint>,
+    pending: Option<(Checkpoint, Durability)>,
     running: bool,
 }
 
@@ -266,9 +269,9 @@ impl Writer {
         }
     }
 
-    fn save(&self, checkpoint: Checkpoint) {
+    fn save(&self, checkpoint: Checkpoint, durability: Durability) {
         let mut state = lock(&self.state);
-        state.pending = Some(checkpoint);
+        state.pending = Some((checkpoint, durability));
         if state.running {
             return;
         }
@@ -285,8 +288,10 @@ impl Writer {
                     }
                     next
                 };
-                let Some(checkpoint) = next else { break };
-                if let Err(e) = store.save(&checkpoint) {
+                let Some((checkpoint, durability)) = next else {
+                    break;
+                };
+                if let Err(e) = store.save(&checkpoint, durability) {
                     tracing::error!(error = %e, "cannot save the health checkpoint; a restart would forget GPU faults");
                 }
             }
@@ -345,7 +350,12 @@ mod tests {
         runtime.block_on(async {
             let writer = Writer::new(store.clone());
             for n in 0..200 {
-                writer.save(checkpoint(n));
+                let durability = if n % 2 == 0 {
+                    Durability::Synced
+                } else {
+                    Durability::Process
+                };
+                writer.save(checkpoint(n), durability);
             }
         });
         // Dropping the runtime waits for the writer, as the process does at exit.

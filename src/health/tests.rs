@@ -2,6 +2,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use super::checkpoint::Durability;
 use super::policy::{HealthConfig, Policy};
 use super::*;
 
@@ -380,5 +381,24 @@ fn the_nvidia_policy_and_dp_variables_change_xid_effects_in_the_engine() {
     assert_eq!(
         e.observe("c", &Observation::Xid(109), t(0)).new,
         Health::Healthy
+    );
+}
+
+#[test]
+fn only_a_condition_a_reboot_keeps_makes_the_checkpoint_wait_for_the_disk() {
+    let mut e = engine("conditions:\n  xid-109: {recover: never}\n");
+    assert_eq!(Durability::needed_by(&e), Durability::Process);
+    e.observe(GPU, &Observation::Xid(79), t(0));
+    e.observe(GPU, &Observation::DoubleBitEcc, t(0));
+    assert_eq!(
+        Durability::needed_by(&e),
+        Durability::Process,
+        "a new boot drops XID 79 and ECC errors, so a node crash may lose them too"
+    );
+    e.observe("GPU-other", &Observation::Xid(109), t(1));
+    assert_eq!(
+        Durability::needed_by(&e),
+        Durability::Synced,
+        "the next boot must still see a recover: never condition"
     );
 }

@@ -7,7 +7,7 @@ use anyhow::{Context, bail};
 
 use crate::report::Report;
 use crate::rig::{Plugin, Rig, WAIT, uuid};
-use crate::{Args, Counts};
+use crate::{Args, Counts, Measure};
 
 /// XIDs every plugin's default policy ignores (NVIDIA's list and the catalog agree): storm material.
 const HARMLESS_XIDS: [u64; 3] = [13, 31, 43];
@@ -21,74 +21,39 @@ pub(crate) async fn all(
     let devices = args.devices.max(1);
 
     // 3. start-up
-    let (mut to_register, mut to_list) = (Vec::new(), Vec::new());
-    for _ in 0..counts.starts {
+    if args.runs(Measure::Startup) {
+        let (mut to_register, mut to_list) = (Vec::new(), Vec::new());
+        for _ in 0..counts.starts {
+            let n = rig.next_registration().await;
+            let spawned = Instant::now();
+            let plugin = rig.spawn(devices)?;
+            let (registered, listed) = rig.wait_registered(n, &plugin).await?;
+            to_register.push(registered.saturating_duration_since(spawned));
+            to_list.push(listed.saturating_duration_since(spawned));
+            plugin.stop().await;
+        }
+        report.latency("start-up: spawn → Register received", &to_register);
+        report.latency("start-up: spawn → first ListAndWatch list", &to_list);
+    }
+
+    let shared = [
+        Measure::Allocate,
+        Measure::Restart,
+        Measure::Idle,
+        Measure::Soak,
+        Measure::Storm,
+    ];
+    if shared.iter().any(|&m| args.runs(m)) {
         let n = rig.next_registration().await;
-        let spawned = Instant::now();
         let plugin = rig.spawn(devices)?;
-        let (registered, listed) = rig.wait_registered(n, &plugin).await?;
-        to_register.push(registered.saturating_duration_since(spawned));
-        to_list.push(listed.saturating_duration_since(spawned));
+        rig.wait_registered(n, &plugin).await?;
+        on_one_instance(rig, args, &plugin, devices, counts, report).await?;
         plugin.stop().await;
     }
-    report.latency("start-up: spawn → Register received", &to_register);
-    report.latency("start-up: spawn → first ListAndWatch list", &to_list);
-
-    let n = rig.next_registration().await;
-    let plugin = rig.spawn(devices)?;
-    rig.wait_registered(n, &plugin).await?;
-    let pid = plugin.pid();
-
-    // 6. Allocate
-    let mut allocs = Vec::with_capacity(counts.allocates);
-    {
-        let kubelet = rig.kubelet.lock().await;
-        for i in 0..counts.allocates {
-            let id = uuid(i % devices);
-            let started = Instant::now();
-            kubelet.allocate(&[&[id.as_str()]]).await.with_context(|| {
-                format!("Allocate of {id} failed; plugin log:\n{}", plugin.log())
-            })?;
-            allocs.push(started.elapsed());
-        }
-    }
-    report.latency("Allocate, 1 device", &allocs);
-
-    // 2. kubelet restart → Register
-    let restarts = restart_kubelet(rig, &plugin, counts.restarts).await?;
-    report.latency("kubelet restart → Register received", &restarts);
-
-    // 4. idle footprint
-    let before = ProcSample::read(pid)?;
-    tokio::time::sleep(counts.idle).await;
-    let after = ProcSample::read(pid)?;
-    let secs = counts.idle.as_secs_f64();
-    report.value("idle: RSS", after.rss_kib as f64 / 1024.0, "MiB");
-    report.value("idle: threads", after.threads as f64, "");
-    report.value(
-        &format!("idle: CPU time over {secs:.0} s"),
-        (after.cpu - before.cpu).as_secs_f64() * 1000.0,
-        "ms",
-    );
-    report.value(
-        "idle: voluntary context switches (wake-ups)",
-        (after
-            .voluntary_switches
-            .saturating_sub(before.voluntary_switches)) as f64
-            / secs,
-        "/s",
-    );
-
-    // 7. footprint after many kubelet restarts
-    rss_after_restarts(rig, &plugin, counts.soak_restarts, report).await?;
-
-    // 5. event storm
-    storm(rig, &plugin, devices, counts, report).await?;
-    plugin.stop().await;
 
     // 1. fault → kubelet
     for n in [devices, args.large_devices] {
-        if n == 0 {
+        if n == 0 || !args.runs(Measure::Fault) {
             continue;
         }
         let (samples, missed) = fault_latency(rig, n, counts.faults).await?;
@@ -101,6 +66,74 @@ pub(crate) async fn all(
             missed == 0,
             format!("{} of {}", samples.len(), counts.faults),
         );
+    }
+    Ok(())
+}
+
+/// The measures that share one plugin instance, in an order where none disturbs the next: Allocate,
+/// kubelet restarts, idle, many restarts, then the storm.
+async fn on_one_instance(
+    rig: &Rig,
+    args: &Args,
+    plugin: &Plugin,
+    devices: usize,
+    counts: Counts,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let pid = plugin.pid();
+
+    // 6. Allocate
+    if args.runs(Measure::Allocate) {
+        let mut allocs = Vec::with_capacity(counts.allocates);
+        let kubelet = rig.kubelet.lock().await;
+        for i in 0..counts.allocates {
+            let id = uuid(i % devices);
+            let started = Instant::now();
+            kubelet.allocate(&[&[id.as_str()]]).await.with_context(|| {
+                format!("Allocate of {id} failed; plugin log:\n{}", plugin.log())
+            })?;
+            allocs.push(started.elapsed());
+        }
+        report.latency("Allocate, 1 device", &allocs);
+    }
+
+    // 2. kubelet restart → Register
+    if args.runs(Measure::Restart) {
+        let restarts = restart_kubelet(rig, plugin, counts.restarts).await?;
+        report.latency("kubelet restart → Register received", &restarts);
+    }
+
+    // 4. idle footprint
+    if args.runs(Measure::Idle) {
+        let before = ProcSample::read(pid)?;
+        tokio::time::sleep(counts.idle).await;
+        let after = ProcSample::read(pid)?;
+        let secs = counts.idle.as_secs_f64();
+        report.value("idle: RSS", after.rss_kib as f64 / 1024.0, "MiB");
+        report.value("idle: threads", after.threads as f64, "");
+        report.value(
+            &format!("idle: CPU time over {secs:.0} s"),
+            (after.cpu - before.cpu).as_secs_f64() * 1000.0,
+            "ms",
+        );
+        report.value(
+            "idle: voluntary context switches (wake-ups)",
+            (after
+                .voluntary_switches
+                .saturating_sub(before.voluntary_switches)) as f64
+                / secs,
+            "/s",
+        );
+    }
+
+    // 7. footprint after many kubelet restarts
+    if args.runs(Measure::Soak) {
+        rss_after_restarts(rig, plugin, counts.soak_restarts, report).await?;
+    }
+
+    // 5. event storm
+    if args.runs(Measure::Storm) {
+        storm(rig, plugin, devices, counts, report).await?;
     }
     Ok(())
 }

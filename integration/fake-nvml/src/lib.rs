@@ -528,6 +528,10 @@ pub extern "C" fn nvmlDeviceRegisterEvents(
     types: c_ulonglong,
     set: nvmlEventSet_t,
 ) -> nvmlReturn_t {
+    if let Some(delay) = state::register_delay() {
+        // A slow driver, for tests of what a plugin does while it is still registering.
+        std::thread::sleep(delay);
+    }
     with_device(device, |d| {
         if types & !d.spec.supported_events != 0 {
             return code::NOT_SUPPORTED;

@@ -55,6 +55,20 @@ fn load_devices() -> &'static Result<&'static [Device], String> {
     })
 }
 
+/// `FAKE_NVML_REGISTER_DELAY_MS`: how long each `nvmlDeviceRegisterEvents` takes; unset or unparsable: no
+/// delay.
+pub fn register_delay() -> Option<Duration> {
+    static DELAY: OnceLock<Option<Duration>> = OnceLock::new();
+    *DELAY.get_or_init(|| {
+        let ms: u64 = std::env::var("FAKE_NVML_REGISTER_DELAY_MS")
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        (ms > 0).then(|| Duration::from_millis(ms))
+    })
+}
+
 struct Library {
     initialized: u32,
     follower: Option<Follower>,

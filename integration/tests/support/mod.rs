@@ -8,6 +8,7 @@
     missing_docs
 )]
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
@@ -40,7 +41,7 @@ impl PluginProcess {
     }
 
     /// As [`PluginProcess::spawn`], with environment variables added.
-    pub fn spawn_with_env(kubelet_dir: &Path, args: &[&str], envs: &[(&str, &Path)]) -> Self {
+    pub fn spawn_with_env(kubelet_dir: &Path, args: &[&str], envs: &[(&str, &OsStr)]) -> Self {
         let state = tempfile::tempdir().expect("temp dir");
         let log = state.path().join("plugin.log");
         let log_file = std::fs::File::create(&log).expect("log file");
@@ -52,7 +53,7 @@ impl PluginProcess {
         let child = command
             .args(args)
             .env("RUST_LOG", "debug")
-            .envs(envs.iter().map(|(k, v)| (*k, v.as_os_str())))
+            .envs(envs.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log_file))
             .kill_on_drop(true)
@@ -324,7 +325,7 @@ impl NvmlNode {
             boot_id.to_str().expect("utf-8 path"),
         ];
         args.extend(extra.iter().map(String::as_str));
-        let envs: Vec<(&str, &Path)> = envs.iter().map(|(k, v)| (*k, v.as_path())).collect();
+        let envs: Vec<(&str, &OsStr)> = envs.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
         PluginProcess::spawn_with_env(&dir.join("device-plugins"), &args, &envs)
     }
 
