@@ -14,6 +14,7 @@
 
 mod config;
 mod state;
+mod stubs;
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::time::Duration;
