@@ -45,6 +45,9 @@ pub(crate) struct Args {
     /// Write the results as JSON here
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
+    /// Kubelet restarts for the footprint soak [default: 300, quick: 10]
+    #[arg(long)]
+    pub(crate) soak_restarts: Option<usize>,
     /// Run only these measures (comma-separated), e.g. to profile one [default: all]
     #[arg(long, value_enum, value_delimiter = ',')]
     pub(crate) only: Vec<Measure>,
@@ -53,6 +56,8 @@ pub(crate) struct Args {
 /// The measures, by name for `--only`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Measure {
+    /// The machine's own thread wake-up latency, the floor under every other latency.
+    Floor,
     /// Spawn → Register → first list.
     Startup,
     /// Allocate round trips.
@@ -87,6 +92,7 @@ pub(crate) struct Counts {
     pub(crate) storm: Duration,
     pub(crate) allocates: usize,
     pub(crate) soak_restarts: usize,
+    pub(crate) floor: usize,
 }
 
 impl Counts {
@@ -101,6 +107,7 @@ impl Counts {
                 storm: Duration::from_secs(1),
                 allocates: 50,
                 soak_restarts: 10,
+                floor: 50,
             }
         } else {
             Counts {
@@ -112,6 +119,7 @@ impl Counts {
                 storm: Duration::from_secs(10),
                 allocates: 1_000,
                 soak_restarts: 300,
+                floor: 2_000,
             }
         }
     }
@@ -150,7 +158,10 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: &Args) -> anyhow::Result<Report> {
-    let counts = Counts::new(args.quick);
+    let mut counts = Counts::new(args.quick);
+    if let Some(n) = args.soak_restarts {
+        counts.soak_restarts = n.max(3);
+    }
     let rig = Rig::new(args).await?;
     let mut report = Report::new(&rig.plugin_command(), args.quick);
     measure::all(&rig, args, counts, &mut report).await?;

@@ -20,6 +20,16 @@ pub(crate) async fn all(
 ) -> anyhow::Result<()> {
     let devices = args.devices.max(1);
 
+    // 0. the machine itself
+    if args.runs(Measure::Floor) {
+        let count = counts.floor;
+        let samples = tokio::task::spawn_blocking(move || wakeup_floor(count)).await??;
+        report.latency(
+            "machine: one thread wakes another (pipe, 1 ms apart)",
+            &samples,
+        );
+    }
+
     // 3. start-up
     if args.runs(Measure::Startup) {
         let (mut to_register, mut to_list) = (Vec::new(), Vec::new());
@@ -176,29 +186,69 @@ async fn rss_after_restarts(
     report: &mut Report,
 ) -> anyhow::Result<()> {
     let before = ProcSample::read(plugin.pid())?;
-    restart_kubelet(rig, plugin, count).await?;
-    let after = ProcSample::read(plugin.pid())?;
     report.value(
-        &format!("before {count} kubelet restarts: RSS"),
+        "before the kubelet restarts: RSS",
         before.rss_kib as f64 / 1024.0,
         "MiB",
     );
+    // RSS after each third, to tell growth that levels off from growth that goes on.
+    let mut done = 0;
+    let mut after = before;
+    for third in 1..=3 {
+        let upto = count * third / 3;
+        restart_kubelet(rig, plugin, upto - done).await?;
+        done = upto;
+        after = ProcSample::read(plugin.pid())?;
+        report.value(
+            &format!("after {done} kubelet restarts: RSS"),
+            after.rss_kib as f64 / 1024.0,
+            "MiB",
+        );
+    }
     report.value(
-        &format!("after {count} kubelet restarts: RSS"),
-        after.rss_kib as f64 / 1024.0,
-        "MiB",
-    );
-    report.value(
-        &format!("before {count} kubelet restarts: threads"),
+        "before the kubelet restarts: threads",
         before.threads as f64,
         "",
     );
     report.value(
-        &format!("after {count} kubelet restarts: threads"),
+        &format!("after {done} kubelet restarts: threads"),
         after.threads as f64,
         "",
     );
     Ok(())
+}
+
+/// The machine's own floor for every latency here: how long one thread takes to wake another that waits in
+/// a blocking read, with the processors idle in between, as they are between faults. Each sample of the
+/// fault → kubelet measure crosses several such wake-ups (driver to plugin, plugin thread to thread, plugin
+/// to kubelet).
+fn wakeup_floor(count: usize) -> anyhow::Result<Vec<Duration>> {
+    use std::io::{Read, Write};
+    let (mut reader, mut writer) = std::io::pipe()?;
+    let woken = std::thread::spawn(move || {
+        let mut at = Vec::with_capacity(count);
+        let mut byte = [0u8; 1];
+        while reader.read_exact(&mut byte).is_ok() {
+            at.push(Instant::now());
+        }
+        at
+    });
+    let mut sent = Vec::with_capacity(count);
+    for _ in 0..count {
+        // Pacing, so that the reader is asleep and the processors idle: a load generator, not synchronisation.
+        std::thread::sleep(Duration::from_millis(1));
+        sent.push(Instant::now());
+        writer.write_all(&[1])?;
+    }
+    drop(writer);
+    let woken = woken
+        .join()
+        .map_err(|_| anyhow::anyhow!("the woken thread failed"))?;
+    Ok(sent
+        .iter()
+        .zip(&woken)
+        .map(|(s, w)| w.saturating_duration_since(*s))
+        .collect())
 }
 
 async fn storm(
@@ -343,6 +393,7 @@ async fn fault_latency(
 }
 
 /// What procfs says about a process.
+#[derive(Clone, Copy)]
 struct ProcSample {
     rss_kib: u64,
     hwm_kib: u64,
