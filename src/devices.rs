@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use tokio::sync::{mpsc, watch};
@@ -77,7 +78,12 @@ pub struct DeviceState {
 pub struct Inventory {
     devices: Vec<DeviceState>,
     index: HashMap<String, usize>,
+    listed: u64,
 }
+
+/// Source of [`Inventory::listed_version`]: process-wide, so two inventories never share a version unless
+/// one is a copy of the other with no change the kubelet can see.
+static NEXT_LISTED_VERSION: AtomicU64 = AtomicU64::new(1);
 
 impl Inventory {
     /// Builds an inventory of Healthy devices. A repeated ID keeps its first entry: two devices under one ID
@@ -95,6 +101,7 @@ impl Inventory {
         if self.index.contains_key(&info.id) {
             return false;
         }
+        self.listed_changed();
         self.index.insert(info.id.clone(), self.devices.len());
         self.devices.push(DeviceState {
             info,
@@ -102,6 +109,17 @@ impl Inventory {
             reason: None,
         });
         true
+    }
+
+    /// Changes whenever what a ListAndWatch message shows changes (the set of devices, a device's health),
+    /// and only then: a new reason on a device that stays Unhealthy keeps it. Equal versions mean equal
+    /// lists, so a stream compares versions instead of whole lists.
+    pub fn listed_version(&self) -> u64 {
+        self.listed
+    }
+
+    fn listed_changed(&mut self) {
+        self.listed = NEXT_LISTED_VERSION.fetch_add(1, Ordering::Relaxed);
     }
 
     /// All devices, in stable order.
@@ -149,11 +167,14 @@ impl Inventory {
         let Some(&i) = self.index.get(id) else {
             return false;
         };
-        let device = &mut self.devices[i];
         let reason = match health {
             Health::Healthy => None,
             Health::Unhealthy => reason,
         };
+        if self.devices[i].health != health {
+            self.listed_changed();
+        }
+        let device = &mut self.devices[i];
         device.health = health;
         device.reason = reason;
         true
@@ -164,6 +185,7 @@ impl Inventory {
         let Some(i) = self.index.remove(id) else {
             return false;
         };
+        self.listed_changed();
         self.devices.remove(i);
         for slot in self.index.values_mut() {
             if *slot > i {
@@ -243,6 +265,35 @@ mod tests {
         );
         assert!(inv.set_health("b", Health::Healthy, Some("ignored".into())));
         assert_eq!(inv.get("b").and_then(|d| d.reason.clone()), None);
+    }
+
+    #[test]
+    fn the_listed_version_moves_only_with_what_the_kubelet_sees() {
+        let mut inv = Inventory::new([gpu("a"), gpu("b")]);
+        let copy = inv.clone();
+        assert_eq!(copy.listed_version(), inv.listed_version());
+        let mut seen = vec![inv.listed_version()];
+        inv.set_health("a", Health::Unhealthy, Some("XID 79".into()));
+        seen.push(inv.listed_version());
+        inv.set_health("a", Health::Unhealthy, Some("XID 79, then XID 48".into()));
+        assert_eq!(
+            inv.listed_version(),
+            seen[1],
+            "a new reason on an Unhealthy device is not in the list"
+        );
+        inv.add(gpu("c"));
+        seen.push(inv.listed_version());
+        inv.remove("b");
+        seen.push(inv.listed_version());
+        let mut unique = seen.clone();
+        unique.dedup();
+        assert_eq!(unique, seen, "every visible change gives a new version");
+        let rebuilt = Inventory::new([gpu("a"), gpu("b")]);
+        assert_ne!(
+            rebuilt.listed_version(),
+            copy.listed_version(),
+            "an inventory built anew never passes for an older one"
+        );
     }
 
     #[test]

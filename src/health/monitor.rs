@@ -129,6 +129,13 @@ fn restore(
     }
 }
 
+/// A change the kubelet has been sent, still to be logged and checkpointed.
+struct Recorded {
+    id: String,
+    observation: Observation,
+    outcome: Outcome,
+}
+
 struct Monitor {
     engine: HealthEngine,
     inventory: watch::Sender<Arc<Inventory>>,
@@ -153,7 +160,16 @@ impl Monitor {
                 .map(|d| d.duration_since(now).unwrap_or_default());
             tokio::select! {
                 event = events.recv() => match event {
-                    Some(event) => self.handle(event),
+                    Some(event) => {
+                        let after = self.handle(event);
+                        if let Some(after) = after {
+                            // The kubelet first: let the gRPC connection, woken by the new inventory, write
+                            // the list before this thread logs the change and wakes the checkpoint writer,
+                            // whose disk work would compete with that write and with the kubelet reading it.
+                            tokio::task::yield_now().await;
+                            self.record(after);
+                        }
+                    }
                     None => break,
                 },
                 () = sleep(wait) => {}
@@ -177,7 +193,9 @@ impl Monitor {
         let _full = self.probes.try_send(ids);
     }
 
-    fn handle(&mut self, event: DeviceEvent) {
+    /// Applies an event to the engine and the inventory; returns what is left to do once the kubelet has
+    /// the change: the log line and the checkpoint.
+    fn handle(&mut self, event: DeviceEvent) -> Option<Recorded> {
         match event {
             DeviceEvent::Observed {
                 id,
@@ -186,10 +204,9 @@ impl Monitor {
             } => {
                 if self.inventory.borrow().get(&id).is_none() {
                     tracing::warn!(device = %id, ?observation, "event for a device that is not present; ignored");
-                    return;
+                    return None;
                 }
                 let outcome = self.engine.observe(&id, &observation, at);
-                log(&id, &observation, &outcome);
                 if outcome.probe_now {
                     self.probe(vec![id.clone()]);
                 }
@@ -204,34 +221,41 @@ impl Monitor {
                     self.publish(|inv| inv.set_health(&id, health, message));
                 }
                 if outcome.is_transition() || outcome.conditions_changed {
-                    self.save();
+                    return Some(Recorded {
+                        id,
+                        observation,
+                        outcome,
+                    });
                 }
+                log(&id, &observation, &outcome);
+                None
             }
             DeviceEvent::Removed(id) => {
                 self.engine.remove(&id);
                 tracing::info!(device = %id, "device removed");
                 self.publish(|inv| inv.remove(&id));
                 self.save();
+                None
             }
             DeviceEvent::Added(info) => {
                 tracing::info!(device = %info.id, "device added");
                 self.publish(|inv| inv.add(info));
+                None
             }
         }
     }
 
-    /// Applies `change` to a copy of the inventory and publishes it if it changed anything. Readers hold the
-    /// old `Arc` until they look again.
+    /// Logs a change of health or conditions and saves the checkpoint.
+    fn record(&self, recorded: Recorded) {
+        log(&recorded.id, &recorded.observation, &recorded.outcome);
+        self.save();
+    }
+
+    /// Applies `change` to the inventory and publishes it if it changed anything. The inventory is copied
+    /// only if a reader still holds the current one (a list being built); readers keep what they hold.
     fn publish(&self, change: impl FnOnce(&mut Inventory) -> bool) {
-        self.inventory.send_if_modified(|current| {
-            let mut next = Inventory::clone(current);
-            if change(&mut next) {
-                *current = Arc::new(next);
-                true
-            } else {
-                false
-            }
-        });
+        self.inventory
+            .send_if_modified(|current| change(Arc::make_mut(current)));
     }
 
     /// Hands the current state to the checkpoint writer and carries on: a burst of faults on several GPUs

@@ -101,15 +101,13 @@ impl DevicePlugin for PluginService {
         &self,
         _request: Request<Empty>,
     ) -> Result<Response<ListStream>, Status> {
-        let mut last: Option<ListAndWatchResponse> = None;
+        let mut last_sent: Option<u64> = None;
         let stream = WatchStream::new(self.inventory.clone())
             .filter_map(move |inventory: Arc<Inventory>| {
-                let response = list_response(&inventory);
-                let changed = last.as_ref() != Some(&response);
-                if changed {
-                    last = Some(response.clone());
-                }
-                std::future::ready(changed.then_some(Ok(response)))
+                let version = inventory.listed_version();
+                let changed = last_sent != Some(version);
+                last_sent = Some(version);
+                std::future::ready(changed.then(|| Ok(list_response(&inventory))))
             })
             // If the inventory's sender is ever gone, keep the stream open on the last list: an ended
             // stream makes the kubelet mark every device unhealthy and it never re-opens it.
