@@ -85,11 +85,8 @@ async fn a_lost_gpu_is_unhealthy_as_gpu_lost() -> TestResult {
         "{}",
         err.message()
     );
-    assert!(
-        node.plugin.log().contains("gpu-lost"),
-        "{}",
-        node.plugin.log()
-    );
+    let logged = node.plugin.wait_log(WAIT, |l| l.contains("gpu-lost")).await;
+    assert!(logged.is_some(), "{}", node.plugin.log());
     Ok(())
 }
 
@@ -136,8 +133,12 @@ async fn every_transition_is_one_structured_log_event() -> TestResult {
         format!("xid {} 79", gpu(1)),
     ]);
     node.wait_unhealthy(&gpu(1)).await?;
-    // The kubelet's list and the log line come from the same step; look for the line it wrote.
-    let log = node.plugin.log();
+    // The log line follows the list the kubelet got.
+    let log = node
+        .plugin
+        .wait_log(WAIT, |l| l.contains("device health changed"))
+        .await
+        .unwrap_or_else(|| node.plugin.log());
     let transitions: Vec<serde_json::Value> = log
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())

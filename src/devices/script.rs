@@ -176,25 +176,58 @@ impl Follower {
     }
 }
 
-/// What the watcher's callback needs: the file, a partial last line, the caller's callback.
-struct Reader<F> {
+/// A file read as it grows: each read hands over the complete lines written since the last one; a partial
+/// last line waits for the rest. A file that shrank (truncated) is read again from its start.
+pub struct Tail {
     file: File,
     pending: Vec<u8>,
+}
+
+impl Tail {
+    /// Opens `path` at its start, creating it empty if it does not exist.
+    pub fn open(path: &Path) -> io::Result<Tail> {
+        let file = File::options()
+            .create(true)
+            .append(true)
+            .read(true)
+            .open(path)?;
+        Ok(Tail {
+            file,
+            pending: Vec::new(),
+        })
+    }
+
+    /// Hands over each complete line written since the last call.
+    pub fn read_lines(&mut self, mut on_line: impl FnMut(&str)) -> io::Result<()> {
+        let position = self.file.stream_position()?;
+        if self.file.metadata()?.len() < position {
+            self.file.seek(SeekFrom::Start(0))?;
+            self.pending.clear();
+        }
+        self.file.read_to_end(&mut self.pending)?;
+        let complete = match self.pending.iter().rposition(|&b| b == b'\n') {
+            Some(i) => i + 1,
+            None => return Ok(()),
+        };
+        let text: Vec<u8> = self.pending.drain(..complete).collect();
+        for line in String::from_utf8_lossy(&text).lines() {
+            on_line(line);
+        }
+        Ok(())
+    }
+}
+
+/// What the watcher's callback needs: the file and the caller's callback.
+struct Reader<F> {
+    tail: Tail,
     on_line: F,
 }
 
 /// Starts following `path`, creating it empty if it does not exist. Lines already in the file are passed as
 /// [`Line::Existing`] before this returns; later lines as [`Line::Appended`].
 pub fn follow(path: &Path, on_line: impl FnMut(Line<'_>) + Send + 'static) -> io::Result<Follower> {
-    let mut file = File::options()
-        .create(true)
-        .append(true)
-        .read(true)
-        .open(path)?;
-    file.seek(SeekFrom::Start(0))?;
     let reader = Arc::new(Mutex::new(Reader {
-        file,
-        pending: Vec::new(),
+        tail: Tail::open(path)?,
         on_line,
     }));
     // Held until the existing lines are read: an append the watcher reports meanwhile waits for them, so
@@ -212,9 +245,7 @@ pub fn follow(path: &Path, on_line: impl FnMut(Line<'_>) + Send + 'static) -> io
         if changed {
             let reader = &mut *lock(&shared);
             let on_line = &mut reader.on_line;
-            if let Err(e) = read_lines(&mut reader.file, &mut reader.pending, |l| {
-                on_line(Line::Appended(l))
-            }) {
+            if let Err(e) = reader.tail.read_lines(|l| on_line(Line::Appended(l))) {
                 eprintln!("fault script: cannot read: {e}");
             }
         }
@@ -223,12 +254,8 @@ pub fn follow(path: &Path, on_line: impl FnMut(Line<'_>) + Send + 'static) -> io
     watcher
         .watch(path, RecursiveMode::NonRecursive)
         .map_err(io::Error::other)?;
-    let Reader {
-        file,
-        pending,
-        on_line,
-    } = &mut *first;
-    read_lines(file, pending, |l| on_line(Line::Existing(l)))?;
+    let Reader { tail, on_line } = &mut *first;
+    tail.read_lines(|l| on_line(Line::Existing(l)))?;
     drop(first);
     Ok(Follower {
         _watcher: watcher,
@@ -240,31 +267,6 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// Reads what was appended since the last call and hands over each complete line; a partial last line waits
-/// in `pending` for the rest.
-fn read_lines(
-    file: &mut File,
-    pending: &mut Vec<u8>,
-    mut on_line: impl FnMut(&str),
-) -> io::Result<()> {
-    let position = file.stream_position()?;
-    if file.metadata()?.len() < position {
-        // Truncated: start over from the beginning.
-        file.seek(SeekFrom::Start(0))?;
-        pending.clear();
-    }
-    file.read_to_end(pending)?;
-    let complete = match pending.iter().rposition(|&b| b == b'\n') {
-        Some(i) => i + 1,
-        None => return Ok(()),
-    };
-    let text: Vec<u8> = pending.drain(..complete).collect();
-    for line in String::from_utf8_lossy(&text).lines() {
-        on_line(line);
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,12 +1,21 @@
 //! The fake driver's state: GPUs (created once, alive for the process), event sets, and the fault script
-//! follower that turns appended commands into events.
+//! feed that turns appended commands into events.
+//!
+//! No thread of the fake's own reads the fault script. As the real driver wakes the thread waiting in
+//! `nvmlEventSetWait` straight from the kernel, the waiting thread here reads the script itself: it blocks in
+//! `poll` on an inotify watch of the file, so an appended line costs the client one thread wake-up, as a
+//! real event does. One waiter reads at a time; others wait for their set's queue. Every other call that
+//! reads a GPU's state first takes in whatever was appended meanwhile without blocking, so a GPU lost in the
+//! script is lost to every caller at once, waiting or not.
 
 use std::collections::VecDeque;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
-use std::time::Duration;
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
-use gpu_device_plugin::devices::script::{self, Command, Follower, Line};
+use gpu_device_plugin::devices::script::{self, Command, Line, Tail};
+use inotify::{Inotify, WatchMask};
 
 use crate::config::{self, DeviceSpec};
 use crate::{code, event_type, nvmlDevice_t, nvmlEventSet_t, nvmlReturn_t};
@@ -71,13 +80,9 @@ pub fn register_delay() -> Option<Duration> {
 
 struct Library {
     initialized: u32,
-    follower: Option<Follower>,
 }
 
-static LIBRARY: Mutex<Library> = Mutex::new(Library {
-    initialized: 0,
-    follower: None,
-});
+static LIBRARY: Mutex<Library> = Mutex::new(Library { initialized: 0 });
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -93,12 +98,13 @@ pub fn init() -> nvmlReturn_t {
     };
     let mut library = lock(&LIBRARY);
     library.initialized += 1;
-    if library.follower.is_none()
+    let mut feed = lock(&FEED);
+    if feed.is_none()
         && let Some(path) = std::env::var_os("FAKE_NVML_EVENTS")
     {
         let path = std::path::PathBuf::from(path);
-        match script::follow(&path, move |line| on_line(devices, line)) {
-            Ok(follower) => library.follower = Some(follower),
+        match Feed::open(&path, devices) {
+            Ok(opened) => *feed = Some(opened),
             Err(e) => eprintln!(
                 "fake-nvml: cannot follow FAKE_NVML_EVENTS {}: {e}",
                 path.display()
@@ -115,7 +121,7 @@ pub fn shutdown() -> nvmlReturn_t {
     }
     library.initialized -= 1;
     if library.initialized == 0 {
-        library.follower = None;
+        *lock(&FEED) = None;
     }
     code::SUCCESS
 }
@@ -136,12 +142,106 @@ pub fn devices() -> Result<&'static [Device], nvmlReturn_t> {
     }
 }
 
-/// The device behind a handle, checked to be one of ours.
+/// The device behind a handle, checked to be one of ours, with the fault script taken in up to now.
 pub fn device(handle: nvmlDevice_t) -> Result<DeviceRef, nvmlReturn_t> {
-    devices()?
+    let device = devices()?
         .iter()
         .find(|d| d.handle() == handle)
-        .ok_or(code::INVALID_ARGUMENT)
+        .ok_or(code::INVALID_ARGUMENT)?;
+    catch_up();
+    Ok(device)
+}
+
+// ---- the fault script ------------------------------------------------------------------------------
+
+/// The fault script being followed.
+struct Feed {
+    tail: Tail,
+    inotify: Inotify,
+    devices: &'static [Device],
+}
+
+/// Locked only by the thread that holds the reader's turn ([`Events::reading`]), and by init and shutdown.
+static FEED: Mutex<Option<Feed>> = Mutex::new(None);
+
+impl Feed {
+    /// Watches the file, then takes in the lines already there as history.
+    fn open(path: &std::path::Path, devices: &'static [Device]) -> std::io::Result<Feed> {
+        let mut tail = Tail::open(path)?;
+        let inotify = Inotify::init()?;
+        // Watch before the first read, so that nothing appended in between is missed.
+        inotify.watches().add(path, WatchMask::MODIFY)?;
+        tail.read_lines(|l| on_line(devices, Line::Existing(l)))?;
+        Ok(Feed {
+            tail,
+            inotify,
+            devices,
+        })
+    }
+
+    /// Takes in what was appended, waiting up to `wait` for something to be (zero: no waiting). The file is
+    /// read only when inotify says it was written since the last read: most calls cost one `read` of the
+    /// watch and nothing more.
+    fn read(&mut self, wait: Duration) {
+        if !self.written() {
+            if wait.is_zero() {
+                return;
+            }
+            let timeout = nix::poll::PollTimeout::try_from(wait.as_millis().max(1))
+                .unwrap_or(nix::poll::PollTimeout::MAX);
+            let mut fds = [nix::poll::PollFd::new(
+                self.inotify.as_fd(),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            let ready = nix::poll::poll(&mut fds, timeout).is_ok_and(|n| n > 0);
+            if !ready || !self.written() {
+                return;
+            }
+        }
+        let devices = self.devices;
+        if let Err(e) = self
+            .tail
+            .read_lines(|l| on_line(devices, Line::Appended(l)))
+        {
+            eprintln!("fake-nvml: cannot read FAKE_NVML_EVENTS: {e}");
+        }
+    }
+
+    /// Empties the watch's queue; whether it held anything. A write after this raises a new notification,
+    /// so every write is either read next or announced again.
+    fn written(&mut self) -> bool {
+        let mut buffer = [0u8; 1024];
+        let mut any = false;
+        while let Ok(mut events) = self.inotify.read_events(&mut buffer) {
+            any |= events.next().is_some();
+        }
+        any
+    }
+}
+
+/// Takes in the script without blocking, unless another thread is already reading it.
+fn catch_up() {
+    if take_reader_turn() {
+        if let Some(feed) = lock(&FEED).as_mut() {
+            feed.read(Duration::ZERO);
+        }
+        end_reader_turn();
+    }
+}
+
+fn take_reader_turn() -> bool {
+    let mut events = lock(&EVENTS);
+    if events.reading {
+        return false;
+    }
+    events.reading = true;
+    true
+}
+
+fn end_reader_turn() {
+    lock(&EVENTS).reading = false;
+    // A waiter that saw someone reading may take over.
+    CHANGED.notify_all();
 }
 
 // ---- events --------------------------------------------------------------------------------------------
@@ -161,54 +261,103 @@ pub enum Pending {
 /// fake grow without bound.
 const QUEUE_LIMIT: usize = 1 << 16;
 
-#[derive(Default)]
-pub struct EventSet {
-    registrations: Mutex<Vec<(usize, u64)>>,
-    queue: Mutex<VecDeque<Pending>>,
-    ready: Condvar,
+struct EventSet {
+    handle: usize,
+    registrations: Vec<(usize, u64)>,
+    queue: VecDeque<Pending>,
 }
 
-static SETS: Mutex<Vec<Arc<EventSet>>> = Mutex::new(Vec::new());
+/// Every event set, and whether a thread is reading the script. One lock and one condition variable for
+/// all: waiters are few, and a single lock leaves no gap where a wake-up could be missed.
+struct Events {
+    sets: Vec<EventSet>,
+    next_handle: usize,
+    reading: bool,
+}
+
+static EVENTS: Mutex<Events> = Mutex::new(Events {
+    sets: Vec::new(),
+    next_handle: 1,
+    reading: false,
+});
+
+/// Signalled when an event is queued or the reader's turn is free.
+static CHANGED: Condvar = Condvar::new();
+
+impl Events {
+    fn set(&mut self, handle: usize) -> Option<&mut EventSet> {
+        self.sets.iter_mut().find(|s| s.handle == handle)
+    }
+}
 
 /// A live event set, looked up by handle so a freed or foreign handle is refused, not dereferenced.
-pub struct SetRef(Arc<EventSet>);
+pub struct SetRef(usize);
 
 impl SetRef {
     pub fn from_handle(handle: nvmlEventSet_t) -> Option<SetRef> {
-        lock(&SETS)
-            .iter()
-            .find(|s| Arc::as_ptr(s).cast_mut().cast() == handle)
-            .cloned()
-            .map(SetRef)
+        let handle = handle as usize;
+        lock(&EVENTS).set(handle).map(|_| SetRef(handle))
     }
 
     pub fn register(&self, device: usize, types: u64) {
-        lock(&self.0.registrations).push((device, types));
+        if let Some(set) = lock(&EVENTS).set(self.0) {
+            set.registrations.push((device, types));
+        }
     }
 
+    /// The next event, waiting up to `timeout`; `None` when none came (or the set was freed).
     pub fn wait(&self, timeout: Duration) -> Option<Pending> {
-        let queue = lock(&self.0.queue);
-        let (mut queue, _) = self
-            .0
-            .ready
-            .wait_timeout_while(queue, timeout, |q| q.is_empty())
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        queue.pop_front()
+        let deadline = Instant::now() + timeout;
+        let mut events = lock(&EVENTS);
+        loop {
+            let set = events.set(self.0)?;
+            if let Some(pending) = set.queue.pop_front() {
+                return Some(pending);
+            }
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return None;
+            }
+            if events.reading {
+                events = CHANGED
+                    .wait_timeout(events, remaining)
+                    .map(|(guard, _)| guard)
+                    .unwrap_or_else(|poisoned| poisoned.into_inner().0);
+                continue;
+            }
+            // This thread's turn to read the script, as the driver's waiter is woken by the kernel.
+            events.reading = true;
+            drop(events);
+            if let Some(feed) = lock(&FEED).as_mut() {
+                feed.read(remaining);
+            } else {
+                // Nothing to follow: only the timeout can end the wait.
+                std::thread::sleep(remaining);
+            }
+            end_reader_turn();
+            events = lock(&EVENTS);
+        }
     }
 }
 
 pub fn create_set() -> nvmlEventSet_t {
-    let set = Arc::new(EventSet::default());
-    let handle = Arc::as_ptr(&set).cast_mut().cast();
-    lock(&SETS).push(set);
-    handle
+    let mut events = lock(&EVENTS);
+    let handle = events.next_handle;
+    events.next_handle += 1;
+    events.sets.push(EventSet {
+        handle,
+        registrations: Vec::new(),
+        queue: VecDeque::new(),
+    });
+    // An opaque, non-null token: never dereferenced, only looked up.
+    std::ptr::without_provenance_mut(handle)
 }
 
 pub fn free_set(handle: nvmlEventSet_t) -> nvmlReturn_t {
-    let mut sets = lock(&SETS);
-    let before = sets.len();
-    sets.retain(|s| Arc::as_ptr(s).cast_mut().cast() != handle);
-    if sets.len() == before {
+    let mut events = lock(&EVENTS);
+    let before = events.sets.len();
+    events.sets.retain(|s| s.handle != handle as usize);
+    if events.sets.len() == before {
         code::INVALID_ARGUMENT
     } else {
         code::SUCCESS
@@ -218,18 +367,23 @@ pub fn free_set(handle: nvmlEventSet_t) -> nvmlReturn_t {
 /// Queues `pending` on every set that registered `device` for any of `types` (any type at all when
 /// `types` is 0, as for a lost GPU).
 fn deliver(device: usize, types: u64, pending: Pending) {
-    for set in lock(&SETS).iter() {
-        let wanted = lock(&set.registrations)
+    let mut events = lock(&EVENTS);
+    let mut queued = false;
+    for set in &mut events.sets {
+        let wanted = set
+            .registrations
             .iter()
             .any(|&(d, mask)| d == device && (types == 0 || mask & types != 0));
         if wanted {
-            let mut queue = lock(&set.queue);
-            if queue.len() >= QUEUE_LIMIT {
-                queue.pop_front();
+            if set.queue.len() >= QUEUE_LIMIT {
+                set.queue.pop_front();
             }
-            queue.push_back(pending);
-            set.ready.notify_all();
+            set.queue.push_back(pending);
+            queued = true;
         }
+    }
+    if queued {
+        CHANGED.notify_all();
     }
 }
 

@@ -70,6 +70,28 @@ impl PluginProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Waits until the log satisfies `pred` (the log is written after the kubelet is told, so a test that
+    /// saw a change at the kubelet waits for its log line); returns the log then.
+    pub async fn wait_log(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
+        use notify::Watcher;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut watcher = notify::recommended_watcher(move |_event| {
+            let _ = tx.send(());
+        })
+        .ok()?;
+        watcher
+            .watch(&self.log, notify::RecursiveMode::NonRecursive)
+            .ok()?;
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let log = self.log();
+            if pred(&log) {
+                return Some(log);
+            }
+            tokio::time::timeout_at(deadline, rx.recv()).await.ok()??;
+        }
+    }
+
     pub fn signal(&self, signal: nix::sys::signal::Signal) {
         let pid = self.child.id().expect("plugin is running");
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)
