@@ -228,8 +228,9 @@ pub trait DeviceSource: Send + 'static {
     fn discover(&mut self) -> Result<Vec<DeviceInfo>, SourceError>;
 
     /// Starts reporting changes into `events`, and answering each probe request (device IDs) on `probes`
-    /// with an [`Observation::Probe`] per device. The source stops when `events` is closed; it must not
-    /// block the caller.
+    /// with an [`Observation::Probe`] per device. The source stops when `events` is closed. It returns once
+    /// it watches the devices' health (the devices are listed to the kubelet only then, so that no fault
+    /// falls between the two), and within a bounded time: it must not block the caller for long.
     fn start(
         self: Box<Self>,
         events: mpsc::Sender<DeviceEvent>,
