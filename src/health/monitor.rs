@@ -3,7 +3,8 @@
 //! checkpoint current.
 //!
 //! Source → `mpsc` of events → this task (engine) → `watch` of the inventory → gRPC streams; probe requests
-//! go back to the source on their own channel.
+//! go back to the source on their own channel. The kubelet comes first: a change is published, the gRPC
+//! connection writes it, and only then is it logged and checkpointed.
 
 use std::path::PathBuf;
 use std::sync::Arc;
