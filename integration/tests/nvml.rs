@@ -306,25 +306,15 @@ fn the_fake_library_answers_nvml_calls_with_nvml_struct_layouts() -> TestResult 
 
 #[tokio::test]
 async fn a_gpu_that_does_not_answer_at_start_is_listed_unhealthy_not_a_crash() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let kubelet_dir = dir.path().join("device-plugins");
-    std::fs::create_dir(&kubelet_dir)?;
     // History in the fake's event file: GPU 1 fell off the bus before the plugin started.
-    let events = dir.path().join("events");
-    std::fs::write(&events, format!("lost {}\n", gpu(1)))?;
-    let kubelet = FakeKubelet::start(&kubelet_dir).await?;
-    let lib = fake_nvml_lib();
-    let plugin = PluginProcess::spawn_with_env(
-        &kubelet_dir,
-        &["--nvml-lib", lib.to_str().unwrap()],
-        &[("FAKE_NVML_EVENTS", events.as_os_str())],
-    );
-    let list = kubelet
+    let node = Unwatched::start(&format!("lost {}\n", gpu(1)), &[]).await?;
+    let list = node
+        .kubelet
         .wait_list("the unreadable GPU Unhealthy", WAIT, |l| {
             l.health("GPU-unreadable-index-1") == Some("Unhealthy")
         })
         .await
-        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
     assert_eq!(list.devices.len(), 4);
     assert_eq!(list.allocatable(), 3);
     Ok(())
@@ -334,33 +324,59 @@ async fn a_gpu_that_does_not_answer_at_start_is_listed_unhealthy_not_a_crash() -
 async fn a_fault_the_moment_the_kubelet_first_sees_the_gpus_is_not_lost() -> TestResult {
     // A slow driver: each event registration takes 300 ms. The plugin must not list a GPU to the kubelet
     // before it watches that GPU's events, or a fault in between would be lost for good.
-    let dir = tempfile::tempdir()?;
-    let kubelet_dir = dir.path().join("device-plugins");
-    std::fs::create_dir(&kubelet_dir)?;
-    let events = dir.path().join("events");
-    std::fs::write(&events, "")?;
-    let kubelet = FakeKubelet::start(&kubelet_dir).await?;
-    let lib = fake_nvml_lib();
-    let plugin = PluginProcess::spawn_with_env(
-        &kubelet_dir,
-        &["--nvml-lib", lib.to_str().unwrap()],
-        &[
-            ("FAKE_NVML_EVENTS", events.as_os_str()),
-            ("FAKE_NVML_REGISTER_DELAY_MS", OsStr::new("300")),
-        ],
-    );
-    let first = kubelet
+    let node = Unwatched::start("", &[("FAKE_NVML_REGISTER_DELAY_MS", OsStr::new("300"))]).await?;
+    let first = node
+        .kubelet
         .wait_list("the first list", WAIT, |l| l.messages >= 1)
         .await
-        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
     assert_eq!(first.allocatable(), 4);
-    support::append(&events, &[format!("xid {} 79", gpu(3))]);
-    let list = kubelet
+    support::append(&node.events, &[format!("xid {} 79", gpu(3))]);
+    let list = node
+        .kubelet
         .wait_list("the fault", WAIT, |l| {
             l.health(&gpu(3)) == Some("Unhealthy")
         })
         .await
-        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
     assert_eq!(list.allocatable(), 3);
     Ok(())
+}
+
+/// The fake kubelet and the plugin binary on the fake NVML library, not yet waited for (unlike
+/// [`NvmlNode`]): for tests that look at the plugin's very first list.
+struct Unwatched {
+    kubelet: FakeKubelet,
+    plugin: PluginProcess,
+    events: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Unwatched {
+    /// Starts with `history` already in the fake's event file and `envs` added to the plugin's.
+    async fn start(
+        history: &str,
+        envs: &[(&str, &OsStr)],
+    ) -> Result<Unwatched, Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let kubelet_dir = dir.path().join("device-plugins");
+        std::fs::create_dir(&kubelet_dir)?;
+        let events = dir.path().join("events");
+        std::fs::write(&events, history)?;
+        let kubelet = FakeKubelet::start(&kubelet_dir).await?;
+        let lib = fake_nvml_lib();
+        let mut all = vec![("FAKE_NVML_EVENTS", events.as_os_str())];
+        all.extend_from_slice(envs);
+        let plugin = PluginProcess::spawn_with_env(
+            &kubelet_dir,
+            &["--nvml-lib", lib.to_str().ok_or("non-UTF-8 path")?],
+            &all,
+        );
+        Ok(Unwatched {
+            kubelet,
+            plugin,
+            events,
+            _dir: dir,
+        })
+    }
 }
