@@ -181,7 +181,8 @@ impl DeviceSource for NvmlGpus {
             .spawn(move || watch_events(&nvml, &gpus, &events, registered_tx))
             .map_err(thread_error)?;
         // Return, and so let the GPUs be listed, only once their events are being watched. Blocking here is
-        // start-up, before anything is served; the event thread only needs the channel's free room meanwhile.
+        // start-up, before anything is served. Nothing reads `events` until this returns, and the event thread
+        // sends at most one observation per GPU while registering: the channel's room (1024) is enough.
         if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
             registered.recv_timeout(REGISTRATION_WAIT)
         {
@@ -308,8 +309,8 @@ fn recovery_action(device: &Device<'_>) -> Option<u32> {
     }
 }
 
-/// Registers every GPU, says so on `registered` (or drops it on failure), and forwards events until the
-/// plugin stops (the event channel closes).
+/// Registers every GPU, says on `registered` that registration is over (whatever came of it), and forwards
+/// events until the plugin stops (the event channel closes).
 fn watch_events(
     nvml: &Nvml,
     gpus: &[(u32, String)],
