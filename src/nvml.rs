@@ -182,7 +182,8 @@ impl DeviceSource for NvmlGpus {
             .map_err(thread_error)?;
         // Return, and so let the GPUs be listed, only once their events are being watched. Blocking here is
         // start-up, before anything is served. Nothing reads `events` until this returns, and the event thread
-        // sends at most one observation per GPU while registering: the channel's room (1024) is enough.
+        // sends at most one observation per GPU while registering (two with a GPU lost at start): the
+        // channel's room (1024) is enough for any node.
         if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
             registered.recv_timeout(REGISTRATION_WAIT)
         {
