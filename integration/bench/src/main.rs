@@ -2,8 +2,9 @@
 //! line — the same way for every plugin: the fake kubelet plays the kubelet, the fake libnvidia-ml plays the
 //! GPUs (first on the child's LD_LIBRARY_PATH as `libnvidia-ml.so.1`), faults are appended to its event file.
 //!
-//! Measures: fault → kubelet, kubelet restart → Register, start-up, idle footprint, event storm, Allocate
-//! latency, and footprint after many kubelet restarts. Prints a Markdown table and writes JSON.
+//! Measures: the machine's own thread wake-up latency (the floor under the rest), fault → kubelet, kubelet
+//! restart → Register, start-up, idle footprint, event storm, Allocate latency, and footprint across many
+//! kubelet restarts. Prints a Markdown table and writes JSON.
 //! See BENCHMARKS.md.
 
 mod measure;
