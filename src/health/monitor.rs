@@ -148,9 +148,11 @@ struct Monitor {
 impl Monitor {
     async fn run(mut self, mut events: mpsc::Receiver<DeviceEvent>) {
         self.save();
-        let mut poll = tokio::time::interval(self.engine.policy().recovery_action_interval);
+        // First tick one period from now. (An interval's immediate first tick, awaited, still waits for the
+        // timer wheel's next millisecond, and events arriving meanwhile would wait with it.)
+        let period = self.engine.policy().recovery_action_interval;
+        let mut poll = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        poll.tick().await;
         loop {
             let now = SystemTime::now();
             let due = self.engine.due_probes(now);
@@ -364,6 +366,31 @@ mod tests {
             boot_id: Some(format!("state-{n}")),
             devices: Default::default(),
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fault_right_after_start_is_published_without_waiting_for_any_timer() {
+        use crate::devices::Health;
+        use crate::devices::simulated::{SimulatedGpus, simulated_uuid};
+
+        // Start between two of the timer wheel's milliseconds, as a real process does.
+        tokio::time::advance(Duration::from_micros(400)).await;
+        let (gpus, control) = SimulatedGpus::new(2);
+        let mut inventory = spawn(Box::new(gpus), MonitorConfig::in_memory())
+            .unwrap_or_else(|e| panic!("monitor: {e}"));
+        let started = tokio::time::Instant::now();
+        control
+            .observe(&simulated_uuid(1), Observation::Xid(79))
+            .await;
+        let id = simulated_uuid(1);
+        let seen = inventory
+            .wait_for(|inv| inv.get(&id).map(|d| d.health) == Some(Health::Unhealthy))
+            .await
+            .is_ok();
+        assert!(seen, "the fault never reached the inventory");
+        // The clock is paused and moves only when every task waits for a timer: had the monitor waited for
+        // one (even one due now, which the timer wheel rounds up to its next millisecond), time would show it.
+        assert_eq!(tokio::time::Instant::now(), started);
     }
 
     #[test]

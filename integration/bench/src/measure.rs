@@ -291,8 +291,7 @@ async fn storm(
     })
     .await??;
     let target = uuid(0);
-    let fatal_at = Instant::now();
-    rig.inject(&[format!("xid {target} 79")])?;
+    let fatal_at = rig.inject(&[format!("xid {target} 79")])?;
     let kubelet = rig.kubelet.lock().await;
     let list = kubelet
         .wait_list("the fatal XID after the storm", WAIT, |l| {
@@ -368,8 +367,7 @@ async fn fault_latency(
                 })?;
             for i in 0..devices.min(count - samples.len() - missed) {
                 let id = uuid(i);
-                let injected = Instant::now();
-                rig.inject(&[format!("xid {id} 79")])?;
+                let injected = rig.inject(&[format!("xid {id} 79")])?;
                 match kubelet
                     .wait_list("fault", WAIT, |l| {
                         l.registration >= n && l.health(&id) == Some("Unhealthy")

@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use fake_kubelet::FakeKubelet;
@@ -23,6 +23,8 @@ pub(crate) struct Rig {
     work: tempfile::TempDir,
     lib_dir: PathBuf,
     command: Vec<String>,
+    /// The event file, opened for appending at the first fault.
+    events_file: std::sync::Mutex<Option<std::fs::File>>,
 }
 
 /// A running plugin.
@@ -138,6 +140,7 @@ impl Rig {
             work,
             lib_dir,
             command,
+            events_file: std::sync::Mutex::new(None),
         };
         Ok(rig)
     }
@@ -194,15 +197,27 @@ impl Rig {
         })
     }
 
-    /// Appends lines to the event file in one write.
-    pub(crate) fn inject(&self, lines: &[String]) -> anyhow::Result<()> {
+    /// Appends lines to the event file in one write; returns when the write began. The file stays open
+    /// across calls (and across the truncation at each start), so the time is that of the write alone, as
+    /// a fault's is that of the fault.
+    pub(crate) fn inject(&self, lines: &[String]) -> anyhow::Result<Instant> {
         let mut text = lines.join("\n");
         text.push('\n');
-        let mut file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(self.events())?;
+        let mut file = self
+            .events_file
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if file.is_none() {
+            *file = Some(
+                std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(self.events())?,
+            );
+        }
+        let file = file.as_mut().context("event file not open")?;
+        let at = Instant::now();
         file.write_all(text.as_bytes())?;
-        Ok(())
+        Ok(at)
     }
 
     /// The number the next registration will have (1-based over the run).
