@@ -22,12 +22,7 @@ pub(crate) async fn all(
 
     // 0. the machine itself
     if args.runs(Measure::Floor) {
-        let count = counts.floor;
-        let samples = tokio::task::spawn_blocking(move || wakeup_floor(count)).await??;
-        report.latency(
-            "machine: one thread wakes another (pipe, 1 ms apart)",
-            &samples,
-        );
+        floor(counts, "at the start", report).await?;
     }
 
     // 3. start-up
@@ -61,7 +56,11 @@ pub(crate) async fn all(
         plugin.stop().await;
     }
 
-    // 1. fault → kubelet
+    // 1. fault → kubelet, with the floor again right before it: the machine's slow spells come and go
+    // within a run.
+    if args.runs(Measure::Floor) && args.runs(Measure::Fault) {
+        floor(counts, "before the fault measures", report).await?;
+    }
     for n in [devices, args.large_devices] {
         if n == 0 || !args.runs(Measure::Fault) {
             continue;
@@ -214,6 +213,16 @@ async fn rss_after_restarts(
         &format!("after {done} kubelet restarts: threads"),
         after.threads as f64,
         "",
+    );
+    Ok(())
+}
+
+async fn floor(counts: Counts, when: &str, report: &mut Report) -> anyhow::Result<()> {
+    let count = counts.floor;
+    let samples = tokio::task::spawn_blocking(move || wakeup_floor(count)).await??;
+    report.latency(
+        &format!("machine: one thread wakes another (pipe, 1 ms apart), {when}"),
+        &samples,
     );
     Ok(())
 }
