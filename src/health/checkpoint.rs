@@ -159,7 +159,7 @@ pub enum CheckpointError {
 pub enum Durability {
     /// Survives a crash or power loss of the node: the file and the rename are fsynced.
     Synced,
-    /// Survives a restart of the plugin; a node crash may leave the previous checkpoint.
+    /// Survives a restart of the plugin; a node crash may leave the previous checkpoint or a damaged one.
     Process,
 }
 
@@ -220,8 +220,11 @@ impl Store {
         Ok(Some(checkpoint))
     }
 
-    /// Replaces the checkpoint atomically: a crash leaves the old file or the new one, never half of one
-    /// (with [`Durability::Process`], a node crash may leave the old one, or none if it was the first).
+    /// Replaces the checkpoint atomically: a crash of the plugin leaves the old file or the new one, never
+    /// half of one. With [`Durability::Synced`] so does a crash of the node. With [`Durability::Process`] a
+    /// node crash may leave the previous file, or (on a file system that does not write a file's data before
+    /// a rename over it) a damaged one, which loading reports and ignores: nothing in it would outlive the
+    /// reboot anyway.
     pub fn save(
         &self,
         checkpoint: &Checkpoint,
