@@ -7,7 +7,8 @@
 //! - then opens `ListAndWatch` and keeps the latest list; it never re-opens a stream that ended;
 //! - the newest registration wins (a rolling update runs two plugins);
 //! - [`FakeKubelet::restart`] stops, deletes every socket in the directory as the kubelet does when it starts,
-//!   and creates `kubelet.sock` again;
+//!   and creates `kubelet.sock` again, binding then listening as the kubelet does: a plugin that connects the
+//!   instant inotify reports the file can be refused, as with the real one;
 //! - Allocate replies must carry one response per container, or the call fails as it would in the kubelet.
 //!
 //! Tests wait on its state with timeouts ([`FakeKubelet::wait_registrations`], [`FakeKubelet::wait_list`]);
