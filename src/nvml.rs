@@ -393,37 +393,13 @@ fn register_all<'n>(
     let mut set = nvml.create_event_set()?;
     let mut registered: Vec<(u32, EventTypes)> = Vec::new();
     for (index, id) in gpus {
-        let device = match nvml.device_by_index(*index) {
-            Ok(device) => device,
-            Err(e) => {
-                observe(
-                    events,
-                    id,
-                    Observation::Unmonitored(format!("NVML cannot open the GPU: {e}")),
-                );
+        let (device, mask) = match watchable_events(nvml, *index) {
+            Ok(found) => found,
+            Err(why) => {
+                observe(events, id, Observation::Unmonitored(why));
                 continue;
             }
         };
-        let supported = match device.supported_event_types() {
-            Ok(supported) => supported,
-            Err(e) => {
-                observe(
-                    events,
-                    id,
-                    Observation::Unmonitored(format!("NVML cannot list its event types: {e}")),
-                );
-                continue;
-            }
-        };
-        let mask = supported & wanted_events();
-        if mask.is_empty() {
-            observe(
-                events,
-                id,
-                Observation::Unmonitored("it supports none of the XID and ECC events".into()),
-            );
-            continue;
-        }
         if mask != wanted_events() {
             tracing::info!(device = %id, watched = ?mask, "GPU supports only some health events");
         }
@@ -453,6 +429,21 @@ fn register_all<'n>(
     }
     let indices: Vec<u32> = registered.iter().map(|(i, _)| *i).collect();
     Ok(((!indices.is_empty()).then_some(set), indices))
+}
+
+/// GPU `index` and the health events it can report, or why it cannot be watched.
+fn watchable_events(nvml: &Nvml, index: u32) -> Result<(Device<'_>, EventTypes), String> {
+    let device = nvml
+        .device_by_index(index)
+        .map_err(|e| format!("NVML cannot open the GPU: {e}"))?;
+    let supported = device
+        .supported_event_types()
+        .map_err(|e| format!("NVML cannot list its event types: {e}"))?;
+    let mask = supported & wanted_events();
+    if mask.is_empty() {
+        return Err("it supports none of the XID and ECC events".into());
+    }
+    Ok((device, mask))
 }
 
 /// The observations one NVML event carries.
