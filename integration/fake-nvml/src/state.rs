@@ -78,11 +78,8 @@ pub fn register_delay() -> Option<Duration> {
     })
 }
 
-struct Library {
-    initialized: u32,
-}
-
-static LIBRARY: Mutex<Library> = Mutex::new(Library { initialized: 0 });
+/// `nvmlInit` calls not yet matched by `nvmlShutdown`.
+static INITIALIZED: Mutex<u32> = Mutex::new(0);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -96,8 +93,8 @@ pub fn init() -> nvmlReturn_t {
             return code::UNKNOWN;
         }
     };
-    let mut library = lock(&LIBRARY);
-    library.initialized += 1;
+    let mut initialized = lock(&INITIALIZED);
+    *initialized += 1;
     let mut feed = lock(&FEED);
     if feed.is_none()
         && let Some(path) = std::env::var_os("FAKE_NVML_EVENTS")
@@ -115,19 +112,19 @@ pub fn init() -> nvmlReturn_t {
 }
 
 pub fn shutdown() -> nvmlReturn_t {
-    let mut library = lock(&LIBRARY);
-    if library.initialized == 0 {
+    let mut initialized = lock(&INITIALIZED);
+    if *initialized == 0 {
         return code::UNINITIALIZED;
     }
-    library.initialized -= 1;
-    if library.initialized == 0 {
+    *initialized -= 1;
+    if *initialized == 0 {
         *lock(&FEED) = None;
     }
     code::SUCCESS
 }
 
 pub fn check_init() -> Result<(), nvmlReturn_t> {
-    if lock(&LIBRARY).initialized == 0 {
+    if *lock(&INITIALIZED) == 0 {
         Err(code::UNINITIALIZED)
     } else {
         Ok(())
