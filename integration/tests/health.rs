@@ -109,11 +109,7 @@ async fn recovery_action_1_makes_the_gpu_unhealthy_and_0_brings_it_back() -> Tes
     let node = NvmlNode::start(None, &[]).await?;
     node.inject(&[format!("action {} 1", gpu(1))]);
     node.wait_unhealthy(&gpu(1)).await?;
-    let err = node
-        .kubelet
-        .allocate(&[&[&gpu(1)]])
-        .await
-        .expect_err("refused");
+    let err = node.refusal(&gpu(1)).await?;
     assert!(
         err.message().contains("GPU reset required"),
         "{}",
@@ -174,13 +170,7 @@ async fn a_plugin_restart_keeps_an_unhealthy_gpu_unhealthy_with_its_message() ->
     let mut node = NvmlNode::start(None, &[]).await?;
     node.inject(&[format!("xid {} 79", gpu(2))]);
     node.wait_unhealthy(&gpu(2)).await?;
-    let before = node
-        .kubelet
-        .allocate(&[&[&gpu(2)]])
-        .await
-        .expect_err("refused")
-        .message()
-        .to_string();
+    let before = node.refusal(&gpu(2)).await?.message().to_string();
 
     let first = node.restart_plugin().await?;
     assert_eq!(
@@ -189,13 +179,7 @@ async fn a_plugin_restart_keeps_an_unhealthy_gpu_unhealthy_with_its_message() ->
         "the first list after the restart already knows"
     );
     assert_eq!(first.allocatable(), 3);
-    let after = node
-        .kubelet
-        .allocate(&[&[&gpu(2)]])
-        .await
-        .expect_err("still refused")
-        .message()
-        .to_string();
+    let after = node.refusal(&gpu(2)).await?.message().to_string();
     assert_eq!(after, before, "same message, with the original times");
     Ok(())
 }

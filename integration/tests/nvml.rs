@@ -23,11 +23,7 @@ async fn xid_79_reaches_the_kubelet_as_unhealthy_and_allocate_refuses_the_gpu() 
     let list = node.wait_unhealthy(&gpu(1)).await?;
     assert_eq!(list.allocatable(), 3);
 
-    let err = node
-        .kubelet
-        .allocate(&[&[&gpu(1)]])
-        .await
-        .expect_err("unhealthy GPU refused");
+    let err = node.refusal(&gpu(1)).await?;
     assert_eq!(err.code(), Code::FailedPrecondition);
     assert!(
         err.message().contains(&gpu(1)) && err.message().contains("XID 79"),
@@ -75,11 +71,7 @@ async fn a_lost_gpu_is_unhealthy_as_gpu_lost() -> TestResult {
     node.inject(&[format!("lost {}", gpu(2))]);
     let list = node.wait_unhealthy(&gpu(2)).await?;
     assert_eq!(list.allocatable(), 3);
-    let err = node
-        .kubelet
-        .allocate(&[&[&gpu(2)]])
-        .await
-        .expect_err("lost GPU refused");
+    let err = node.refusal(&gpu(2)).await?;
     assert!(
         err.message().contains("stopped answering"),
         "{}",

@@ -416,6 +416,15 @@ impl NvmlNode {
         self.wait_health(id, "Unhealthy").await
     }
 
+    /// The kubelet's Allocate of GPU `id` alone, which the test expects refused: the refusal, or an error
+    /// (with the plugin's log) if it was granted.
+    pub async fn refusal(&self, id: &str) -> Result<tonic::Status, Box<dyn std::error::Error>> {
+        match self.kubelet.allocate(&[&[id]]).await {
+            Err(status) => Ok(status),
+            Ok(_) => Err(format!("Allocate of {id} was granted\n{}", self.plugin.log()).into()),
+        }
+    }
+
     /// Injects `lines`, then XID 79 on GPU 3 as a marker: events are handled in order, so once the kubelet
     /// sees GPU 3 Unhealthy, every earlier line has had its effect. Returns the list then.
     pub async fn list_after(
