@@ -7,7 +7,7 @@ mod support;
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
-use fake_kubelet::FakeKubelet;
+use fake_kubelet::{DeviceManager, FakeKubelet};
 use gpu_device_plugin::api::Empty;
 use gpu_device_plugin::api::device_plugin_client::DevicePluginClient;
 use gpu_device_plugin::devices::simulated::simulated_uuid;
@@ -401,34 +401,168 @@ async fn concurrent_watchers_each_get_every_change() -> TestResult {
     Ok(())
 }
 
-#[tokio::test]
-async fn two_instances_during_a_rolling_update_use_their_own_sockets_and_the_newest_wins()
--> TestResult {
+/// A rolling update with surge, as a DaemonSet with `maxSurge: 1` does it: the new instance starts beside
+/// the old one (same state directory, as the DaemonSet's hostPath gives both), registers, then the old one is
+/// stopped. Returns the kubelet, the new instance and the kubelet directory, once the test has seen the
+/// hand-over through.
+async fn surge(manager: DeviceManager) -> TestResult {
     let dir = tempfile::tempdir()?;
-    let kubelet = FakeKubelet::start(dir.path()).await?;
-    let mut old = PluginProcess::spawn(dir.path(), &["--simulate", "2"]);
-    let first = kubelet.wait_registrations(1, WAIT).await?;
-    let new = PluginProcess::spawn(dir.path(), &["--simulate", "2"]);
+    let shared = tempfile::tempdir()?;
+    let faults = shared.path().join("faults");
+    let state = shared.path().join("state");
+    let (faults_arg, state_arg) = (
+        faults.to_string_lossy().into_owned(),
+        state.to_string_lossy().into_owned(),
+    );
+    let args = [
+        "--simulate",
+        "4",
+        "--simulate-events",
+        &faults_arg,
+        "--state-dir",
+        &state_arg,
+    ];
+    let kubelet = FakeKubelet::start_as(dir.path(), manager).await?;
+    let mut old = PluginProcess::spawn(dir.path(), &args);
+    let first = kubelet
+        .wait_registrations(1, WAIT)
+        .await
+        .map_err(|e| format!("{e}\n{}", old.log()))?;
+    support::append(&faults, &[format!("xid {} 79", gpu(1))]);
+    kubelet
+        .wait_list("GPU 1 unhealthy", WAIT, |l| {
+            l.health(&gpu(1)) == Some("Unhealthy")
+        })
+        .await?;
+
+    let new = PluginProcess::spawn(dir.path(), &args);
     let regs = kubelet
         .wait_registrations(2, WAIT)
         .await
         .map_err(|e| format!("{e}\n{}", new.log()))?;
     assert_ne!(regs[0].endpoint, regs[1].endpoint);
-    kubelet
-        .wait_list("stream from the new instance", WAIT, |l| {
-            l.registration >= 2 && l.messages >= 1
+    let list = kubelet
+        .wait_list("the new instance's first list", WAIT, |l| {
+            l.registration == 2 && l.messages >= 1
         })
         .await?;
+    assert_eq!(
+        list.health(&gpu(1)),
+        Some("Unhealthy"),
+        "the new instance forgot the fault"
+    );
 
-    // The old instance going away removes only its own socket; the new one keeps serving.
     old.signal(Signal::SIGTERM);
     assert!(
-        old.wait_exit(Duration::from_secs(2))
-            .await
-            .is_some_and(|s| s.success())
+        old.wait_exit(WAIT).await.is_some_and(|s| s.success()),
+        "{}",
+        old.log()
     );
     assert!(!dir.path().join(&first[0].endpoint).exists());
     assert!(dir.path().join(&regs[1].endpoint).exists());
+
+    let expected_registrations = match manager {
+        // The kubelet cut the new instance off when the old one's stream ended; it registers again.
+        DeviceManager::Legacy => 3,
+        DeviceManager::MultiClient => 2,
+    };
+    let list = kubelet
+        .wait_list(
+            "the full list from the new instance after the hand-over",
+            WAIT,
+            |l| l.registration == expected_registrations && l.messages >= 1 && !l.disconnected,
+        )
+        .await
+        .map_err(|e| format!("{e}: {:?}\n{}", kubelet.list(), new.log()))?;
+    assert_eq!(list.devices.len(), 4);
+    assert_eq!(list.health(&gpu(1)), Some("Unhealthy"));
+    assert_eq!(list.allocatable(), 3);
+
+    // A later fault reaches the kubelet from the new instance: a point after which a second registration
+    // would already have shown.
+    support::append(&faults, &[format!("xid {} 79", gpu(2))]);
+    let list = kubelet
+        .wait_list("GPU 2 unhealthy", WAIT, |l| {
+            l.health(&gpu(2)) == Some("Unhealthy")
+        })
+        .await?;
+    assert_eq!(list.registration, expected_registrations);
+    let regs = kubelet.registrations();
+    assert_eq!(
+        regs.len(),
+        expected_registrations,
+        "exactly one registration follows the cut, none without one\n{}",
+        new.log()
+    );
+    assert!(regs.iter().skip(1).all(|r| r.endpoint == regs[1].endpoint));
+    let cut = kubelet.list().cut_by_other;
+    let rejoined = new.log().matches("closed our ListAndWatch stream").count();
+    match manager {
+        DeviceManager::Legacy => assert_eq!((cut, rejoined), (1, 1), "{}", new.log()),
+        DeviceManager::MultiClient => assert_eq!((cut, rejoined), (0, 0), "{}", new.log()),
+    }
     kubelet.allocate(&[&[&gpu(0)]]).await?;
+    let refused = kubelet.allocate(&[&[&gpu(1)]]).await.err();
+    assert_eq!(refused.map(|s| s.code()), Some(Code::FailedPrecondition));
+    Ok(())
+}
+
+#[tokio::test]
+async fn surge_rollout_on_a_legacy_kubelet_the_new_instance_registers_again_after_the_cut()
+-> TestResult {
+    surge(DeviceManager::Legacy).await
+}
+
+#[tokio::test]
+async fn surge_rollout_on_a_multi_client_kubelet_the_new_instance_keeps_its_stream() -> TestResult {
+    surge(DeviceManager::MultiClient).await
+}
+
+/// Makes a directory event about `kubelet.sock` that changes nothing: the same socket file unlinked and
+/// linked again under its name (inotify reports a creation), as a late or repeated event is.
+fn relink(kubelet_socket: &std::path::Path) -> std::io::Result<()> {
+    let aside = kubelet_socket.with_extension("aside");
+    std::fs::hard_link(kubelet_socket, &aside)?;
+    std::fs::remove_file(kubelet_socket)?;
+    std::fs::hard_link(&aside, kubelet_socket)?;
+    std::fs::remove_file(&aside)
+}
+
+#[tokio::test]
+async fn a_directory_event_while_register_is_in_flight_leaves_exactly_one_registration()
+-> TestResult {
+    for manager in [DeviceManager::Legacy, DeviceManager::MultiClient] {
+        let dir = tempfile::tempdir()?;
+        let mut kubelet = FakeKubelet::start_as(dir.path(), manager).await?;
+        kubelet.hold_registrations();
+        let plugin = PluginProcess::spawn(dir.path(), &["--simulate", "2"]);
+        // The kubelet has accepted the plugin and holds its answer back.
+        kubelet
+            .wait_registrations(1, WAIT)
+            .await
+            .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+        relink(&dir.path().join(gpu_device_plugin::api::KUBELET_SOCKET))?;
+        // Our own socket removed too, as a kubelet's clean-up racing our bind does.
+        let socket = kubelet.registrations()[0].endpoint.clone();
+        std::fs::remove_file(dir.path().join(&socket))?;
+        plugin
+            .wait_log(WAIT, |l| l.contains("binding it again"))
+            .await
+            .ok_or_else(|| format!("the plugin did not re-bind\n{}", plugin.log()))?;
+        kubelet.release_registrations();
+        plugin
+            .wait_log(WAIT, |l| l.contains("registered with the kubelet"))
+            .await
+            .ok_or_else(|| format!("Register never returned\n{}", plugin.log()))?;
+        kubelet
+            .wait_list("a list", WAIT, |l| l.allocatable() == 2)
+            .await?;
+        // A kubelet restart afterwards is the next registration; none came in between.
+        let (registered, _) = kubelet.restart_and_wait(WAIT).await?;
+        let regs = kubelet.registrations();
+        assert_eq!(regs.len(), 2, "{manager:?}: {regs:?}\n{}", plugin.log());
+        assert_eq!(regs[1].endpoint, registered.endpoint);
+        assert_eq!(kubelet.clients().len(), 1, "{manager:?}");
+    }
     Ok(())
 }

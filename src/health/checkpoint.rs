@@ -26,6 +26,9 @@ pub const DEFAULT_BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 
 const VERSION: u32 = 1;
 
+/// Prefix of the temporary files a write goes through (hidden, and named for the checkpoint).
+const TEMP_PREFIX: &str = ".health-checkpoint.";
+
 /// The file's content.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -237,15 +240,27 @@ impl Store {
         };
         let text =
             serde_json::to_vec_pretty(checkpoint).map_err(|e| io("cannot encode", e.into()))?;
-        let tmp = self.path.with_extension("json.tmp");
-        let mut file = File::create(&tmp).map_err(|e| io("cannot create", e))?;
+        // A temporary file of this write's own: during a rolling update two instances share the state
+        // directory and both write the checkpoint, and a shared temporary name would let their writes mix.
+        // One that is not persisted is removed on drop.
+        let dir = match self.path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir,
+            _ => Path::new("."),
+        };
+        let mut file = tempfile::Builder::new()
+            .prefix(TEMP_PREFIX)
+            .suffix(".tmp")
+            .tempfile_in(dir)
+            .map_err(|e| io("cannot create a temporary file beside", e))?;
         file.write_all(&text).map_err(|e| io("cannot write", e))?;
         let synced = durability == Durability::Synced;
         if synced {
-            file.sync_all().map_err(|e| io("cannot sync", e))?;
+            file.as_file()
+                .sync_all()
+                .map_err(|e| io("cannot sync", e))?;
         }
-        drop(file);
-        std::fs::rename(&tmp, &self.path).map_err(|e| io("cannot replace", e))?;
+        file.persist(&self.path)
+            .map_err(|e| io("cannot replace", e.error))?;
         if synced && let Some(dir) = self.path.parent() {
             // Make the rename itself durable.
             File::open(dir)
@@ -292,7 +307,11 @@ mod tests {
             (a[0].kind.clone(), a[0].count, a[0].last_seen),
             (ConditionKind::Xid(79), 2, at + Duration::from_secs(5))
         );
-        assert!(!dir.path().join("health-checkpoint.json.tmp").exists());
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path())?
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(TEMP_PREFIX))
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
         Ok(())
     }
 

@@ -69,6 +69,9 @@ pub enum KubeletError {
         /// The watcher error.
         source: notify::Error,
     },
+    /// The gRPC server stopped while the plugin meant to serve.
+    #[error("the device plugin gRPC server stopped unexpectedly")]
+    ServerStopped,
     /// The OS random source failed, so no unique socket name could be made.
     #[error("cannot make a unique socket name: {0}")]
     Random(String),
@@ -128,11 +131,23 @@ pub fn socket_path_for(config: &PluginConfig) -> Result<PathBuf, KubeletError> {
     socket::socket_path(&config.kubelet_dir, &name)
 }
 
+/// How long after a successful `Register` the kubelet has to open its ListAndWatch stream before we register
+/// again. The kubelet opens it right after `Register` returns; a kubelet that accepted us and opened nothing
+/// has lost us (it died in between, or replaced us with another instance's registration).
+pub const STREAM_WAIT: Duration = Duration::from_secs(5);
+
 /// Serves the device plugin API and stays registered with the kubelet until `shutdown` is cancelled; then
 /// ends every stream, removes the socket and returns.
 ///
 /// The directory must exist: the kubelet creates it and never deletes it, so its absence means the host
 /// directory is not mounted, which waiting would not fix. A missing `kubelet.sock` is waited for.
+///
+/// Invariant kept: while we serve and `kubelet.sock` exists, the kubelet holds a ListAndWatch stream to this
+/// process. We register when we are not registered with the kubelet now behind `kubelet.sock` (start, a new
+/// `kubelet.sock`), when the kubelet closes the last stream (kubelets up to 1.36 close the newest
+/// instance's connection when any instance's stream ends, as in a rolling update), and when it opens none
+/// within [`STREAM_WAIT`] of accepting us. One `Register` is in flight at a time and is never abandoned:
+/// the kubelet may have accepted it already, and a second one would leave it two clients of this process.
 pub async fn run(
     config: PluginConfig,
     inventory: InventoryWatch,
@@ -154,6 +169,7 @@ pub async fn run(
     tracing::info!(socket = %path.display(), resource = %config.resource_name, "serving device plugin API");
 
     let service = PluginService::new(inventory, config.allocate.clone(), shutdown.clone());
+    let mut streams = service.streams();
     let incoming = ReceiverStream::new(conn_rx).map(Ok::<_, std::io::Error>);
     let server_shutdown = shutdown.clone();
     let server = tokio::spawn(
@@ -162,36 +178,128 @@ pub async fn run(
             .serve_with_incoming_shutdown(incoming, server_shutdown.cancelled_owned()),
     );
 
-    let mut registrar = Registrar::new(&config, socket_name, dir.join(KUBELET_SOCKET));
-    loop {
+    let kubelet_socket = dir.join(KUBELET_SOCKET);
+    let mut registrar = Registrar::new(&config, socket_name);
+    let mut link = Link::Owed(Some(Instant::now()));
+    'serve: loop {
         if !socket.is_in_place() {
             tracing::info!(socket = %path.display(), "plugin socket was removed (kubelet restart?); binding it again");
             drop(socket);
             socket = PluginSocket::bind(&path, conn_tx.clone())?;
-            registrar.reset();
+            if !link.holds(&kubelet_socket) {
+                link = registrar.owe_now();
+            }
         }
-        let retry_at = registrar.next_attempt_at();
+        if let Link::Registered {
+            kubelet,
+            awaiting,
+            lost,
+        } = &mut link
+        {
+            let now = *streams.borrow_and_update();
+            if let Some((opened_before, _)) = *awaiting
+                && now.opened > opened_before
+            {
+                *awaiting = None;
+            }
+            if awaiting.is_none() && now.open == 0 {
+                tracing::warn!(
+                    kubelet = ?kubelet,
+                    "the kubelet closed our ListAndWatch stream (it restarted, or, on kubelets up to 1.36, \
+                     another instance of this plugin stopped, as in a rolling update); registering again"
+                );
+                *lost = true;
+            }
+        }
+        let wake_at = match &link {
+            Link::Owed(at) => *at,
+            Link::Registered { lost: true, .. } => {
+                link = registrar.owe_now();
+                continue;
+            }
+            Link::Registered {
+                awaiting: Some((_, deadline)),
+                ..
+            } => Some(*deadline),
+            Link::Registered { .. } => None,
+        };
         // An attempt that is due now starts at once: a timer, even an expired one, costs a tick (1 ms) of
         // the runtime's timer wheel, and a kubelet restart is exactly when every millisecond counts.
-        let due = retry_at.is_some_and(|at| at <= Instant::now());
-        if !due {
-            tokio::select! {
-                () = shutdown.cancelled() => break,
-                () = dir_watch.changed() => registrar.reset(),
-                () = sleep_until(retry_at) => {}
-            }
+        let due = matches!(link, Link::Owed(Some(at)) if at <= Instant::now());
+        if due {
+            // The attempt runs to its end; directory changes meanwhile are noted, and our socket is re-bound
+            // at once so that the kubelet's dial-back can reach it.
+            let before = streams.borrow().opened;
+            let target = socket::SocketId::of(&kubelet_socket);
+            let mut changed = false;
+            let outcome = {
+                let attempt = registrar.attempt(&kubelet_socket);
+                tokio::pin!(attempt);
+                loop {
+                    tokio::select! {
+                        () = shutdown.cancelled() => break 'serve,
+                        () = dir_watch.changed() => {
+                            changed = true;
+                            if !socket.is_in_place() {
+                                tracing::info!(socket = %path.display(), "plugin socket was removed during registration; binding it again");
+                                drop(socket);
+                                socket = PluginSocket::bind(&path, conn_tx.clone())?;
+                            }
+                        }
+                        outcome = &mut attempt => break outcome,
+                    }
+                }
+            };
+            link = match outcome {
+                Attempt::Registered if socket::SocketId::of(&kubelet_socket) != target => {
+                    tracing::info!(
+                        "kubelet.sock was replaced while registering; registering with the new kubelet"
+                    );
+                    registrar.owe_now()
+                }
+                Attempt::Registered => Link::Registered {
+                    kubelet: target,
+                    awaiting: Some((before, Instant::now() + STREAM_WAIT)),
+                    lost: false,
+                },
+                Attempt::NoKubelet => Link::Owed(None),
+                Attempt::Failed(_) if changed => registrar.owe_now(),
+                Attempt::Failed(retry_in) => Link::Owed(Some(Instant::now() + retry_in)),
+            };
             continue;
         }
         tokio::select! {
             () = shutdown.cancelled() => break,
-            // A restart sign mid-attempt: this attempt talks to a kubelet that is going away.
-            () = dir_watch.changed() => registrar.reset(),
-            () = registrar.attempt() => {}
+            () = dir_watch.changed() => {
+                // A sign of a kubelet restart; our socket is looked at on the next turn. A sign that changed
+                // nothing (a late duplicate of an event already acted on) must not register twice.
+                if !link.holds(&kubelet_socket) && socket.is_in_place() {
+                    link = registrar.owe_now();
+                }
+            }
+            changed = streams.changed() => {
+                if changed.is_err() {
+                    // The gRPC server is gone (it holds the other end): nothing can be served any more.
+                    break;
+                }
+            }
+            () = sleep_until(wake_at) => {
+                if let Link::Registered { awaiting: Some(_), .. } = link {
+                    let delay = registrar.next_delay();
+                    tracing::warn!(
+                        waited_ms = STREAM_WAIT.as_millis() as u64,
+                        retry_in_ms = delay.as_millis() as u64,
+                        "the kubelet accepted the registration but opened no ListAndWatch stream; registering again"
+                    );
+                    link = Link::Owed(Some(Instant::now() + delay));
+                }
+            }
         }
     }
 
     drop(conn_tx);
     socket.remove();
+    let server_died = !shutdown.is_cancelled();
     match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(e))) => {
@@ -201,6 +309,9 @@ pub async fn run(
         Err(_) => {
             tracing::warn!("gRPC connections still open after {SHUTDOWN_GRACE:?}; closing them")
         }
+    }
+    if server_died {
+        return Err(KubeletError::ServerStopped);
     }
     Ok(())
 }
@@ -212,14 +323,51 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-/// Registration state: whether we owe the kubelet a registration, when to try next, and what was last logged.
+/// Where the plugin stands with the kubelet.
+#[derive(Debug)]
+enum Link {
+    /// A registration is owed: at this instant, or, with `None`, as soon as `kubelet.sock` appears.
+    Owed(Option<Instant>),
+    /// The kubelet behind `kubelet` accepted our registration.
+    Registered {
+        /// Identity of `kubelet.sock` when we registered: a different one is a different kubelet.
+        kubelet: Option<socket::SocketId>,
+        /// Until the kubelet opens its stream: the streams opened before the registration, and how long we
+        /// wait for a new one.
+        awaiting: Option<(u64, Instant)>,
+        /// The kubelet closed the last stream.
+        lost: bool,
+    },
+}
+
+impl Link {
+    /// Whether we are registered with the kubelet now behind `kubelet_socket`.
+    fn holds(&self, kubelet_socket: &std::path::Path) -> bool {
+        match self {
+            Link::Registered { kubelet, lost, .. } => {
+                !lost && kubelet.is_some() && *kubelet == socket::SocketId::of(kubelet_socket)
+            }
+            Link::Owed(_) => false,
+        }
+    }
+}
+
+/// How one registration attempt ended.
+#[derive(Debug)]
+enum Attempt {
+    /// The kubelet accepted it.
+    Registered,
+    /// There is no `kubelet.sock`: wait for it to appear.
+    NoKubelet,
+    /// It failed; try again after this delay.
+    Failed(Duration),
+}
+
+/// Registration attempts: the request, the backoff between failures, and what was last logged.
 struct Registrar {
-    kubelet_socket: PathBuf,
     request: RegisterRequest,
     backoff_builder: ExponentialBuilder,
     backoff: backon::ExponentialBackoff,
-    /// `Some(at)` while a registration is owed.
-    next_at: Option<Instant>,
     failures: u32,
     /// The last failure logged at warn level; a repeat of it is logged at debug only.
     last_logged: Option<String>,
@@ -227,9 +375,8 @@ struct Registrar {
 }
 
 impl Registrar {
-    fn new(config: &PluginConfig, endpoint: String, kubelet_socket: PathBuf) -> Self {
+    fn new(config: &PluginConfig, endpoint: String) -> Self {
         Registrar {
-            kubelet_socket,
             request: RegisterRequest {
                 version: VERSION.to_string(),
                 endpoint,
@@ -238,36 +385,35 @@ impl Registrar {
             },
             backoff_builder: config.backoff,
             backoff: config.backoff.build(),
-            next_at: Some(Instant::now()),
             failures: 0,
             last_logged: None,
             waiting_logged: false,
         }
     }
 
-    /// Owe a registration now, with a fresh backoff: something changed in the directory.
-    fn reset(&mut self) {
+    /// A registration owed now, with a fresh backoff: something changed.
+    fn owe_now(&mut self) -> Link {
         self.backoff = self.backoff_builder.build();
-        self.next_at = Some(Instant::now());
+        Link::Owed(Some(Instant::now()))
     }
 
-    fn next_attempt_at(&self) -> Option<Instant> {
-        self.next_at
+    /// The next backoff delay.
+    fn next_delay(&mut self) -> Duration {
+        self.backoff.next().unwrap_or(Duration::from_secs(10))
     }
 
-    async fn attempt(&mut self) {
-        if !self.kubelet_socket.exists() {
+    async fn attempt(&mut self, kubelet_socket: &std::path::Path) -> Attempt {
+        if !kubelet_socket.exists() {
             // No kubelet yet (or it is restarting): its socket's creation wakes us, no need to poll.
             if !self.waiting_logged {
-                tracing::info!(socket = %self.kubelet_socket.display(), "waiting for the kubelet to create its socket");
+                tracing::info!(socket = %kubelet_socket.display(), "waiting for the kubelet to create its socket");
                 self.waiting_logged = true;
             }
-            self.next_at = None;
-            return;
+            return Attempt::NoKubelet;
         }
         self.waiting_logged = false;
         let started = Instant::now();
-        match registration::register(&self.kubelet_socket, self.request.clone()).await {
+        match registration::register(kubelet_socket, self.request.clone()).await {
             Ok(()) => {
                 tracing::info!(
                     resource = %self.request.resource_name,
@@ -276,14 +422,14 @@ impl Registrar {
                     took_ms = started.elapsed().as_secs_f64() * 1000.0,
                     "registered with the kubelet"
                 );
-                self.next_at = None;
                 self.failures = 0;
                 self.last_logged = None;
                 self.backoff = self.backoff_builder.build();
+                Attempt::Registered
             }
             Err(e) => {
                 self.failures += 1;
-                let delay = self.backoff.next().unwrap_or(Duration::from_secs(10));
+                let delay = self.next_delay();
                 let cause = e.to_string();
                 if self.last_logged.as_deref() != Some(cause.as_str()) {
                     tracing::warn!(error = %cause, retry_in_ms = delay.as_millis() as u64, "cannot register with the kubelet; will retry");
@@ -291,7 +437,7 @@ impl Registrar {
                 } else {
                     tracing::debug!(error = %cause, attempt = self.failures, "registration failed again");
                 }
-                self.next_at = Some(Instant::now() + delay);
+                Attempt::Failed(delay)
             }
         }
     }
@@ -309,12 +455,11 @@ mod tests {
         let kubelet_socket = dir.path().join(KUBELET_SOCKET);
         drop(std::os::unix::net::UnixListener::bind(&kubelet_socket)?);
         let config = PluginConfig::new(dir.path(), "nvidia.com/gpu");
-        let mut registrar = Registrar::new(&config, "plugin.sock".into(), kubelet_socket);
-        registrar.attempt().await;
-        let retry_at = registrar
-            .next_attempt_at()
-            .ok_or("a refused registration must be retried")?;
-        let wait = retry_at.saturating_duration_since(Instant::now());
+        let mut registrar = Registrar::new(&config, "plugin.sock".into());
+        let outcome = registrar.attempt(&kubelet_socket).await;
+        let Attempt::Failed(wait) = outcome else {
+            return Err(format!("a refused registration must be retried, got {outcome:?}").into());
+        };
         assert!(wait <= Duration::from_millis(2), "next try in {wait:?}");
         assert_eq!(registrar.failures, 1);
         Ok(())

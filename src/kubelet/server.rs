@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures_util::{Stream, StreamExt};
+use tokio::sync::watch;
 use tokio_stream::wrappers::WatchStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
@@ -33,6 +34,38 @@ pub struct PluginService {
     options: AllocateOptions,
     /// Ends every ListAndWatch stream cleanly (OK status) when the plugin shuts down.
     shutdown: CancellationToken,
+    streams: watch::Sender<Streams>,
+}
+
+/// The ListAndWatch streams this plugin serves: how the kubelet's hold on us is seen. The kubelet opens one
+/// stream per registration and never re-opens it; when it closes one (a kubelet restart, or, up to kubelet
+/// 1.36, another instance's stream ending) the stream is dropped here.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Streams {
+    /// Streams open now.
+    pub open: usize,
+    /// Streams ever opened: tells a stream opened after a registration from one that was already there.
+    pub opened: u64,
+}
+
+/// Counts a stream as open for as long as it lives; tonic drops a stream when its client cancels it or the
+/// connection closes.
+struct OpenStream(watch::Sender<Streams>);
+
+impl OpenStream {
+    fn new(streams: &watch::Sender<Streams>) -> Self {
+        streams.send_modify(|s| {
+            s.open += 1;
+            s.opened += 1;
+        });
+        OpenStream(streams.clone())
+    }
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.send_modify(|s| s.open = s.open.saturating_sub(1));
+    }
 }
 
 impl PluginService {
@@ -46,7 +79,13 @@ impl PluginService {
             inventory,
             options,
             shutdown,
+            streams: watch::Sender::new(Streams::default()),
         }
+    }
+
+    /// Watches the open ListAndWatch streams.
+    pub fn streams(&self) -> watch::Receiver<Streams> {
+        self.streams.subscribe()
     }
 }
 
@@ -102,8 +141,11 @@ impl DevicePlugin for PluginService {
         _request: Request<Empty>,
     ) -> Result<Response<ListStream>, Status> {
         let mut last_sent: Option<u64> = None;
+        let open = OpenStream::new(&self.streams);
         let stream = WatchStream::new(self.inventory.clone())
             .filter_map(move |inventory: Arc<Inventory>| {
+                // The stream owns the guard: it counts as open until tonic drops it.
+                let _open = &open;
                 let version = inventory.listed_version();
                 let changed = last_sent != Some(version);
                 last_sent = Some(version);

@@ -3,9 +3,13 @@
 //!
 //! - serves `Registration` on `<dir>/kubelet.sock`; `Register` checks the version and the resource name, dials
 //!   the plugin's socket back and calls `GetDevicePluginOptions` **before** answering, so a plugin that is not
-//!   serving yet fails to register;
-//! - then opens `ListAndWatch` and keeps the latest list; it never re-opens a stream that ended;
-//! - the newest registration wins (a rolling update runs two plugins);
+//!   serving yet fails to register. A registration the kubelet has accepted stays accepted when the plugin
+//!   gives up waiting for the answer (grpc-go runs the handler to its end);
+//! - then opens `ListAndWatch`; it never re-opens a stream that ended;
+//! - keeps its clients as one of two device managers ([`DeviceManager`]): kubelets up to 1.36 (one client per
+//!   resource; the end of *any* client's stream disconnects the *current* one), or later ones (one client
+//!   per plugin socket, the newest used);
+//! - a disconnected client's devices all become Unhealthy (allocatable 0), as the kubelet marks them;
 //! - [`FakeKubelet::restart`] stops, deletes every socket in the directory as the kubelet does when it starts,
 //!   and creates `kubelet.sock` again, binding then listening as the kubelet does: a plugin that connects the
 //!   instant inotify reports the file can be refused, as with the real one;
@@ -41,6 +45,23 @@ const DIAL_BACK_TIMEOUT: Duration = Duration::from_secs(10);
 /// Name of the kubelet's checkpoint file; the kubelet keeps it across restarts (it is not a socket).
 pub const CHECKPOINT_FILE: &str = "kubelet_internal_checkpoint";
 
+/// Which kubelet device manager to behave as. They differ only when two plugin instances serve one resource,
+/// as during a rolling update with surge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceManager {
+    /// Kubelets 1.25 to 1.36 (before kubernetes PR #135437): one client per resource. A new registration
+    /// replaces the current client without closing the old one, whose stream stays open and whose lists
+    /// still update the resource. When any client's ListAndWatch ends, the kubelet looks the client up by
+    /// resource name and disconnects the *current* one: its connection is closed and every device of the
+    /// resource becomes Unhealthy. So an old instance exiting cuts the new one off.
+    #[default]
+    Legacy,
+    /// Kubelets with PR #135437: one client per plugin socket; the newest registration is the one used, and
+    /// the end of a stream disconnects only the client it belongs to (the resource's devices become
+    /// Unhealthy only when that client is the one in use).
+    MultiClient,
+}
+
 /// One accepted registration.
 #[derive(Debug, Clone)]
 pub struct Registered {
@@ -56,22 +77,29 @@ pub struct Registered {
     pub received_at: Instant,
 }
 
-/// What the fake kubelet has seen on ListAndWatch.
+/// What the fake kubelet has seen on ListAndWatch: the resource as the device manager holds it.
 #[derive(Debug, Clone, Default)]
 pub struct ListState {
-    /// Which registration (1-based count) the current stream belongs to; 0 before any.
+    /// Which registration (1-based count) the resource's list now follows: the one accepted last, or, with
+    /// the legacy device manager, whichever live client sent the latest list. 0 before any.
     pub registration: usize,
-    /// Messages received on the current stream.
+    /// Lists received from that registration.
     pub messages: u64,
-    /// Messages received on all streams.
+    /// Lists received from every registration.
     pub total_messages: u64,
-    /// The latest complete device list.
+    /// The resource's devices: the latest complete list, with every device Unhealthy once the client in use
+    /// was disconnected.
     pub devices: Vec<Device>,
     /// When the latest list arrived.
     pub received_at: Option<Instant>,
-    /// How the current stream ended, if it did while the kubelet was running: `Ok` for a clean end of
-    /// stream, `Err` with the status for an error. The kubelet never re-opens it either way.
+    /// How the stream of the client in use ended, if it did while the kubelet was running: `Ok` for a clean
+    /// end of stream, `Err` with the status for an error. The kubelet never re-opens it either way.
     pub ended: Option<Result<(), String>>,
+    /// Whether the client in use was disconnected (its devices all Unhealthy) and no registration came since.
+    pub disconnected: bool,
+    /// Times the legacy device manager disconnected the client in use because *another* client's stream
+    /// ended (the rolling-update defect of kubelets up to 1.36).
+    pub cut_by_other: usize,
     /// Streams that ended with an error over the life of this fake.
     pub errors: Vec<String>,
 }
@@ -121,16 +149,33 @@ pub enum FakeKubeletError {
     NotRegistered,
 }
 
-struct Plugin {
+/// One client of the device manager: a connection to a plugin socket and the task reading its stream.
+/// Dropping it closes the connection.
+struct Client {
+    registration: usize,
+    endpoint: String,
     client: DevicePluginClient<Channel>,
     _reader: AbortOnDropHandle<()>,
 }
 
+#[derive(Default)]
+struct Clients {
+    /// Every client whose connection is open, oldest first. With the legacy device manager this includes
+    /// clients replaced by a newer registration: the kubelet never closes them.
+    live: Vec<Client>,
+    /// The registration the resource uses (its client is in `live`), if any.
+    current: Option<usize>,
+}
+
 struct Shared {
     dir: PathBuf,
+    manager: DeviceManager,
     registrations: watch::Sender<Vec<Registered>>,
     lists: watch::Sender<ListState>,
-    plugin: Mutex<Option<Plugin>>,
+    clients: Mutex<Clients>,
+    /// While true, `Register` waits after accepting a plugin, before answering (see
+    /// [`FakeKubelet::hold_registrations`]).
+    hold: watch::Sender<bool>,
 }
 
 /// A running fake kubelet on one directory.
@@ -140,13 +185,21 @@ pub struct FakeKubelet {
 }
 
 impl FakeKubelet {
-    /// Starts serving `Registration` on `<dir>/kubelet.sock`; writes the checkpoint file as the kubelet does.
+    /// Starts serving `Registration` on `<dir>/kubelet.sock` as the legacy device manager (kubelets up to
+    /// 1.36); writes the checkpoint file as the kubelet does.
     pub async fn start(dir: &Path) -> Result<Self, FakeKubeletError> {
+        Self::start_as(dir, DeviceManager::Legacy).await
+    }
+
+    /// Starts as the given device manager.
+    pub async fn start_as(dir: &Path, manager: DeviceManager) -> Result<Self, FakeKubeletError> {
         let shared = Arc::new(Shared {
             dir: dir.to_owned(),
+            manager,
             registrations: watch::Sender::new(Vec::new()),
             lists: watch::Sender::new(ListState::default()),
-            plugin: Mutex::new(None),
+            clients: Mutex::new(Clients::default()),
+            hold: watch::Sender::new(false),
         });
         let mut kubelet = FakeKubelet {
             shared,
@@ -182,12 +235,48 @@ impl FakeKubelet {
         &self.shared.dir
     }
 
+    /// The device manager this fake behaves as.
+    pub fn manager(&self) -> DeviceManager {
+        self.shared.manager
+    }
+
     /// Stops the kubelet: closes `kubelet.sock` and every connection to the plugin, as a dying kubelet does.
     pub fn stop(&mut self) {
         self.server = None;
-        let plugin = self.shared.plugin.lock().map(|mut p| p.take());
-        drop(plugin);
+        let clients = self
+            .shared
+            .clients
+            .lock()
+            .map(|mut c| std::mem::take(&mut *c));
+        drop(clients);
         let _gone = std::fs::remove_file(self.shared.dir.join(KUBELET_SOCKET));
+    }
+
+    /// Makes `Register` wait, after it has accepted a plugin (dialled back, client in place, stream opening)
+    /// and before it answers, until [`FakeKubelet::release_registrations`]: a slow kubelet, for testing what
+    /// a plugin does while its `Register` is in flight.
+    pub fn hold_registrations(&self) {
+        self.shared.hold.send_replace(true);
+    }
+
+    /// Lets held and later `Register` calls answer.
+    pub fn release_registrations(&self) {
+        self.shared.hold.send_replace(false);
+    }
+
+    /// Open connections to plugins (clients), with the registration number of each. With the legacy device
+    /// manager a replaced client stays open.
+    pub fn clients(&self) -> Vec<(usize, String)> {
+        self.shared
+            .clients
+            .lock()
+            .map(|c| {
+                c.live
+                    .iter()
+                    .map(|c| (c.registration, c.endpoint.clone()))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Restarts as the kubelet does: stop, delete every socket in the directory (plugins' included, the
@@ -271,14 +360,17 @@ impl FakeKubelet {
     }
 
     fn client(&self) -> Result<DevicePluginClient<Channel>, FakeKubeletError> {
-        let plugin = self
+        let clients = self
             .shared
-            .plugin
+            .clients
             .lock()
             .map_err(|_| FakeKubeletError::NotRegistered)?;
-        plugin
-            .as_ref()
-            .map(|p| p.client.clone())
+        let current = clients.current.ok_or(FakeKubeletError::NotRegistered)?;
+        clients
+            .live
+            .iter()
+            .find(|c| c.registration == current)
+            .map(|c| c.client.clone())
             .ok_or(FakeKubeletError::NotRegistered)
     }
 
@@ -363,67 +455,88 @@ struct RegistrationService {
 #[tonic::async_trait]
 impl Registration for RegistrationService {
     async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
-        let received_at = Instant::now();
-        let request = request.into_inner();
-        if request.version != VERSION {
-            return Err(Status::invalid_argument(format!(
-                "unsupported device plugin API version {:?}",
-                request.version
-            )));
+        // grpc-go runs a handler to its end even when the caller gives up on it (its context is cancelled,
+        // and the kubelet's Register does not look): a plugin that abandons a Register may still have been
+        // accepted. hyper would drop this future on the caller's reset, so the work runs in a task of its own.
+        let work = tokio::spawn(accept(self.shared.clone(), request.into_inner()));
+        match work.await {
+            Ok(result) => result.map(Response::new),
+            Err(e) => Err(Status::internal(format!("registration task failed: {e}"))),
         }
-        if let Err(e) = check_extended_resource_name(&request.resource_name) {
-            return Err(Status::invalid_argument(e.to_string()));
-        }
-        if request.endpoint.is_empty() || request.endpoint.contains('/') {
-            return Err(Status::invalid_argument(format!(
-                "endpoint {:?} is not a socket file name",
-                request.endpoint
-            )));
-        }
-        let socket = self.shared.dir.join(&request.endpoint);
-        let dial = async {
-            let channel = uds::connect(&socket).await.map_err(|e| {
-                Status::unavailable(format!("cannot dial {}: {e:?}", socket.display()))
-            })?;
-            let mut client = DevicePluginClient::new(channel);
-            let options = client
-                .get_device_plugin_options(Empty {})
-                .await?
-                .into_inner();
-            Ok::<_, Status>((client, options))
-        };
-        let (client, dialed_options) = tokio::time::timeout(DIAL_BACK_TIMEOUT, dial)
-            .await
-            .map_err(|_| {
-                Status::deadline_exceeded("plugin did not answer GetDevicePluginOptions")
-            })??;
-
-        let mut registration = 0;
-        self.shared.registrations.send_modify(|regs| {
-            regs.push(Registered {
-                endpoint: request.endpoint.clone(),
-                resource_name: request.resource_name.clone(),
-                options: request.options,
-                dialed_options,
-                received_at,
-            });
-            registration = regs.len();
-        });
-        let reader = tokio::spawn(read_list_and_watch(
-            client.clone(),
-            self.shared.clone(),
-            registration,
-        ));
-        let plugin = Plugin {
-            client,
-            _reader: AbortOnDropHandle::new(reader),
-        };
-        // The newest registration replaces the previous plugin endpoint and its stream.
-        if let Ok(mut current) = self.shared.plugin.lock() {
-            *current = Some(plugin);
-        }
-        Ok(Response::new(Empty {}))
     }
+}
+
+async fn accept(shared: Arc<Shared>, request: RegisterRequest) -> Result<Empty, Status> {
+    let received_at = Instant::now();
+    if request.version != VERSION {
+        return Err(Status::invalid_argument(format!(
+            "unsupported device plugin API version {:?}",
+            request.version
+        )));
+    }
+    if let Err(e) = check_extended_resource_name(&request.resource_name) {
+        return Err(Status::invalid_argument(e.to_string()));
+    }
+    if request.endpoint.is_empty() || request.endpoint.contains('/') {
+        return Err(Status::invalid_argument(format!(
+            "endpoint {:?} is not a socket file name",
+            request.endpoint
+        )));
+    }
+    let socket = shared.dir.join(&request.endpoint);
+    let dial = async {
+        let channel = uds::connect(&socket)
+            .await
+            .map_err(|e| Status::unavailable(format!("cannot dial {}: {e:?}", socket.display())))?;
+        let mut client = DevicePluginClient::new(channel);
+        let options = client
+            .get_device_plugin_options(Empty {})
+            .await?
+            .into_inner();
+        Ok::<_, Status>((client, options))
+    };
+    let (client, dialed_options) = tokio::time::timeout(DIAL_BACK_TIMEOUT, dial)
+        .await
+        .map_err(|_| Status::deadline_exceeded("plugin did not answer GetDevicePluginOptions"))??;
+
+    let mut registration = 0;
+    shared.registrations.send_modify(|regs| {
+        regs.push(Registered {
+            endpoint: request.endpoint.clone(),
+            resource_name: request.resource_name.clone(),
+            options: request.options,
+            dialed_options,
+            received_at,
+        });
+        registration = regs.len();
+    });
+    // The newest registration is the one the resource uses from now on; nothing known about the devices
+    // changes until its first list arrives.
+    shared.lists.send_modify(|s| {
+        s.registration = registration;
+        s.messages = 0;
+        s.ended = None;
+        s.disconnected = false;
+    });
+    let reader = tokio::spawn(read_list_and_watch(
+        client.clone(),
+        shared.clone(),
+        registration,
+    ));
+    let new = Client {
+        registration,
+        endpoint: request.endpoint.clone(),
+        client,
+        _reader: AbortOnDropHandle::new(reader),
+    };
+    if let Ok(mut clients) = shared.clients.lock() {
+        // Neither device manager closes the client a new registration replaces.
+        clients.live.push(new);
+        clients.current = Some(registration);
+    }
+    let mut hold = shared.hold.subscribe();
+    let _released = hold.wait_for(|held| !held).await;
+    Ok(Empty {})
 }
 
 async fn read_list_and_watch(
@@ -431,18 +544,10 @@ async fn read_list_and_watch(
     shared: Arc<Shared>,
     registration: usize,
 ) {
-    // A new stream starts from nothing: the kubelet knows only what this plugin instance sends.
-    shared.lists.send_modify(|s| {
-        s.registration = registration;
-        s.messages = 0;
-        s.devices.clear();
-        s.received_at = None;
-        s.ended = None;
-    });
     let mut stream = match client.list_and_watch(Empty {}).await {
         Ok(response) => response.into_inner(),
         Err(status) => {
-            return ended(
+            return stream_ended(
                 &shared,
                 registration,
                 Err(format!("ListAndWatch failed to open: {status}")),
@@ -451,17 +556,33 @@ async fn read_list_and_watch(
     };
     loop {
         match stream.message().await {
-            Ok(Some(message)) => shared.lists.send_modify(|s| {
-                if s.registration == registration {
-                    s.messages += 1;
+            Ok(Some(message)) => {
+                let counts = match shared.manager {
+                    // The legacy manager takes every client's list as the resource's.
+                    DeviceManager::Legacy => true,
+                    DeviceManager::MultiClient => shared
+                        .clients
+                        .lock()
+                        .is_ok_and(|c| c.current == Some(registration)),
+                };
+                shared.lists.send_modify(|s| {
                     s.total_messages += 1;
+                    if !counts {
+                        return;
+                    }
+                    if s.registration != registration {
+                        s.registration = registration;
+                        s.messages = 0;
+                    }
+                    s.messages += 1;
                     s.devices = message.devices;
                     s.received_at = Some(Instant::now());
-                }
-            }),
-            Ok(None) => return ended(&shared, registration, Ok(())),
+                    s.disconnected = false;
+                })
+            }
+            Ok(None) => return stream_ended(&shared, registration, Ok(())),
             Err(status) => {
-                return ended(
+                return stream_ended(
                     &shared,
                     registration,
                     Err(format!("ListAndWatch ended with an error: {status}")),
@@ -471,15 +592,50 @@ async fn read_list_and_watch(
     }
 }
 
-/// Records how the stream of `registration` ended, unless a newer registration already replaced it.
-fn ended(shared: &Shared, registration: usize, how: Result<(), String>) {
-    shared.lists.send_modify(|s| {
-        if s.registration != registration {
-            return;
+/// What the device manager does when the stream of `registration` ends: the client's run is over, and then
+/// it disconnects a client, which one depending on the device manager.
+fn stream_ended(shared: &Shared, registration: usize, how: Result<(), String>) {
+    let Ok(mut clients) = shared.clients.lock() else {
+        return;
+    };
+    // This client's own connection: dropped after the lock is released (dropping it aborts this task).
+    let mut gone = Vec::new();
+    if let Some(i) = clients
+        .live
+        .iter()
+        .position(|c| c.registration == registration)
+    {
+        gone.push(clients.live.remove(i));
+    }
+    let disconnect = match shared.manager {
+        // `runClient` looks the client up by resource name after the stream ends: the current one, whoever
+        // it is.
+        DeviceManager::Legacy => clients.current,
+        DeviceManager::MultiClient => clients.current.filter(|&c| c == registration),
+    };
+    if let Some(current) = disconnect {
+        clients.current = None;
+        if let Some(i) = clients.live.iter().position(|c| c.registration == current) {
+            gone.push(clients.live.remove(i));
         }
-        if let Err(error) = &how {
-            s.errors.push(error.clone());
-        }
-        s.ended = Some(how);
-    });
+        shared.lists.send_modify(|s| {
+            for device in &mut s.devices {
+                device.health = "Unhealthy".into();
+            }
+            s.disconnected = true;
+            if current == registration {
+                s.ended = Some(how.clone());
+            } else {
+                s.cut_by_other += 1;
+                s.ended = Some(Err(format!(
+                    "disconnected: the stream of registration {registration} ended"
+                )));
+            }
+        });
+    }
+    if let Err(error) = how {
+        shared.lists.send_modify(|s| s.errors.push(error));
+    }
+    drop(clients);
+    drop(gone);
 }
