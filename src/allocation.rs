@@ -29,8 +29,13 @@ pub struct AllocateOptions {
     pub cdi_kind: String,
     /// Put device specs for the device nodes in the response, for runtimes without the NVIDIA hook.
     pub device_specs: bool,
-    /// Where the host's `/dev` tree is seen from this process (`/` on the host; the host root mount in a pod).
+    /// Where the device nodes are **on the host** (NVIDIA's `--dev-root`): `/`, or the driver container's
+    /// root under the GPU operator (`/run/nvidia/driver`). A spec's host path is this root plus `/dev/...`,
+    /// because the container runtime resolves it on the host.
     pub dev_root: PathBuf,
+    /// Where **this process** sees the host's root file system: `/` on the host, the host root's mount in a
+    /// pod (e.g. `/host`). Used only to check which device nodes exist, at host root + dev root + node.
+    pub host_root: PathBuf,
 }
 
 impl Default for AllocateOptions {
@@ -40,6 +45,7 @@ impl Default for AllocateOptions {
             cdi_kind: "nvidia.com/gpu".into(),
             device_specs: false,
             dev_root: PathBuf::from("/"),
+            host_root: PathBuf::from("/"),
         }
     }
 }
@@ -148,8 +154,8 @@ fn container_response(
             .flat_map(|d| d.info.device_nodes.iter().map(PathBuf::as_path));
         let control = CONTROL_DEVICE_NODES.iter().map(Path::new);
         for node in own.chain(control) {
-            let host_path = host_path(&options.dev_root, node);
-            if node_exists(&host_path) {
+            let host_path = under(&options.dev_root, node);
+            if node_exists(&under(&options.host_root, &host_path)) {
                 response.devices.push(DeviceSpec {
                     container_path: node.to_string_lossy().into_owned(),
                     host_path: host_path.to_string_lossy().into_owned(),
@@ -161,9 +167,10 @@ fn container_response(
     response
 }
 
-/// `/dev/nvidia0` under dev root `/host` is `/host/dev/nvidia0`.
-fn host_path(dev_root: &Path, node: &Path) -> PathBuf {
-    dev_root.join(node.strip_prefix("/").unwrap_or(node))
+/// `path` under `root`: `/dev/nvidia0` under `/run/nvidia/driver` is `/run/nvidia/driver/dev/nvidia0`, and
+/// under `/` it is itself.
+fn under(root: &Path, path: &Path) -> PathBuf {
+    root.join(path.strip_prefix("/").unwrap_or(path))
 }
 
 /// One container's preferred-allocation question, as the kubelet asks it.
@@ -361,26 +368,8 @@ mod tests {
         );
     }
 
-    #[test]
-    fn allocate_adds_cdi_names_and_existing_device_nodes_under_dev_root() {
-        let options = AllocateOptions {
-            cdi: true,
-            device_specs: true,
-            dev_root: PathBuf::from("/host"),
-            ..AllocateOptions::default()
-        };
-        let present =
-            |p: &Path| p == Path::new("/host/dev/nvidia3") || p == Path::new("/host/dev/nvidiactl");
-        let responses = allocate(&node(), &[ids(&["g3"])], &options, present).unwrap_or_default();
-        let r = &responses[0];
-        assert_eq!(
-            r.cdi_devices,
-            vec![CdiDevice {
-                name: "nvidia.com/gpu=g3".into()
-            }]
-        );
-        let specs: Vec<_> = r
-            .devices
+    fn specs(r: &ContainerAllocateResponse) -> Vec<(&str, &str, &str)> {
+        r.devices
             .iter()
             .map(|d| {
                 (
@@ -389,13 +378,59 @@ mod tests {
                     d.permissions.as_str(),
                 )
             })
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn allocate_adds_cdi_names_and_the_device_nodes_that_exist() {
+        let options = AllocateOptions {
+            cdi: true,
+            device_specs: true,
+            ..AllocateOptions::default()
+        };
+        let present = |p: &Path| p == Path::new("/dev/nvidia3") || p == Path::new("/dev/nvidiactl");
+        let responses = allocate(&node(), &[ids(&["g3"])], &options, present).unwrap_or_default();
+        let r = &responses[0];
         assert_eq!(
-            specs,
+            r.cdi_devices,
+            vec![CdiDevice {
+                name: "nvidia.com/gpu=g3".into()
+            }]
+        );
+        assert_eq!(
+            specs(r),
             vec![
-                ("/dev/nvidia3", "/host/dev/nvidia3", "rw"),
-                ("/dev/nvidiactl", "/host/dev/nvidiactl", "rw")
+                ("/dev/nvidia3", "/dev/nvidia3", "rw"),
+                ("/dev/nvidiactl", "/dev/nvidiactl", "rw")
             ]
+        );
+    }
+
+    #[test]
+    fn host_paths_are_under_the_dev_root_and_existence_is_checked_under_the_host_root_too() {
+        // The GPU operator's driver container: device nodes at /run/nvidia/driver/dev on the host, and the
+        // host's root mounted at /host in the plugin's pod.
+        let options = AllocateOptions {
+            device_specs: true,
+            dev_root: PathBuf::from("/run/nvidia/driver"),
+            host_root: PathBuf::from("/host"),
+            ..AllocateOptions::default()
+        };
+        let checked = std::cell::RefCell::new(Vec::new());
+        let present = |p: &Path| {
+            checked.borrow_mut().push(p.to_path_buf());
+            p == Path::new("/host/run/nvidia/driver/dev/nvidia3")
+        };
+        let responses = allocate(&node(), &[ids(&["g3"])], &options, present).unwrap_or_default();
+        assert_eq!(
+            specs(&responses[0]),
+            vec![("/dev/nvidia3", "/run/nvidia/driver/dev/nvidia3", "rw")]
+        );
+        assert!(
+            checked
+                .borrow()
+                .contains(&PathBuf::from("/host/run/nvidia/driver/dev/nvidiactl")),
+            "{checked:?}"
         );
     }
 

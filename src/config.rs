@@ -108,13 +108,19 @@ pub struct Args {
     #[arg(long, env = "GPU_DEVICE_PLUGIN_CDI_KIND", value_name = "KIND")]
     pub cdi_kind: Option<String>,
 
-    /// Return device specs for the GPU's device nodes that exist under --dev-root [default: false]
+    /// Return device specs for the GPU's device nodes that exist [default: false]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub device_specs: Option<bool>,
 
-    /// Where the host's root file system is seen, for finding /dev nodes [default: /]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_DEV_ROOT", value_name = "DIR")]
+    /// Where the device nodes are on the host, as NVIDIA's plugin reads it: device specs name
+    /// DIR/dev/nvidiaN as their host path (e.g. /run/nvidia/driver under the GPU operator) [default: /]
+    #[arg(long, env = "NVIDIA_DEV_ROOT", value_name = "DIR")]
     pub dev_root: Option<PathBuf>,
+
+    /// Where this process sees the host's root file system (e.g. /host in a pod); only used to check which
+    /// device nodes exist [default: /]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_HOST_ROOT", value_name = "DIR")]
+    pub host_root: Option<PathBuf>,
 }
 
 /// The config file: the same settings as the flags, camelCase. Unknown keys are an error, so a typo is
@@ -156,6 +162,8 @@ pub struct FileConfig {
     pub device_specs: Option<bool>,
     /// See `--dev-root`.
     pub dev_root: Option<PathBuf>,
+    /// See `--host-root`.
+    pub host_root: Option<PathBuf>,
 }
 
 /// Checked settings the plugin runs with.
@@ -269,7 +277,23 @@ impl Settings {
                 .or(file.device_specs)
                 .unwrap_or(defaults.device_specs),
             dev_root: args.dev_root.or(file.dev_root).unwrap_or(defaults.dev_root),
+            host_root: args
+                .host_root
+                .or(file.host_root)
+                .unwrap_or(defaults.host_root),
         };
+        for (setting, dir) in [
+            ("--dev-root", &allocate.dev_root),
+            ("--host-root", &allocate.host_root),
+        ] {
+            if !dir.is_absolute() {
+                return Err(ConfigError::Invalid {
+                    setting,
+                    value: dir.display().to_string(),
+                    why: "must be an absolute path".into(),
+                });
+            }
+        }
         if allocate.cdi && !allocate.cdi_kind.contains('/') {
             return Err(ConfigError::Invalid {
                 setting: "--cdi-kind",
@@ -431,6 +455,7 @@ fn check_socket_name(name: &str) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::CommandFactory;
 
     fn settings(argv: &[&str]) -> Result<Settings, String> {
         let argv = std::iter::once("gpu-device-plugin").chain(argv.iter().copied());
@@ -505,6 +530,26 @@ mod tests {
             .unwrap_or_default();
         assert!(err.contains("resourceNmae"), "{err}");
         Ok(())
+    }
+
+    #[test]
+    fn dev_root_comes_from_nvidias_variable_and_host_root_is_separate() {
+        let s = settings(&["--dev-root", "/run/nvidia/driver", "--host-root", "/host"]);
+        let roots = s.map(|s| (s.allocate.dev_root, s.allocate.host_root));
+        assert_eq!(
+            roots,
+            Ok((PathBuf::from("/run/nvidia/driver"), PathBuf::from("/host")))
+        );
+        let err = settings(&["--host-root", "host"]).err().unwrap_or_default();
+        assert!(
+            err.contains("--host-root") && err.contains("absolute"),
+            "{err}"
+        );
+        let flag = Args::command()
+            .get_arguments()
+            .find(|a| a.get_id() == "dev_root")
+            .and_then(|a| a.get_env().map(|e| e.to_string_lossy().into_owned()));
+        assert_eq!(flag.as_deref(), Some("NVIDIA_DEV_ROOT"));
     }
 
     #[test]

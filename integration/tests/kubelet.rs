@@ -12,7 +12,7 @@ use gpu_device_plugin::api::Empty;
 use gpu_device_plugin::api::device_plugin_client::DevicePluginClient;
 use gpu_device_plugin::devices::simulated::simulated_uuid;
 use gpu_device_plugin::health::Observation;
-use gpu_device_plugin::kubelet::uds;
+use gpu_device_plugin::kubelet::{STREAM_WAIT, uds};
 use nix::sys::signal::Signal;
 use support::{Node, PluginProcess, TestResult, WAIT, summary};
 use tonic::Code;
@@ -87,23 +87,30 @@ async fn a_fatal_xid_reaches_the_kubelet_and_a_harmless_one_changes_nothing() ->
 #[tokio::test]
 async fn allocate_gives_each_container_its_gpus_with_cdi_and_device_nodes() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let root = tempfile::tempdir()?;
-    std::fs::create_dir(root.path().join("dev"))?;
+    // The host's root as the plugin's pod sees it, with the device nodes where the GPU operator's driver
+    // container puts them on the host.
+    let host = tempfile::tempdir()?;
+    let dev = host.path().join("run/nvidia/driver/dev");
+    std::fs::create_dir_all(&dev)?;
     for node in ["nvidia1", "nvidia2", "nvidiactl"] {
-        std::fs::write(root.path().join("dev").join(node), b"")?;
+        std::fs::write(dev.join(node), b"")?;
     }
     let kubelet = FakeKubelet::start(dir.path()).await?;
-    let root_arg = root.path().to_string_lossy().into_owned();
-    let _plugin = PluginProcess::spawn(
+    let host_arg = host.path().to_string_lossy().into_owned();
+    let _plugin = PluginProcess::spawn_with_env(
         dir.path(),
         &[
             "--simulate",
             "4",
             "--cdi",
             "--device-specs",
-            "--dev-root",
-            &root_arg,
+            "--host-root",
+            &host_arg,
         ],
+        &[(
+            "NVIDIA_DEV_ROOT",
+            std::ffi::OsStr::new("/run/nvidia/driver"),
+        )],
     );
     kubelet.wait_registrations(1, WAIT).await?;
 
@@ -128,13 +135,11 @@ async fn allocate_gives_each_container_its_gpus_with_cdi_and_device_nodes() -> T
         nodes,
         vec!["/dev/nvidia1", "/dev/nvidia2", "/dev/nvidiactl"]
     );
-    assert_eq!(
-        first.devices[0].host_path,
-        format!("{root_arg}/dev/nvidia1")
-    );
+    // The host path is where the runtime finds the node on the host: under the dev root, not the host root.
+    assert_eq!(first.devices[0].host_path, "/run/nvidia/driver/dev/nvidia1");
     let second = &response.container_responses[1];
     assert_eq!(second.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&c));
-    // /dev/nvidia3 does not exist under the dev root, so only the control node is handed out.
+    // /dev/nvidia3 does not exist on the host, so only the control node is handed out.
     let nodes: Vec<_> = second
         .devices
         .iter()
@@ -564,5 +569,24 @@ async fn a_directory_event_while_register_is_in_flight_leaves_exactly_one_regist
         assert_eq!(regs[1].endpoint, registered.endpoint);
         assert_eq!(kubelet.clients().len(), 1, "{manager:?}");
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_kubelet_that_opens_no_stream_after_register_gets_a_new_registration() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let kubelet = FakeKubelet::start(dir.path()).await?;
+    kubelet.open_streams(false);
+    let _plugin = support::InProcessPlugin::start(dir.path(), 2);
+    kubelet.wait_registrations(1, WAIT).await?;
+    kubelet.open_streams(true);
+    let regs = kubelet.wait_registrations(2, WAIT).await?;
+    let gap = regs[1].received_at - regs[0].received_at;
+    assert!(gap >= STREAM_WAIT, "registered again after {gap:?}");
+    kubelet
+        .wait_list("the list after registering again", WAIT, |l| {
+            l.registration == 2 && l.allocatable() == 2
+        })
+        .await?;
     Ok(())
 }

@@ -155,7 +155,7 @@ struct Client {
     registration: usize,
     endpoint: String,
     client: DevicePluginClient<Channel>,
-    _reader: AbortOnDropHandle<()>,
+    _reader: Option<AbortOnDropHandle<()>>,
 }
 
 #[derive(Default)]
@@ -176,6 +176,8 @@ struct Shared {
     /// While true, `Register` waits after accepting a plugin, before answering (see
     /// [`FakeKubelet::hold_registrations`]).
     hold: watch::Sender<bool>,
+    /// Whether an accepted registration gets its ListAndWatch (see [`FakeKubelet::open_streams`]).
+    open_streams: std::sync::atomic::AtomicBool,
 }
 
 /// A running fake kubelet on one directory.
@@ -200,6 +202,7 @@ impl FakeKubelet {
             lists: watch::Sender::new(ListState::default()),
             clients: Mutex::new(Clients::default()),
             hold: watch::Sender::new(false),
+            open_streams: std::sync::atomic::AtomicBool::new(true),
         });
         let mut kubelet = FakeKubelet {
             shared,
@@ -257,6 +260,15 @@ impl FakeKubelet {
     /// a plugin does while its `Register` is in flight.
     pub fn hold_registrations(&self) {
         self.shared.hold.send_replace(true);
+    }
+
+    /// With `false`, registrations are accepted but no ListAndWatch is opened for them: what a plugin sees
+    /// when the kubelet lost it between answering and opening the stream (it died, or a newer registration
+    /// replaced and another stream's end cut the client). `true` (the default) restores the kubelet's way.
+    pub fn open_streams(&self, open: bool) {
+        self.shared
+            .open_streams
+            .store(open, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Lets held and later `Register` calls answer.
@@ -518,16 +530,21 @@ async fn accept(shared: Arc<Shared>, request: RegisterRequest) -> Result<Empty, 
         s.ended = None;
         s.disconnected = false;
     });
-    let reader = tokio::spawn(read_list_and_watch(
-        client.clone(),
-        shared.clone(),
-        registration,
-    ));
+    let reader = shared
+        .open_streams
+        .load(std::sync::atomic::Ordering::SeqCst)
+        .then(|| {
+            AbortOnDropHandle::new(tokio::spawn(read_list_and_watch(
+                client.clone(),
+                shared.clone(),
+                registration,
+            )))
+        });
     let new = Client {
         registration,
         endpoint: request.endpoint.clone(),
         client,
-        _reader: AbortOnDropHandle::new(reader),
+        _reader: reader,
     };
     if let Ok(mut clients) = shared.clients.lock() {
         // Neither device manager closes the client a new registration replaces.
