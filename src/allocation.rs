@@ -66,11 +66,11 @@ pub enum AllocationError {
     #[error("device ID {0:?} appears more than once in the request")]
     DuplicateDevice(String),
     /// A device that is Unhealthy now.
-    #[error("device {id} is Unhealthy: {reason}")]
+    #[error("device {id}: {reason}")]
     UnhealthyDevice {
         /// Device ID.
         id: String,
-        /// Why it is Unhealthy.
+        /// Its health message, which begins with the health (`Unhealthy: XID 79: ...`).
         reason: String,
     },
     /// A preferred-allocation size that cannot be met by anyone.
@@ -119,7 +119,7 @@ pub fn allocate(
                 reason: device
                     .reason
                     .clone()
-                    .unwrap_or_else(|| "no reason recorded".into()),
+                    .unwrap_or_else(|| "Unhealthy (no reason recorded)".into()),
             });
         }
     }

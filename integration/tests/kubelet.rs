@@ -186,6 +186,14 @@ async fn allocate_rejects_bad_requests_with_codes_that_name_the_device() -> Test
         "{}",
         err.message()
     );
+    // The device and its health once each: `device <id>: Unhealthy: XID 48: ...`.
+    assert!(
+        err.message()
+            .starts_with(&format!("device {g1}: Unhealthy: XID 48")),
+        "{}",
+        err.message()
+    );
+    assert_eq!(err.message().matches("Unhealthy").count(), 1);
 
     // Nothing was lost: the healthy GPU still allocates.
     kubelet.allocate(&[&[&g0]]).await?;

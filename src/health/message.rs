@@ -16,9 +16,11 @@ pub fn compose(health: Health, conditions: &[Condition], policy: &Policy) -> Opt
     }
     let (mut unhealthy, mut recorded) = (Vec::new(), Vec::new());
     for c in conditions {
-        match policy.effect(&c.kind) {
-            Effect::Unhealthy => unhealthy.push(describe(c)),
-            Effect::None => recorded.push(describe(c)),
+        let effect = policy.effect(&c.kind);
+        let text = describe(c, effect, policy.overridden_by(&c.kind));
+        match effect {
+            Effect::Unhealthy => unhealthy.push(text),
+            Effect::None => recorded.push(text),
         }
     }
     let mut text = format!("{health}: ");
@@ -43,9 +45,23 @@ pub fn truncate(text: &str) -> String {
     cut
 }
 
-/// One condition as a sentence or two.
-fn describe(c: &Condition) -> String {
-    let (what, todo) = meaning(&c.kind, c.detail.as_deref());
+/// One condition as a sentence or two. Where a setting of this node, not the built-in table, decided the
+/// effect, the advice says so: "restart the application; the GPU is fine" must not stand on a GPU the
+/// operator's configuration took out of service.
+fn describe(c: &Condition, effect: Effect, overridden_by: Option<&str>) -> String {
+    let (what, advice) = meaning(&c.kind, c.detail.as_deref());
+    let todo = match (overridden_by, effect) {
+        (None, _) => advice,
+        (Some(setting), Effect::Unhealthy) => format!(
+            "Unhealthy by this node's configuration ({setting}); by default this would not take the GPU out \
+             of service"
+        ),
+        (Some(setting), Effect::None) => {
+            format!(
+                "kept in service by this node's configuration ({setting}); by default: {advice}"
+            )
+        }
+    };
     let times = match c.count {
         1 => format!("seen once at {}", rfc3339(c.first_seen)),
         n => format!(

@@ -306,6 +306,42 @@ impl Policy {
         }
     }
 
+    /// The setting that gave a condition an effect other than its built-in one (NVIDIA's XID catalog for
+    /// XIDs), if one did: the message then says that the node's configuration, not the fault, decided.
+    pub fn overridden_by(&self, kind: &ConditionKind) -> Option<&'static str> {
+        let built_in = match kind {
+            ConditionKind::Xid(xid) => {
+                xid_info(*xid).map_or(Effect::Unhealthy, |i| i.action.effect())
+            }
+            other => default_effect(other),
+        };
+        if self.effect(kind) == built_in {
+            return None;
+        }
+        if self.disable_all {
+            return Some("DP_DISABLE_HEALTHCHECKS=all");
+        }
+        let ConditionKind::Xid(xid) = kind else {
+            return Some("health.conditions");
+        };
+        let xid = *xid;
+        Some(
+            if self.env_enabled.contains(&xid) || self.env_enable_all_xids {
+                "DP_ENABLE_HEALTHCHECKS"
+            } else if self.disable_xids || self.env_ignored.contains(&xid) {
+                "DP_DISABLE_HEALTHCHECKS"
+            } else if self.rule(kind).effect.is_some() {
+                "health.conditions"
+            } else if self.critical_xids.contains(&xid) {
+                "health.criticalXids"
+            } else if self.ignored_xids.contains(&xid) {
+                "health.ignoredXids"
+            } else {
+                "health.xidPolicy: nvidia"
+            },
+        )
+    }
+
     /// Whether a condition may clear by itself.
     pub fn recover(&self, kind: &ConditionKind) -> Recover {
         self.rule(kind).recover.unwrap_or_default()
@@ -434,6 +470,42 @@ mod tests {
         assert_eq!(p.effect(&ConditionKind::EccDbe), Effect::None);
         assert_eq!(p.recover(&ConditionKind::Xid(109)), Recover::Never);
         assert_eq!(p.recover(&ConditionKind::Xid(79)), Recover::Auto);
+        Ok(())
+    }
+
+    #[test]
+    fn the_setting_that_overrode_the_catalog_is_named() -> Result<(), PolicyError> {
+        let p = policy("{}", None, None)?;
+        assert_eq!(p.overridden_by(&ConditionKind::Xid(79)), None);
+        let p = policy("{}", None, Some("31"))?;
+        assert_eq!(
+            p.overridden_by(&ConditionKind::Xid(31)),
+            Some("DP_ENABLE_HEALTHCHECKS")
+        );
+        assert_eq!(p.overridden_by(&ConditionKind::Xid(13)), None);
+        let p = policy("xidPolicy: nvidia\ncriticalXids: [13]", None, None)?;
+        assert_eq!(
+            p.overridden_by(&ConditionKind::Xid(94)),
+            Some("health.xidPolicy: nvidia")
+        );
+        assert_eq!(
+            p.overridden_by(&ConditionKind::Xid(13)),
+            Some("health.criticalXids")
+        );
+        let p = policy("ignoredXids: [79]", None, None)?;
+        assert_eq!(
+            p.overridden_by(&ConditionKind::Xid(79)),
+            Some("health.ignoredXids")
+        );
+        let p = policy(
+            "conditions:\n  ecc-sbe-burst: {effect: unhealthy}",
+            None,
+            None,
+        )?;
+        assert_eq!(
+            p.overridden_by(&ConditionKind::EccSbeBurst),
+            Some("health.conditions")
+        );
         Ok(())
     }
 

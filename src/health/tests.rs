@@ -335,6 +335,36 @@ fn recorded_conditions_are_in_the_message_but_say_they_do_not_affect_health() {
 }
 
 #[test]
+fn an_xid_made_critical_by_the_operator_says_the_configuration_took_the_gpu_out() {
+    let policy = Policy::new(&HealthConfig::default(), None, Some("31")).unwrap_or_default();
+    let mut e = HealthEngine::new(policy);
+    let outcome = e.observe(GPU, &Observation::Xid(31), t(0));
+    assert_eq!(outcome.new, Health::Unhealthy);
+    let m = outcome.message.unwrap_or_default();
+    assert!(m.starts_with("Unhealthy: XID 31"), "{m}");
+    assert!(
+        m.contains("Unhealthy by this node's configuration (DP_ENABLE_HEALTHCHECKS)"),
+        "{m}"
+    );
+    assert!(!m.contains("the GPU is fine"), "{m}");
+}
+
+#[test]
+fn an_xid_ignored_by_the_operator_says_what_the_catalog_would_advise() {
+    let mut e = engine("ignoredXids: [79]\n");
+    let outcome = e.observe(GPU, &Observation::Xid(79), t(0));
+    assert_eq!(outcome.new, Health::Healthy);
+    let m = outcome.message.unwrap_or_default();
+    assert!(
+        m.contains(
+            "kept in service by this node's configuration (health.ignoredXids); by default: drain and \
+             reboot the node"
+        ),
+        "{m}"
+    );
+}
+
+#[test]
 fn a_long_history_is_cut_at_1024_characters_with_an_ellipsis() {
     let mut e = engine(
         "criticalXids: [1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008, 1009, 1010]\n",
