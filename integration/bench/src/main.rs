@@ -73,6 +73,8 @@ pub(crate) enum Measure {
     Storm,
     /// Fault → kubelet.
     Fault,
+    /// Surge rolling-update hand-over on a legacy kubelet.
+    Surge,
 }
 
 impl Args {
@@ -94,6 +96,7 @@ pub(crate) struct Counts {
     pub(crate) allocates: usize,
     pub(crate) soak_restarts: usize,
     pub(crate) floor: usize,
+    pub(crate) surges: usize,
 }
 
 impl Counts {
@@ -109,6 +112,7 @@ impl Counts {
                 allocates: 50,
                 soak_restarts: 10,
                 floor: 50,
+                surges: 5,
             }
         } else {
             Counts {
@@ -121,6 +125,7 @@ impl Counts {
                 allocates: 1_000,
                 soak_restarts: 300,
                 floor: 2_000,
+                surges: 50,
             }
         }
     }

@@ -41,6 +41,11 @@ pub(crate) async fn all(
         report.latency("start-up: spawn → first ListAndWatch list", &to_list);
     }
 
+    // 8. surge hand-over
+    if args.runs(Measure::Surge) {
+        surge(rig, devices, counts.surges, report).await?;
+    }
+
     let shared = [
         Measure::Allocate,
         Measure::Restart,
@@ -144,6 +149,66 @@ async fn on_one_instance(
     if args.runs(Measure::Storm) {
         storm(rig, plugin, devices, counts, report).await?;
     }
+    Ok(())
+}
+
+/// A rolling update with surge, repeated: a new instance starts beside the running one (same state
+/// directory), registers and lists; then the old one gets SIGTERM. On the legacy device manager (kubelets up
+/// to 1.36) the end of the old one's stream cuts the new one off and every GPU counts as unhealthy until the
+/// new one registers again. Each sample runs from the SIGTERM to the kubelet holding the full Healthy list
+/// from a registration newer than the new instance's first. A plugin that never registers again stops the
+/// measure at its first hand-over, with a failed check.
+async fn surge(rig: &Rig, devices: usize, count: usize, report: &mut Report) -> anyhow::Result<()> {
+    let state = tempfile::tempdir()?;
+    let n = rig.next_registration().await;
+    let mut old = rig.spawn_with_state(devices, Some(state.path()))?;
+    rig.wait_registered(n, &old).await?;
+    let mut samples = Vec::with_capacity(count);
+    let mut failure = None;
+    for i in 0..count {
+        let n = rig.next_registration().await;
+        let new = rig.spawn_with_state(devices, Some(state.path()))?;
+        rig.wait_registered(n, &new).await?;
+        let held = {
+            let kubelet = rig.kubelet.lock().await;
+            let stopped = Instant::now();
+            old.terminate();
+            kubelet
+                .wait_list("the new instance's list after the hand-over", WAIT, |l| {
+                    l.registration > n
+                        && l.messages >= 1
+                        && !l.disconnected
+                        && l.devices.len() == devices
+                        && l.allocatable() == devices
+                })
+                .await
+                .map(|l| l.received_at.map(|at| at.saturating_duration_since(stopped)))
+        };
+        old.stop().await;
+        old = new;
+        match held {
+            Ok(Some(took)) => samples.push(took),
+            _ => {
+                failure = Some(format!(
+                    "hand-over {}: no full Healthy list within {WAIT:?}; new instance's log:\n{}",
+                    i + 1,
+                    old.log()
+                ));
+                break;
+            }
+        }
+    }
+    old.stop().await;
+    report.latency(
+        "surge hand-over, legacy kubelet: old instance SIGTERMed → full Healthy list again",
+        &samples,
+    );
+    let detail = failure.unwrap_or_else(|| format!("{} of {count}", samples.len()));
+    report.check(
+        "every surge hand-over ended with the full list",
+        samples.len() == count,
+        detail,
+    );
     Ok(())
 }
 

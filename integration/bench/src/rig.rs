@@ -47,14 +47,19 @@ impl Plugin {
         tail.into_iter().rev().collect::<Vec<_>>().join("\n")
     }
 
-    /// SIGTERM, then SIGKILL if it has not exited within 5 s.
-    pub(crate) async fn stop(mut self) {
+    /// Sends SIGTERM, as the kubelet does to the old pod of a rolling update; does not wait.
+    pub(crate) fn terminate(&self) {
         if let Some(pid) = self.child.id() {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(pid as i32),
                 nix::sys::signal::Signal::SIGTERM,
             );
         }
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within 5 s.
+    pub(crate) async fn stop(mut self) {
+        self.terminate();
         if tokio::time::timeout(Duration::from_secs(5), self.child.wait())
             .await
             .is_err()
@@ -161,6 +166,16 @@ impl Rig {
 
     /// Starts the plugin on `devices` fake GPUs, with a fresh state directory and an empty event file.
     pub(crate) fn spawn(&self, devices: usize) -> anyhow::Result<Plugin> {
+        self.spawn_with_state(devices, None)
+    }
+
+    /// As [`Rig::spawn`]; with `Some(dir)`, the plugin's `{state_dir}` is `dir`, shared with other instances
+    /// as a DaemonSet's hostPath shares it between the two pods of a rolling update.
+    pub(crate) fn spawn_with_state(
+        &self,
+        devices: usize,
+        shared_state: Option<&Path>,
+    ) -> anyhow::Result<Plugin> {
         let list: Vec<String> = (0..devices)
             .map(|i| format!(r#"{{"uuid":"{}","minor":{i}}}"#, uuid(i)))
             .collect();
@@ -171,9 +186,10 @@ impl Rig {
         std::fs::write(self.events(), "")?;
         let state = tempfile::tempdir()?;
         let log = state.path().join("plugin.log");
+        let state_dir = shared_state.map_or_else(|| state.path().join("state"), Path::to_path_buf);
         let fill = |arg: &String| {
             arg.replace("{kubelet_dir}", &self.kubelet_dir.to_string_lossy())
-                .replace("{state_dir}", &state.path().join("state").to_string_lossy())
+                .replace("{state_dir}", &state_dir.to_string_lossy())
         };
         let mut library_path = self.lib_dir.as_os_str().to_owned();
         if let Some(existing) = std::env::var_os("LD_LIBRARY_PATH") {
