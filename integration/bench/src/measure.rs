@@ -182,7 +182,10 @@ async fn surge(rig: &Rig, devices: usize, count: usize, report: &mut Report) -> 
                         && l.allocatable() == devices
                 })
                 .await
-                .map(|l| l.received_at.map(|at| at.saturating_duration_since(stopped)))
+                .map(|l| {
+                    l.received_at
+                        .map(|at| at.saturating_duration_since(stopped))
+                })
         };
         old.stop().await;
         old = new;

@@ -18,11 +18,14 @@
 //! Tests wait on its state with timeouts ([`FakeKubelet::wait_registrations`], [`FakeKubelet::wait_list`]);
 //! nothing here sleeps.
 
+mod authority;
+
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt as _;
 use gpu_device_plugin::api::device_plugin_client::DevicePluginClient;
 use gpu_device_plugin::api::registration_server::{Registration, RegistrationServer};
 use gpu_device_plugin::api::{
@@ -32,9 +35,10 @@ use gpu_device_plugin::api::{
 };
 use gpu_device_plugin::config::check_extended_resource_name;
 use gpu_device_plugin::kubelet::uds;
-use tokio::net::UnixListener;
-use tokio::sync::watch;
-use tokio_stream::wrappers::UnixListenerStream;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::task::AbortOnDropHandle;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
@@ -223,11 +227,29 @@ impl FakeKubelet {
         let service = RegistrationServer::new(RegistrationService {
             shared: self.shared.clone(),
         });
+        // Every connection reaches the gRPC server through the relay that accepts any :authority, as the
+        // kubelet does. The relays live in this task: stopping the kubelet closes every connection.
         let task = tokio::spawn(async move {
-            let _stopped = tonic::transport::Server::builder()
+            let (to_server, incoming) = mpsc::channel::<UnixStream>(16);
+            let server = tonic::transport::Server::builder()
                 .add_service(service)
-                .serve_with_incoming(UnixListenerStream::new(listener))
-                .await;
+                .serve_with_incoming(ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>));
+            tokio::pin!(server);
+            let mut relays = JoinSet::new();
+            loop {
+                tokio::select! {
+                    _stopped = &mut server => return,
+                    accepted = listener.accept() => {
+                        let Ok((client, _)) = accepted else { continue };
+                        let Ok((ours, theirs)) = UnixStream::pair() else { continue };
+                        relays.spawn(authority::relay(client, ours));
+                        if to_server.send(theirs).await.is_err() {
+                            return;
+                        }
+                    }
+                    Some(_done) = relays.join_next(), if !relays.is_empty() => {}
+                }
+            }
         });
         self.server = Some(AbortOnDropHandle::new(task));
         Ok(())
@@ -349,6 +371,16 @@ impl FakeKubelet {
                 format!("registration #{count}"),
             )),
         }
+    }
+
+    /// Follows the registrations as they are accepted.
+    pub fn watch_registrations(&self) -> watch::Receiver<Vec<Registered>> {
+        self.shared.registrations.subscribe()
+    }
+
+    /// Follows the ListAndWatch state as it changes.
+    pub fn watch_list(&self) -> watch::Receiver<ListState> {
+        self.shared.lists.subscribe()
     }
 
     /// The latest ListAndWatch state.
