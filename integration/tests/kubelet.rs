@@ -447,6 +447,18 @@ async fn surge(manager: DeviceManager) -> TestResult {
             l.health(&gpu(1)) == Some("Unhealthy")
         })
         .await?;
+    // The old instance tells the kubelet first and writes its checkpoint right after; the new instance
+    // learns the fault from the checkpoint (a fault raised before it watches the GPUs is not sent to it).
+    support::wait_for_content(&state.join("health-checkpoint.json"), WAIT, |t| {
+        t.contains(&gpu(1))
+    })
+    .await
+    .ok_or_else(|| {
+        format!(
+            "the old instance never checkpointed the fault\n{}",
+            old.log()
+        )
+    })?;
 
     let new = PluginProcess::spawn(dir.path(), &args);
     let regs = kubelet

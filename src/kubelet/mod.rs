@@ -191,9 +191,10 @@ pub async fn run(
             }
         }
         if let Link::Registered {
-            kubelet,
             awaiting,
             lost,
+            since,
+            ..
         } = &mut link
         {
             let now = *streams.borrow_and_update();
@@ -203,18 +204,26 @@ pub async fn run(
                 *awaiting = None;
             }
             if awaiting.is_none() && now.open == 0 {
+                let delay = registrar.lost_after(since.elapsed());
                 tracing::warn!(
-                    kubelet = ?kubelet,
+                    held_ms = since.elapsed().as_millis() as u64,
+                    retry_in_ms = delay.as_millis() as u64,
                     "the kubelet closed our ListAndWatch stream (it restarted, or, on kubelets up to 1.36, \
                      another instance of this plugin stopped, as in a rolling update); registering again"
                 );
-                *lost = true;
+                *lost = Some(delay);
             }
         }
         let wake_at = match &link {
             Link::Owed(at) => *at,
-            Link::Registered { lost: true, .. } => {
+            Link::Registered {
+                lost: Some(delay), ..
+            } => {
+                let delay = *delay;
                 link = registrar.owe_now();
+                if !delay.is_zero() {
+                    link = Link::Owed(Some(Instant::now() + delay));
+                }
                 continue;
             }
             Link::Registered {
@@ -259,8 +268,9 @@ pub async fn run(
                 }
                 Attempt::Registered => Link::Registered {
                     kubelet: target,
+                    since: Instant::now(),
                     awaiting: Some((before, Instant::now() + STREAM_WAIT)),
-                    lost: false,
+                    lost: None,
                 },
                 Attempt::NoKubelet => Link::Owed(None),
                 Attempt::Failed(_) if changed => registrar.owe_now(),
@@ -332,11 +342,13 @@ enum Link {
     Registered {
         /// Identity of `kubelet.sock` when we registered: a different one is a different kubelet.
         kubelet: Option<socket::SocketId>,
+        /// When the kubelet accepted it.
+        since: Instant,
         /// Until the kubelet opens its stream: the streams opened before the registration, and how long we
         /// wait for a new one.
         awaiting: Option<(u64, Instant)>,
-        /// The kubelet closed the last stream.
-        lost: bool,
+        /// The kubelet closed the last stream: register again after this delay.
+        lost: Option<Duration>,
     },
 }
 
@@ -345,7 +357,9 @@ impl Link {
     fn holds(&self, kubelet_socket: &std::path::Path) -> bool {
         match self {
             Link::Registered { kubelet, lost, .. } => {
-                !lost && kubelet.is_some() && *kubelet == socket::SocketId::of(kubelet_socket)
+                lost.is_none()
+                    && kubelet.is_some()
+                    && *kubelet == socket::SocketId::of(kubelet_socket)
             }
             Link::Owed(_) => false,
         }
@@ -363,12 +377,18 @@ enum Attempt {
     Failed(Duration),
 }
 
+/// A registration whose stream the kubelet closes within this long counts as short-lived (see
+/// [`Registrar::lost_after`]).
+const SHORT_LIVED: Duration = Duration::from_secs(10);
+
 /// Registration attempts: the request, the backoff between failures, and what was last logged.
 struct Registrar {
     request: RegisterRequest,
     backoff_builder: ExponentialBuilder,
     backoff: backon::ExponentialBackoff,
     failures: u32,
+    /// Short-lived registrations in a row.
+    short_lived: u32,
     /// The last failure logged at warn level; a repeat of it is logged at debug only.
     last_logged: Option<String>,
     waiting_logged: bool,
@@ -386,8 +406,27 @@ impl Registrar {
             backoff_builder: config.backoff,
             backoff: config.backoff.build(),
             failures: 0,
+            short_lived: 0,
             last_logged: None,
             waiting_logged: false,
+        }
+    }
+
+    /// How long to wait before registering again after the kubelet closed our last stream, `held` after
+    /// accepting the registration. The first time, not at all: a rolling update's cut is a one-off and every
+    /// millisecond of it is a node without GPUs. A kubelet that keeps closing the stream soon after each
+    /// registration gets them further and further apart (5 ms, doubling, at most 10 s) rather than a storm.
+    fn lost_after(&mut self, held: Duration) -> Duration {
+        self.short_lived = if held < SHORT_LIVED {
+            self.short_lived.saturating_add(1)
+        } else {
+            1
+        };
+        match self.short_lived {
+            0 | 1 => Duration::ZERO,
+            n => Duration::from_millis(5)
+                .saturating_mul(1 << (n - 2).min(12))
+                .min(Duration::from_secs(10)),
         }
     }
 
@@ -446,6 +485,23 @@ impl Registrar {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stream_the_kubelet_keeps_closing_is_registered_for_further_and_further_apart() {
+        let config = PluginConfig::new("/d", "nvidia.com/gpu");
+        let mut registrar = Registrar::new(&config, "plugin.sock".into());
+        let soon = Duration::from_millis(3);
+        // A rolling update's cut: at once, however soon after the registration.
+        assert_eq!(registrar.lost_after(soon), Duration::ZERO);
+        let delays: Vec<_> = (0..4).map(|_| registrar.lost_after(soon)).collect();
+        assert_eq!(delays, [5, 10, 20, 40].map(Duration::from_millis).to_vec());
+        assert!(registrar.lost_after(soon) <= Duration::from_secs(10));
+        for _ in 0..40 {
+            assert!(registrar.lost_after(soon) <= Duration::from_secs(10));
+        }
+        // A stream held for a while resets the count: the next cut is answered at once again.
+        assert_eq!(registrar.lost_after(SHORT_LIVED), Duration::ZERO);
+    }
 
     #[tokio::test]
     async fn a_kubelet_socket_that_refuses_is_tried_again_within_2_ms()

@@ -184,6 +184,33 @@ pub async fn wait_for_file(
     }
 }
 
+/// Waits until the file at `path` exists with content satisfying `pred` (watching its directory with inotify,
+/// so a write through a temporary file and a rename is seen); returns the content.
+pub async fn wait_for_content(
+    path: &Path,
+    timeout: Duration,
+    pred: impl Fn(&str) -> bool,
+) -> Option<String> {
+    use notify::Watcher;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut watcher = notify::recommended_watcher(move |_event| {
+        let _ = tx.send(());
+    })
+    .ok()?;
+    watcher
+        .watch(path.parent()?, notify::RecursiveMode::NonRecursive)
+        .ok()?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path)
+            && pred(&text)
+        {
+            return Some(text);
+        }
+        tokio::time::timeout_at(deadline, rx.recv()).await.ok()??;
+    }
+}
+
 /// A fake kubelet and the in-process plugin on one temporary directory, registered and listing.
 pub struct Node {
     pub kubelet: fake_kubelet::FakeKubelet,
