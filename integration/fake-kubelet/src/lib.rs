@@ -220,6 +220,13 @@ impl FakeKubelet {
         let dir = &self.shared.dir;
         let _kept = std::fs::write(dir.join(CHECKPOINT_FILE), b"{}");
         let path = dir.join(KUBELET_SOCKET);
+        // A socket a dead kubelet left behind is replaced, as the kubelet's clean-up at start does; a live
+        // one (another kubelet on this directory) answers and makes the bind below fail.
+        if std::os::unix::net::UnixStream::connect(&path)
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            let _stale = std::fs::remove_file(&path);
+        }
         let listener = UnixListener::bind(&path).map_err(|source| FakeKubeletError::Bind {
             path: path.display().to_string(),
             source,

@@ -73,23 +73,7 @@ impl PluginProcess {
     /// Waits until the log satisfies `pred` (the log is written after the kubelet is told, so a test that
     /// saw a change at the kubelet waits for its log line); returns the log then.
     pub async fn wait_log(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
-        use notify::Watcher;
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut watcher = notify::recommended_watcher(move |_event| {
-            let _ = tx.send(());
-        })
-        .ok()?;
-        watcher
-            .watch(&self.log, notify::RecursiveMode::NonRecursive)
-            .ok()?;
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let log = self.log();
-            if pred(&log) {
-                return Some(log);
-            }
-            tokio::time::timeout_at(deadline, rx.recv()).await.ok()??;
-        }
+        watch_until(&self.log, timeout, || Some(self.log()).filter(|l| pred(l))).await
     }
 
     pub fn signal(&self, signal: nix::sys::signal::Signal) {
@@ -152,13 +136,13 @@ pub fn summary(mut samples: Vec<Duration>) -> String {
     )
 }
 
-/// Waits until a file whose name satisfies `pred` exists in `dir`; returns its name. Watches with inotify
-/// rather than polling, and looks once after the watch is set up so nothing created before is missed.
-pub async fn wait_for_file(
-    dir: &Path,
+/// Waits until `check` gives a value, looking once at the start and again after every inotify event on
+/// `watched` (a file or a directory), rather than polling; `None` if `timeout` passes first.
+pub async fn watch_until<T>(
+    watched: &Path,
     timeout: Duration,
-    pred: impl Fn(&str) -> bool,
-) -> Option<String> {
+    mut check: impl FnMut() -> Option<T>,
+) -> Option<T> {
     use notify::Watcher;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let mut watcher = notify::recommended_watcher(move |_event| {
@@ -166,49 +150,44 @@ pub async fn wait_for_file(
     })
     .ok()?;
     watcher
-        .watch(dir, notify::RecursiveMode::NonRecursive)
+        .watch(watched, notify::RecursiveMode::NonRecursive)
         .ok()?;
-    let find = || {
-        std::fs::read_dir(dir)
-            .ok()?
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .find(|n| pred(n))
-    };
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        if let Some(name) = find() {
-            return Some(name);
+        if let Some(found) = check() {
+            return Some(found);
         }
         tokio::time::timeout_at(deadline, rx.recv()).await.ok()??;
     }
 }
 
-/// Waits until the file at `path` exists with content satisfying `pred` (watching its directory with inotify,
-/// so a write through a temporary file and a rename is seen); returns the content.
+/// Waits until a file whose name satisfies `pred` exists in `dir`; returns its name.
+pub async fn wait_for_file(
+    dir: &Path,
+    timeout: Duration,
+    pred: impl Fn(&str) -> bool,
+) -> Option<String> {
+    watch_until(dir, timeout, || {
+        std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .find(|n| pred(n))
+    })
+    .await
+}
+
+/// Waits until the file at `path` exists with content satisfying `pred` (its directory is watched, so a
+/// write through a temporary file and a rename is seen); returns the content.
 pub async fn wait_for_content(
     path: &Path,
     timeout: Duration,
     pred: impl Fn(&str) -> bool,
 ) -> Option<String> {
-    use notify::Watcher;
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut watcher = notify::recommended_watcher(move |_event| {
-        let _ = tx.send(());
+    watch_until(path.parent()?, timeout, || {
+        std::fs::read_to_string(path).ok().filter(|t| pred(t))
     })
-    .ok()?;
-    watcher
-        .watch(path.parent()?, notify::RecursiveMode::NonRecursive)
-        .ok()?;
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path)
-            && pred(&text)
-        {
-            return Some(text);
-        }
-        tokio::time::timeout_at(deadline, rx.recv()).await.ok()??;
-    }
+    .await
 }
 
 /// A fake kubelet and the in-process plugin on one temporary directory, registered and listing.
