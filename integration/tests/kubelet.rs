@@ -349,6 +349,11 @@ async fn sigterm_ends_streams_cleanly_removes_the_socket_and_exits_zero_within_2
         plugin.log()
     );
     assert!(!socket.exists(), "socket left behind");
+    assert!(
+        !plugin.log().contains("closed our ListAndWatch stream"),
+        "its own shutdown is not the kubelet closing the stream\n{}",
+        plugin.log()
+    );
     let list = kubelet
         .wait_list("stream end", WAIT, |l| l.ended.is_some())
         .await?;

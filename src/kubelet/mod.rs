@@ -182,6 +182,10 @@ pub async fn run(
     let mut registrar = Registrar::new(&config, socket_name);
     let mut link = Link::Owed(Some(Instant::now()));
     'serve: loop {
+        // Our own streams end at shutdown: that is not the kubelet closing them.
+        if shutdown.is_cancelled() {
+            break;
+        }
         if !socket.is_in_place() {
             tracing::info!(socket = %path.display(), "plugin socket was removed (kubelet restart?); binding it again");
             drop(socket);
