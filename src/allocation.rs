@@ -173,6 +173,68 @@ fn under(root: &Path, path: &Path) -> PathBuf {
     root.join(path.strip_prefix("/").unwrap_or(path))
 }
 
+/// Longest description a refused PreStartContainer carries, in bytes. The kubelet puts it in a pod event and
+/// the container's waiting message; several devices' messages (each up to 1024 characters) must not make one
+/// of those unwieldy.
+pub const MAX_PRE_START_DESCRIPTION: usize = 4096;
+
+/// Why a container may not start on its devices now. The text is what the operator reads in the pod's events
+/// (`Error: device plugin PreStartContainer rpc failed with err: rpc error: code = FailedPrecondition desc =
+/// <text>`), so what matters comes first: each device and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PreStartError {
+    /// Devices this plugin no longer serves (a GPU gone since Allocate), then Unhealthy ones with their
+    /// messages; at most [`MAX_PRE_START_DESCRIPTION`] bytes.
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// The health gate before a container starts (PreStartContainer): every device the container holds must be
+/// present and Healthy now. The kubelet asks before each start, restarts of a crash-looping container
+/// included, so a container whose GPU recovered starts at the kubelet's next try.
+pub fn pre_start(inventory: &Inventory, ids: &[String]) -> Result<(), PreStartError> {
+    let mut seen = HashSet::new();
+    let mut problems = Vec::new();
+    for id in ids {
+        if !seen.insert(id.as_str()) {
+            continue;
+        }
+        match inventory.get(id) {
+            None => problems.push(format!(
+                "device {id} is not served by this plugin any more (gone from the node since it was \
+                 allocated?)."
+            )),
+            Some(device) if device.health != Health::Healthy => problems.push(format!(
+                "device {id}: {}",
+                device
+                    .reason
+                    .as_deref()
+                    .unwrap_or("Unhealthy (no reason recorded)")
+            )),
+            Some(_) => {}
+        }
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(PreStartError::Refused(cut_bytes(
+        &problems.join(" "),
+        MAX_PRE_START_DESCRIPTION,
+    )))
+}
+
+/// `text` in at most `max` bytes: cut at a character boundary and ended with "..." when longer.
+fn cut_bytes(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut end = max.saturating_sub(3);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &text[..end])
+}
+
 /// One container's preferred-allocation question, as the kubelet asks it.
 #[derive(Debug, Clone, Default)]
 pub struct PreferenceRequest<'a> {
@@ -432,6 +494,44 @@ mod tests {
                 .contains(&PathBuf::from("/host/run/nvidia/driver/dev/nvidiactl")),
             "{checked:?}"
         );
+    }
+
+    #[test]
+    fn pre_start_passes_healthy_devices_and_names_every_unhealthy_or_unknown_one() {
+        let mut inv = node();
+        assert_eq!(pre_start(&inv, &ids(&["g0", "g1"])), Ok(()));
+        fail(&mut inv, "g1");
+        let Err(PreStartError::Refused(text)) = pre_start(&inv, &ids(&["g0", "g1", "gone", "g1"]))
+        else {
+            panic!("a container on an Unhealthy GPU must not start");
+        };
+        assert!(
+            text.starts_with("device g1: XID 79: GPU has fallen off the bus"),
+            "{text}"
+        );
+        assert!(
+            text.contains("device gone is not served by this plugin any more"),
+            "{text}"
+        );
+        assert_eq!(text.matches("device g1").count(), 1, "{text}");
+        assert!(!text.contains("g0"), "{text}");
+    }
+
+    #[test]
+    fn a_pre_start_refusal_is_bounded_whatever_the_messages() {
+        let mut inv = node();
+        for i in 0..8 {
+            inv.set_health(
+                &format!("g{i}"),
+                Health::Unhealthy,
+                Some(format!("Unhealthy: {}", "é".repeat(1000))),
+            );
+        }
+        let Err(PreStartError::Refused(text)) = pre_start(&inv, &all()) else {
+            panic!("refused");
+        };
+        assert!(text.len() <= MAX_PRE_START_DESCRIPTION, "{}", text.len());
+        assert!(text.starts_with("device g0: Unhealthy: é") && text.ends_with("..."));
     }
 
     fn prefer(inv: &Inventory, available: &[String], must: &[&str], size: i32) -> Vec<String> {

@@ -121,6 +121,11 @@ pub struct Args {
     /// device nodes exist [default: /]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_HOST_ROOT", value_name = "DIR")]
     pub host_root: Option<PathBuf>,
+
+    /// Have the kubelet ask before every container start, and refuse a start on an Unhealthy GPU with its
+    /// health message (PreStartContainer) [default: true]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_PRE_START_CHECK", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    pub pre_start_check: Option<bool>,
 }
 
 /// The config file: the same settings as the flags, camelCase. Unknown keys are an error, so a typo is
@@ -164,6 +169,8 @@ pub struct FileConfig {
     pub dev_root: Option<PathBuf>,
     /// See `--host-root`.
     pub host_root: Option<PathBuf>,
+    /// See `--pre-start-check`.
+    pub pre_start_check: Option<bool>,
 }
 
 /// Checked settings the plugin runs with.
@@ -191,6 +198,8 @@ pub struct Settings {
     pub monitor: MonitorConfig,
     /// Allocate response options.
     pub allocate: AllocateOptions,
+    /// Whether the kubelet calls PreStartContainer (the health gate) before each container start.
+    pub pre_start_check: bool,
 }
 
 /// A setting that cannot be used.
@@ -342,6 +351,10 @@ impl Settings {
                     .unwrap_or_else(|| checkpoint::DEFAULT_BOOT_ID_PATH.into()),
             },
             allocate,
+            pre_start_check: args
+                .pre_start_check
+                .or(file.pre_start_check)
+                .unwrap_or(true),
         })
     }
 

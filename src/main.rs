@@ -71,6 +71,7 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     let mut plugin = PluginConfig::new(&settings.kubelet_dir, settings.resource_name.clone());
     plugin.socket_name = settings.socket_name.clone();
     plugin.allocate = settings.allocate.clone();
+    plugin.pre_start_check = settings.pre_start_check;
     // Settle the socket name now, so that a bad directory is reported before anything starts.
     let socket = kubelet::socket_path_for(&plugin)?;
     plugin.socket_name = socket.file_name().map(|n| n.to_string_lossy().into_owned());

@@ -35,7 +35,8 @@ async fn plugin_registers_and_lists_every_simulated_gpu_healthy() -> TestResult 
     assert_eq!(reg.resource_name, "nvidia.com/gpu");
     assert!(reg.endpoint.starts_with("gpu-device-plugin-") && reg.endpoint.ends_with(".sock"));
     assert!(reg.dialed_options.get_preferred_allocation_available);
-    assert!(!reg.dialed_options.pre_start_required);
+    assert!(reg.dialed_options.pre_start_required);
+    assert_eq!(reg.options, Some(reg.dialed_options));
     let socket = dir.path().join(&reg.endpoint);
     assert_eq!(
         std::fs::metadata(&socket)?.permissions().mode() & 0o777,
@@ -613,5 +614,101 @@ async fn a_kubelet_that_opens_no_stream_after_register_gets_a_new_registration()
             l.registration == 2 && l.allocatable() == 2
         })
         .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_container_start_on_an_unhealthy_gpu_is_refused_with_its_message_until_it_recovers()
+-> TestResult {
+    let dir = tempfile::tempdir()?;
+    let faults = dir.path().join("faults");
+    let faults_arg = faults.to_string_lossy().into_owned();
+    let kubelet = FakeKubelet::start(dir.path()).await?;
+    let plugin = PluginProcess::spawn(
+        dir.path(),
+        &["--simulate", "4", "--simulate-events", &faults_arg],
+    );
+    kubelet
+        .wait_list("4 devices", WAIT, |l| l.allocatable() == 4)
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    let (g0, g1, g2) = (gpu(0), gpu(1), gpu(2));
+    assert!(
+        kubelet.start_container(&[&g0, &g1, &g2]).await?,
+        "the plugin asks to be called before a start"
+    );
+
+    // GPU 1: the driver asks for a reset; GPU 2 falls off the bus.
+    support::append(&faults, &[format!("action {g1} 1"), format!("xid {g2} 79")]);
+    kubelet
+        .wait_list("GPUs 1 and 2 unhealthy", WAIT, |l| l.allocatable() == 2)
+        .await?;
+    let refused = kubelet
+        .start_container(&[&g0, &g1, &g2])
+        .await
+        .expect_err("a container on Unhealthy GPUs must not start");
+    assert_eq!(refused.code(), Code::FailedPrecondition);
+    let text = refused.message();
+    assert!(
+        text.starts_with(&format!(
+            "device {g1}: Unhealthy: the driver reports recovery action 1 (GPU reset required)"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "device {g2}: Unhealthy: XID 79: the GPU has fallen off the bus"
+        )),
+        "{text}"
+    );
+    assert!(!text.contains(&g0), "{text}");
+    // A GPU the plugin never had (gone since Allocate) is named.
+    let gone = kubelet
+        .start_container(&["GPU-gone"])
+        .await
+        .expect_err("an unknown GPU must not start");
+    assert!(
+        gone.message().contains("device GPU-gone is not served"),
+        "{}",
+        gone.message()
+    );
+
+    // The driver's recovery action returns to None: GPU 1 recovers, and the container on it starts again.
+    support::append(&faults, &[format!("action {g1} 0")]);
+    kubelet
+        .wait_list("GPU 1 healthy again", WAIT, |l| {
+            l.health(&g1) == Some("Healthy")
+        })
+        .await?;
+    assert!(kubelet.start_container(&[&g0, &g1]).await?);
+    Ok(())
+}
+
+#[tokio::test]
+async fn with_the_start_check_off_the_kubelet_never_asks() -> TestResult {
+    let node_dir = tempfile::tempdir()?;
+    let kubelet = FakeKubelet::start(node_dir.path()).await?;
+    let faults = node_dir.path().join("faults");
+    let faults_arg = faults.to_string_lossy().into_owned();
+    let _plugin = PluginProcess::spawn(
+        node_dir.path(),
+        &[
+            "--simulate",
+            "2",
+            "--simulate-events",
+            &faults_arg,
+            "--pre-start-check=false",
+        ],
+    );
+    let regs = kubelet.wait_registrations(1, WAIT).await?;
+    assert!(!regs[0].dialed_options.pre_start_required);
+    support::append(&faults, &[format!("xid {} 79", gpu(1))]);
+    kubelet
+        .wait_list("GPU 1 unhealthy", WAIT, |l| l.allocatable() == 1)
+        .await?;
+    assert!(
+        !kubelet.start_container(&[&gpu(1)]).await?,
+        "the kubelet starts the container without asking"
+    );
     Ok(())
 }

@@ -88,6 +88,8 @@ pub struct PluginConfig {
     pub socket_name: Option<String>,
     /// How Allocate describes devices to the runtime.
     pub allocate: AllocateOptions,
+    /// Ask the kubelet to call PreStartContainer before each container start (the health gate).
+    pub pre_start_check: bool,
     /// Registration retry delays.
     pub backoff: ExponentialBuilder,
 }
@@ -100,6 +102,7 @@ impl PluginConfig {
             resource_name: resource_name.into(),
             socket_name: None,
             allocate: AllocateOptions::default(),
+            pre_start_check: true,
             backoff: default_backoff(),
         }
     }
@@ -168,7 +171,8 @@ pub async fn run(
     let mut socket = PluginSocket::bind(&path, conn_tx.clone())?;
     tracing::info!(socket = %path.display(), resource = %config.resource_name, "serving device plugin API");
 
-    let service = PluginService::new(inventory, config.allocate.clone(), shutdown.clone());
+    let service = PluginService::new(inventory, config.allocate.clone(), shutdown.clone())
+        .with_pre_start_check(config.pre_start_check);
     let mut streams = service.streams();
     let incoming = ReceiverStream::new(conn_rx).map(Ok::<_, std::io::Error>);
     let server_shutdown = shutdown.clone();
@@ -405,7 +409,7 @@ impl Registrar {
                 version: VERSION.to_string(),
                 endpoint,
                 resource_name: config.resource_name.clone(),
-                options: Some(server::plugin_options()),
+                options: Some(server::plugin_options(config.pre_start_check)),
             },
             backoff_builder: config.backoff,
             backoff: config.backoff.build(),

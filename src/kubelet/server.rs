@@ -10,7 +10,7 @@ use tokio_stream::wrappers::WatchStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::allocation::{self, AllocateOptions, AllocationError, PreferenceRequest};
+use crate::allocation::{self, AllocateOptions, AllocationError, PreStartError, PreferenceRequest};
 use crate::api::device_plugin_server::DevicePlugin;
 use crate::api::{
     AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, Device,
@@ -20,10 +20,11 @@ use crate::api::{
 };
 use crate::devices::{Inventory, InventoryWatch};
 
-/// The options this plugin registers with and reports.
-pub fn plugin_options() -> DevicePluginOptions {
+/// The options this plugin registers with and reports: with `pre_start_check`, the kubelet calls
+/// PreStartContainer before every start of a container holding our devices (see [`allocation::pre_start`]).
+pub fn plugin_options(pre_start_check: bool) -> DevicePluginOptions {
     DevicePluginOptions {
-        pre_start_required: false,
+        pre_start_required: pre_start_check,
         get_preferred_allocation_available: true,
     }
 }
@@ -35,6 +36,8 @@ pub struct PluginService {
     /// Ends every ListAndWatch stream cleanly (OK status) when the plugin shuts down.
     shutdown: CancellationToken,
     streams: watch::Sender<Streams>,
+    /// Whether we ask the kubelet for PreStartContainer calls.
+    pre_start_check: bool,
 }
 
 /// The ListAndWatch streams this plugin serves: how the kubelet's hold on us is seen. The kubelet opens one
@@ -80,7 +83,14 @@ impl PluginService {
             options,
             shutdown,
             streams: watch::Sender::new(Streams::default()),
+            pre_start_check: false,
         }
+    }
+
+    /// Asks the kubelet (in the options it reads) to call PreStartContainer before each container start.
+    pub fn with_pre_start_check(mut self, on: bool) -> Self {
+        self.pre_start_check = on;
+        self
     }
 
     /// Watches the open ListAndWatch streams.
@@ -106,6 +116,12 @@ pub fn list_response(inventory: &Inventory) -> ListAndWatchResponse {
     }
 }
 
+impl From<PreStartError> for Status {
+    fn from(e: PreStartError) -> Self {
+        Status::failed_precondition(e.to_string())
+    }
+}
+
 impl From<AllocationError> for Status {
     fn from(e: AllocationError) -> Self {
         match e {
@@ -127,7 +143,7 @@ impl DevicePlugin for PluginService {
         &self,
         _request: Request<Empty>,
     ) -> Result<Response<DevicePluginOptions>, Status> {
-        Ok(Response::new(plugin_options()))
+        Ok(Response::new(plugin_options(self.pre_start_check)))
     }
 
     type ListAndWatchStream = ListStream;
@@ -207,11 +223,21 @@ impl DevicePlugin for PluginService {
         }
     }
 
+    /// The health gate: a container starts only on devices that are here and Healthy now; a refusal's text
+    /// ends up in the pod's events, so it is each device's health message.
     async fn pre_start_container(
         &self,
-        _request: Request<PreStartContainerRequest>,
+        request: Request<PreStartContainerRequest>,
     ) -> Result<Response<PreStartContainerResponse>, Status> {
-        Ok(Response::new(PreStartContainerResponse {}))
+        let ids = request.into_inner().devices_ids;
+        let inventory = self.inventory.borrow().clone();
+        match allocation::pre_start(&inventory, &ids) {
+            Ok(()) => Ok(Response::new(PreStartContainerResponse {})),
+            Err(e) => {
+                tracing::warn!(devices = ?ids, error = %e, "refused a container start");
+                Err(e.into())
+            }
+        }
     }
 }
 

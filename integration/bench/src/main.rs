@@ -63,6 +63,8 @@ pub(crate) enum Measure {
     Startup,
     /// Allocate round trips.
     Allocate,
+    /// PreStartContainer round trips.
+    Prestart,
     /// Kubelet restart → Register.
     Restart,
     /// Idle footprint.

@@ -48,6 +48,7 @@ pub(crate) async fn all(
 
     let shared = [
         Measure::Allocate,
+        Measure::Prestart,
         Measure::Restart,
         Measure::Idle,
         Measure::Soak,
@@ -109,6 +110,29 @@ async fn on_one_instance(
             allocs.push(started.elapsed());
         }
         report.latency("Allocate, 1 device", &allocs);
+    }
+
+    // 6b. PreStartContainer, as the kubelet calls it before a container holding every GPU starts
+    if args.runs(Measure::Prestart) {
+        let ids: Vec<String> = (0..devices).map(uuid).collect();
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let mut calls = Vec::with_capacity(counts.allocates);
+        let kubelet = rig.kubelet.lock().await;
+        for _ in 0..counts.allocates {
+            let started = Instant::now();
+            let called = kubelet.start_container(&ids).await.with_context(|| {
+                format!("PreStartContainer failed; plugin log:\n{}", plugin.log())
+            })?;
+            if !called {
+                break;
+            }
+            calls.push(started.elapsed());
+        }
+        if calls.is_empty() {
+            report.value("PreStartContainer: not requested by the plugin", 0.0, "");
+        } else {
+            report.latency(&format!("PreStartContainer, {devices} devices"), &calls);
+        }
     }
 
     // 2. kubelet restart → Register

@@ -31,7 +31,8 @@ use gpu_device_plugin::api::registration_server::{Registration, RegistrationServ
 use gpu_device_plugin::api::{
     AllocateRequest, AllocateResponse, ContainerAllocateRequest,
     ContainerPreferredAllocationRequest, Device, DevicePluginOptions, Empty, KUBELET_SOCKET,
-    PreferredAllocationRequest, PreferredAllocationResponse, RegisterRequest, VERSION,
+    PreStartContainerRequest, PreferredAllocationRequest, PreferredAllocationResponse,
+    RegisterRequest, VERSION,
 };
 use gpu_device_plugin::config::check_extended_resource_name;
 use gpu_device_plugin::kubelet::uds;
@@ -158,6 +159,8 @@ pub enum FakeKubeletError {
 struct Client {
     registration: usize,
     endpoint: String,
+    /// The plugin asked (in GetDevicePluginOptions) for PreStartContainer calls.
+    pre_start_required: bool,
     client: DevicePluginClient<Channel>,
     _reader: Option<AbortOnDropHandle<()>>,
 }
@@ -411,6 +414,10 @@ impl FakeKubelet {
     }
 
     fn client(&self) -> Result<DevicePluginClient<Channel>, FakeKubeletError> {
+        self.current(|c| c.client.clone())
+    }
+
+    fn current<T>(&self, f: impl FnOnce(&Client) -> T) -> Result<T, FakeKubeletError> {
         let clients = self
             .shared
             .clients
@@ -421,8 +428,26 @@ impl FakeKubelet {
             .live
             .iter()
             .find(|c| c.registration == current)
-            .map(|c| c.client.clone())
+            .map(f)
             .ok_or(FakeKubeletError::NotRegistered)
+    }
+
+    /// Starts a container holding `devices` as the kubelet does: if the plugin asked for it, PreStartContainer
+    /// first, and a refusal fails the start (the kubelet then reports `CreateContainerConfigError` with the
+    /// refusal's text in a pod event, and tries again at the container's next restart). Returns whether
+    /// PreStartContainer was called.
+    pub async fn start_container(&self, devices: &[&str]) -> Result<bool, Status> {
+        let (required, mut client) = self
+            .current(|c| (c.pre_start_required, c.client.clone()))
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        if !required {
+            return Ok(false);
+        }
+        let request = PreStartContainerRequest {
+            devices_ids: devices.iter().map(|s| s.to_string()).collect(),
+        };
+        client.pre_start_container(request).await?;
+        Ok(true)
     }
 
     /// Calls Allocate on the registered plugin, one container per entry of `containers`. A reply without one
@@ -582,6 +607,7 @@ async fn accept(shared: Arc<Shared>, request: RegisterRequest) -> Result<Empty, 
     let new = Client {
         registration,
         endpoint: request.endpoint.clone(),
+        pre_start_required: dialed_options.pre_start_required,
         client,
         _reader: reader,
     };
