@@ -122,6 +122,10 @@ pub struct Args {
     #[arg(long, env = "GPU_DEVICE_PLUGIN_HOST_ROOT", value_name = "DIR")]
     pub host_root: Option<PathBuf>,
 
+    /// Address of the HTTP surfaces (/healthz, /readyz, /status); empty turns them off [default: 127.0.0.1:9412]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_HTTP_ADDR", value_name = "HOST:PORT")]
+    pub http_addr: Option<String>,
+
     /// Have the kubelet ask before every container start, and refuse a start on an Unhealthy GPU with its
     /// health message (PreStartContainer) [default: true]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_PRE_START_CHECK", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
@@ -171,6 +175,8 @@ pub struct FileConfig {
     pub host_root: Option<PathBuf>,
     /// See `--pre-start-check`.
     pub pre_start_check: Option<bool>,
+    /// See `--http-addr`.
+    pub http_addr: Option<String>,
 }
 
 /// Checked settings the plugin runs with.
@@ -200,6 +206,8 @@ pub struct Settings {
     pub allocate: AllocateOptions,
     /// Whether the kubelet calls PreStartContainer (the health gate) before each container start.
     pub pre_start_check: bool,
+    /// Where the HTTP surfaces listen; `None` turns them off.
+    pub http_addr: Option<std::net::SocketAddr>,
 }
 
 /// A setting that cannot be used.
@@ -355,6 +363,12 @@ impl Settings {
                 .pre_start_check
                 .or(file.pre_start_check)
                 .unwrap_or(true),
+            http_addr: parse_http_addr(
+                args.http_addr
+                    .or(file.http_addr)
+                    .as_deref()
+                    .unwrap_or(crate::http::DEFAULT_ADDR),
+            )?,
         })
     }
 
@@ -367,6 +381,21 @@ impl Settings {
     {
         Ok(Settings::resolve(Args::try_parse_from(argv)?))
     }
+}
+
+/// `HOST:PORT` with an IP address (the surfaces are bound before any name service could be relied on), or
+/// empty for off.
+fn parse_http_addr(value: &str) -> Result<Option<std::net::SocketAddr>, ConfigError> {
+    if value.trim().is_empty() {
+        return Ok(None);
+    }
+    value.parse().map(Some).map_err(|_| ConfigError::Invalid {
+        setting: "--http-addr",
+        value: value.into(),
+        why:
+            "not an IP address and port (e.g. 127.0.0.1:9412 or 0.0.0.0:9412; empty turns HTTP off)"
+                .into(),
+    })
 }
 
 fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
@@ -563,6 +592,21 @@ mod tests {
             .find(|a| a.get_id() == "dev_root")
             .and_then(|a| a.get_env().map(|e| e.to_string_lossy().into_owned()));
         assert_eq!(flag.as_deref(), Some("NVIDIA_DEV_ROOT"));
+    }
+
+    #[test]
+    fn the_http_address_defaults_to_loopback_and_can_be_turned_off() {
+        let addr = |argv: &[&str]| settings(argv).map(|s| s.http_addr.map(|a| a.to_string()));
+        assert_eq!(addr(&[]), Ok(Some("127.0.0.1:9412".into())));
+        assert_eq!(addr(&["--http-addr", ""]), Ok(None));
+        assert_eq!(
+            addr(&["--http-addr", "0.0.0.0:8080"]),
+            Ok(Some("0.0.0.0:8080".into()))
+        );
+        let err = addr(&["--http-addr", "localhost"])
+            .err()
+            .unwrap_or_default();
+        assert!(err.contains("--http-addr"), "{err}");
     }
 
     #[test]

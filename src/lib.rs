@@ -7,11 +7,16 @@
 //!   its policy, checkpoint, and the monitor task around it.
 //! - [`allocation`]: pure Allocate / GetPreferredAllocation decisions.
 //! - [`config`]: command line, environment and config file.
+//! - [`status`]: what the agent says about itself (devices, conditions, the kubelet link), as `/status`
+//!   serves it and the `status` command shows it.
+//! - [`http`]: the HTTP surfaces: `/healthz`, `/readyz`, `/status`.
 
 pub mod allocation;
 pub mod api;
 pub mod config;
 pub mod devices;
 pub mod health;
+pub mod http;
 pub mod kubelet;
 pub mod nvml;
+pub mod status;

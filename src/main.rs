@@ -1,5 +1,5 @@
-//! `gpu-device-plugin`: the node agent. Parses settings, picks the device source, runs the kubelet side until
-//! SIGTERM or SIGINT.
+//! `gpu-device-plugin`: the node agent. Parses settings, picks the device source, runs the kubelet side and
+//! the HTTP surfaces until SIGTERM or SIGINT. `gpu-device-plugin status` reads a running agent's `/status`.
 
 use anyhow::{Context, bail};
 use std::io::IsTerminal;
@@ -10,10 +10,14 @@ use gpu_device_plugin::config::{self, LogFormat, Settings};
 use gpu_device_plugin::devices::DeviceSource;
 use gpu_device_plugin::devices::simulated::SimulatedGpus;
 use gpu_device_plugin::health::monitor;
+use gpu_device_plugin::http;
 use gpu_device_plugin::kubelet::{self, PluginConfig};
 use gpu_device_plugin::nvml::{NvmlGpus, UnmonitoredGpus};
 
 fn main() -> ExitCode {
+    if std::env::args_os().nth(1).is_some_and(|a| a == "status") {
+        return status_command();
+    }
     let settings = match Settings::from_args(std::env::args_os()) {
         Ok(Ok(settings)) => settings,
         Ok(Err(e)) => return fail(&e.to_string()),
@@ -96,12 +100,20 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
             }
         },
     };
-    let inventory = monitor::spawn(source, settings.monitor.clone())
+    let monitored = monitor::spawn_monitored(source, settings.monitor.clone())
         .context("cannot start the device source")?;
 
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;
-    kubelet::run(plugin, inventory, shutdown).await?;
+    if let Some(addr) = settings.http_addr {
+        let context = http::Context {
+            devices: monitored.status.clone(),
+            kubelet: plugin.status.subscribe(),
+            policy: settings.monitor.policy.summary(),
+        };
+        http::spawn(addr, context, shutdown.clone());
+    }
+    kubelet::run(plugin, monitored.inventory, shutdown).await?;
     tracing::info!("stopped");
     Ok(())
 }
@@ -120,4 +132,70 @@ fn spawn_signal_handler(shutdown: CancellationToken) -> anyhow::Result<()> {
         shutdown.cancel();
     });
     Ok(())
+}
+
+/// `gpu-device-plugin status`: a running agent's devices, as a table or JSON.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "gpu-device-plugin status",
+    about = "Show a running gpu-device-plugin's devices, their health and messages"
+)]
+struct StatusArgs {
+    /// The agent's --http-addr
+    #[arg(long, default_value = http::DEFAULT_ADDR, value_name = "HOST:PORT")]
+    addr: String,
+    /// Print the report as JSON (for scripts)
+    #[arg(long)]
+    json: bool,
+    /// Keep following: print the report again whenever it changes (every 2 s at most)
+    #[arg(long)]
+    watch: bool,
+}
+
+fn status_command() -> ExitCode {
+    use clap::Parser as _;
+    let args = match StatusArgs::try_parse_from(std::env::args_os().skip(1)) {
+        Ok(args) => args,
+        Err(e) if e.use_stderr() => {
+            let rendered = e.render().to_string();
+            let first = rendered.lines().next().unwrap_or("invalid arguments");
+            return fail(first.strip_prefix("error: ").unwrap_or(first));
+        }
+        Err(e) => {
+            let _printed = e.print();
+            return ExitCode::SUCCESS;
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
+    };
+    runtime.block_on(async {
+        let mut last = None;
+        loop {
+            let report = match http::fetch_report(&args.addr).await {
+                Ok(report) => report,
+                Err(e) => return fail(&e.to_string()),
+            };
+            if last.as_ref() != Some(&report) {
+                let text = if args.json {
+                    serde_json::to_string_pretty(&report).unwrap_or_default() + "\n"
+                } else {
+                    report.table()
+                };
+                if last.is_some() {
+                    println!("---");
+                }
+                print!("{text}");
+                last = Some(report);
+            }
+            if !args.watch {
+                return ExitCode::SUCCESS;
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        }
+    })
 }

@@ -10,12 +10,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::MissedTickBehavior;
 
+use super::Effect;
 use super::checkpoint::{self, Checkpoint, Durability, Store};
+use super::policy::Recover;
 use super::{HealthEngine, Observation, Outcome, Policy};
 use crate::devices::{DeviceEvent, DeviceSource, Inventory, InventoryWatch, SourceError};
+use crate::status::{ConditionStatus, DeviceStatus};
 
 /// How the monitor runs.
 #[derive(Debug, Clone)]
@@ -39,12 +42,43 @@ impl MonitorConfig {
     }
 }
 
+/// Asks the monitor for every device's status (conditions and all), for `/status`. The monitor answers
+/// between events, so an answer also says that the monitor is alive.
+#[derive(Debug, Clone)]
+pub struct StatusQueries(mpsc::Sender<oneshot::Sender<Vec<DeviceStatus>>>);
+
+impl StatusQueries {
+    /// Every device's status, or `None` if the monitor is gone.
+    pub async fn devices(&self) -> Option<Vec<DeviceStatus>> {
+        let (reply, answer) = oneshot::channel();
+        self.0.send(reply).await.ok()?;
+        answer.await.ok()
+    }
+}
+
+/// A running monitor: the inventory every ListAndWatch stream reads, and a way to ask for the details.
+#[derive(Debug)]
+pub struct Monitored {
+    /// The inventory watch.
+    pub inventory: InventoryWatch,
+    /// Status queries.
+    pub status: StatusQueries,
+}
+
 /// Discovers the source's devices, restores their health from the checkpoint, starts the source and the
 /// monitor task. Returns the inventory watch the gRPC server reads. Must be called inside a tokio runtime.
 pub fn spawn(
-    mut source: Box<dyn DeviceSource>,
+    source: Box<dyn DeviceSource>,
     config: MonitorConfig,
 ) -> Result<InventoryWatch, SourceError> {
+    spawn_monitored(source, config).map(|m| m.inventory)
+}
+
+/// As [`spawn`], with a way to query the monitor.
+pub fn spawn_monitored(
+    mut source: Box<dyn DeviceSource>,
+    config: MonitorConfig,
+) -> Result<Monitored, SourceError> {
     let found = source.discover()?;
     tracing::info!(devices = found.len(), "discovered devices");
     let mut inventory = Inventory::new(found);
@@ -79,8 +113,12 @@ pub fn spawn(
         writer: store.map(Writer::new),
         boot_id,
     };
-    tokio::spawn(monitor.run(event_rx));
-    Ok(rx)
+    let (query_tx, query_rx) = mpsc::channel(16);
+    tokio::spawn(monitor.run(event_rx, query_rx));
+    Ok(Monitored {
+        inventory: rx,
+        status: StatusQueries(query_tx),
+    })
 }
 
 fn restore(
@@ -146,7 +184,11 @@ struct Monitor {
 }
 
 impl Monitor {
-    async fn run(mut self, mut events: mpsc::Receiver<DeviceEvent>) {
+    async fn run(
+        mut self,
+        mut events: mpsc::Receiver<DeviceEvent>,
+        mut queries: mpsc::Receiver<oneshot::Sender<Vec<DeviceStatus>>>,
+    ) {
         self.save();
         // First tick one period from now. (An interval's immediate first tick, awaited, still waits for the
         // timer wheel's next millisecond, and events arriving meanwhile would wait with it.)
@@ -176,6 +218,9 @@ impl Monitor {
                     None => break,
                 },
                 () = sleep(wait) => {}
+                Some(reply) = queries.recv() => {
+                    let _asker_gone = reply.send(self.statuses());
+                }
                 _ = poll.tick() => {
                     let ids = self.inventory.borrow().devices().iter()
                         .filter(|d| self.engine.device(&d.info.id).and_then(|s| s.reports_recovery_action()) == Some(true))
@@ -185,6 +230,50 @@ impl Monitor {
                 }
             }
         }
+    }
+
+    /// Every device's status, in the inventory's order.
+    fn statuses(&self) -> Vec<DeviceStatus> {
+        let policy = self.engine.policy();
+        let time = |t: SystemTime| humantime::format_rfc3339_seconds(t).to_string();
+        self.inventory
+            .borrow()
+            .devices()
+            .iter()
+            .enumerate()
+            .map(|(index, d)| {
+                let conditions = self
+                    .engine
+                    .device(&d.info.id)
+                    .map(|h| h.conditions())
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|c| ConditionStatus {
+                        kind: c.kind.name().into(),
+                        value: c.kind.value(),
+                        effect: match policy.effect(&c.kind) {
+                            Effect::Unhealthy => "Unhealthy".into(),
+                            Effect::None => "None".into(),
+                        },
+                        recover: match policy.recover(&c.kind) {
+                            Recover::Auto => "auto".into(),
+                            Recover::Never => "never".into(),
+                        },
+                        count: c.count,
+                        first_seen: time(c.first_seen),
+                        last_seen: time(c.last_seen),
+                    })
+                    .collect();
+                DeviceStatus {
+                    id: d.info.id.clone(),
+                    index,
+                    health: d.health.as_api_str().into(),
+                    numa_node: d.info.numa_node,
+                    message: d.reason.clone().or_else(|| self.engine.message(&d.info.id)),
+                    conditions,
+                }
+            })
+            .collect()
     }
 
     fn probe(&self, ids: Vec<String>) {

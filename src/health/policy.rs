@@ -127,6 +127,8 @@ pub struct Policy {
     env_enabled: HashSet<u64>,
     /// `DP_ENABLE_HEALTHCHECKS=all|xids`: every XID counts, over every XID ignore.
     env_enable_all_xids: bool,
+    /// The two `DP_*` variables as given, for the status report.
+    dp_given: (Option<String>, Option<String>),
     rules: HashMap<String, Rule>,
     /// Quiet period before recovery.
     pub quiet_period: Duration,
@@ -149,6 +151,7 @@ impl Default for Policy {
             env_ignored: HashSet::new(),
             env_enabled: HashSet::new(),
             env_enable_all_xids: false,
+            dp_given: (None, None),
             rules: HashMap::new(),
             quiet_period: Duration::from_secs(600),
             probe_interval: Duration::from_secs(30),
@@ -241,6 +244,7 @@ impl Policy {
             sbe_burst,
             ..defaults
         };
+        policy.dp_given = (dp_disable.map(String::from), dp_enable.map(String::from));
         if let Some(value) = dp_disable {
             for token in tokens("DP_DISABLE_HEALTHCHECKS", value)? {
                 match token {
@@ -263,6 +267,22 @@ impl Policy {
             }
         }
         Ok(policy)
+    }
+
+    /// The policy as the status report shows it.
+    pub fn summary(&self) -> crate::status::PolicySummary {
+        let duration = |d: Duration| humantime::format_duration(d).to_string();
+        crate::status::PolicySummary {
+            xid_policy: match self.xid_policy {
+                XidPolicy::Catalog => "catalog".into(),
+                XidPolicy::Nvidia => "nvidia".into(),
+            },
+            dp_disable_healthchecks: self.dp_given.0.clone(),
+            dp_enable_healthchecks: self.dp_given.1.clone(),
+            quiet_period: duration(self.quiet_period),
+            probe_interval: duration(self.probe_interval),
+            recovery_action_interval: duration(self.recovery_action_interval),
+        }
     }
 
     /// The effect of a condition under this policy.

@@ -27,6 +27,7 @@ use crate::allocation::AllocateOptions;
 use crate::api::device_plugin_server::DevicePluginServer;
 use crate::api::{KUBELET_SOCKET, RegisterRequest, VERSION};
 use crate::devices::InventoryWatch;
+use crate::status::KubeletStatus;
 use server::PluginService;
 use socket::PluginSocket;
 use watch::DirWatch;
@@ -90,6 +91,8 @@ pub struct PluginConfig {
     pub allocate: AllocateOptions,
     /// Ask the kubelet to call PreStartContainer before each container start (the health gate).
     pub pre_start_check: bool,
+    /// Where the plugin stands with the kubelet, for `/readyz` and `/status`; kept current by [`run`].
+    pub status: tokio::sync::watch::Sender<KubeletStatus>,
     /// Registration retry delays.
     pub backoff: ExponentialBuilder,
 }
@@ -103,6 +106,7 @@ impl PluginConfig {
             socket_name: None,
             allocate: AllocateOptions::default(),
             pre_start_check: true,
+            status: tokio::sync::watch::Sender::new(KubeletStatus::default()),
             backoff: default_backoff(),
         }
     }
@@ -183,6 +187,12 @@ pub async fn run(
     );
 
     let kubelet_socket = dir.join(KUBELET_SOCKET);
+    config.status.send_modify(|s| {
+        s.resource = config.resource_name.clone();
+        s.kubelet_socket = kubelet_socket.display().to_string();
+        s.endpoint = socket_name.clone();
+        s.pre_start_check = config.pre_start_check;
+    });
     let mut registrar = Registrar::new(&config, socket_name);
     let mut link = Link::Owed(Some(Instant::now()));
     'serve: loop {
@@ -222,6 +232,14 @@ pub async fn run(
                 *lost = Some(delay);
             }
         }
+        let registered = matches!(link, Link::Registered { lost: None, .. });
+        let open = streams.borrow().open;
+        config.status.send_if_modified(|s| {
+            let changed = s.registered != registered || s.streams_open != open;
+            s.registered = registered;
+            s.streams_open = open;
+            changed
+        });
         let wake_at = match &link {
             Link::Owed(at) => *at,
             Link::Registered {
@@ -274,12 +292,15 @@ pub async fn run(
                     );
                     registrar.owe_now()
                 }
-                Attempt::Registered => Link::Registered {
-                    kubelet: target,
-                    since: Instant::now(),
-                    awaiting: Some((before, Instant::now() + STREAM_WAIT)),
-                    lost: None,
-                },
+                Attempt::Registered => {
+                    config.status.send_modify(|s| s.registrations += 1);
+                    Link::Registered {
+                        kubelet: target,
+                        since: Instant::now(),
+                        awaiting: Some((before, Instant::now() + STREAM_WAIT)),
+                        lost: None,
+                    }
+                }
                 Attempt::NoKubelet => Link::Owed(None),
                 Attempt::Failed(_) if changed => registrar.owe_now(),
                 Attempt::Failed(retry_in) => Link::Owed(Some(Instant::now() + retry_in)),

@@ -509,6 +509,14 @@ impl FakeKubelet {
     }
 }
 
+impl Drop for FakeKubelet {
+    /// A fake kubelet that goes away does what a dying kubelet does: its socket and every connection to the
+    /// plugins close.
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 /// Deletes every socket in `dir`, as the kubelet's device manager does when it starts.
 pub fn delete_sockets(dir: &Path) -> Result<(), FakeKubeletError> {
     let clean_err = |source| FakeKubeletError::Clean {

@@ -50,6 +50,10 @@ impl PluginProcess {
         if !args.contains(&"--state-dir") {
             command.arg("--state-dir").arg(state.path().join("state"));
         }
+        // Tests run side by side: each plugin's HTTP surfaces on a port of their own.
+        if !args.contains(&"--http-addr") {
+            command.arg("--http-addr").arg("127.0.0.1:0");
+        }
         let child = command
             .args(args)
             .env("RUST_LOG", "debug")
@@ -68,6 +72,14 @@ impl PluginProcess {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The address the HTTP surfaces were bound to, from the log line that says so.
+    pub async fn http_addr(&self) -> Option<String> {
+        let log = self.wait_log(WAIT, |l| l.contains("serving HTTP")).await?;
+        let line = log.lines().find(|l| l.contains("serving HTTP"))?;
+        let addr = line.split("addr=").nth(1)?.split_whitespace().next()?;
+        Some(addr.to_string())
     }
 
     /// Waits until the log satisfies `pred` (the log is written after the kubelet is told, so a test that

@@ -1,0 +1,260 @@
+//! The HTTP surfaces, on `--http-addr`: `/healthz` (liveness), `/readyz` (registered with the kubelet and
+//! serving), `/status` (JSON: every device with its conditions and message, the kubelet link, the policy).
+//! They read the same state the kubelet side does, through the monitor's status queries and the kubelet
+//! link's watch, and are never in the kubelet's path: a slow or failing HTTP client cannot delay a fault.
+//!
+//! Also the client side, for `gpu-device-plugin status`.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::health::monitor::StatusQueries;
+use crate::status::{KubeletStatus, PolicySummary, Report};
+
+/// Where the HTTP surfaces listen unless told otherwise: loopback only, so nothing is exposed off the node by
+/// default.
+pub const DEFAULT_ADDR: &str = "127.0.0.1:9412";
+
+/// How long the monitor has to answer before `/healthz` says it is stuck.
+const MONITOR_ANSWER: Duration = Duration::from_secs(2);
+
+/// How long to wait before trying the address again when it is taken (during a rolling update with the host
+/// network, the old instance holds it until it exits).
+const BIND_RETRY: Duration = Duration::from_secs(5);
+
+/// What the HTTP surfaces read.
+#[derive(Debug, Clone)]
+pub struct Context {
+    /// The monitor, for device details and as the liveness signal of the event loop.
+    pub devices: StatusQueries,
+    /// The link with the kubelet.
+    pub kubelet: watch::Receiver<KubeletStatus>,
+    /// The policy in force.
+    pub policy: PolicySummary,
+}
+
+/// Serves the HTTP surfaces on `addr` until `shutdown`, in a task of its own. An address in use is tried
+/// again every few seconds (said once at warn level): the plugin's real work never waits for it.
+pub fn spawn(addr: SocketAddr, context: Context, shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        let mut warned = false;
+        let listener = loop {
+            match TcpListener::bind(addr).await {
+                Ok(listener) => break listener,
+                Err(e) => {
+                    if !warned {
+                        tracing::warn!(%addr, error = %e, retry_in_s = BIND_RETRY.as_secs(), "cannot serve HTTP (/healthz, /readyz, /status) yet; will retry");
+                        warned = true;
+                    }
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(BIND_RETRY) => {}
+                    }
+                }
+            }
+        };
+        serve(listener, Arc::new(context), shutdown).await;
+    });
+}
+
+/// Serves the HTTP surfaces on an already bound listener until `shutdown`.
+pub async fn serve(listener: TcpListener, context: Arc<Context>, shutdown: CancellationToken) {
+    if let Ok(local) = listener.local_addr() {
+        tracing::info!(addr = %local, "serving HTTP: /healthz /readyz /status");
+    }
+    loop {
+        let stream = tokio::select! {
+            () = shutdown.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot accept an HTTP connection");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let context = context.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                let context = context.clone();
+                async move { Ok::<_, Infallible>(route(&context, &request).await) }
+            });
+            let _closed = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Bytes>> {
+    if request.method() != Method::GET && request.method() != Method::HEAD {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into());
+    }
+    match request.uri().path() {
+        "/healthz" => match tokio::time::timeout(MONITOR_ANSWER, context.devices.devices()).await {
+            Ok(Some(_)) => text(StatusCode::OK, "ok\n".into()),
+            Ok(None) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the health monitor has stopped\n".into(),
+            ),
+            Err(_) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the health monitor did not answer within {MONITOR_ANSWER:?}\n"),
+            ),
+        },
+        "/readyz" => {
+            let kubelet = context.kubelet.borrow().clone();
+            if kubelet.registered && kubelet.streams_open > 0 {
+                text(StatusCode::OK, "ready\n".into())
+            } else if kubelet.registered {
+                text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "registered, but the kubelet holds no ListAndWatch stream yet\n".into(),
+                )
+            } else {
+                text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "not registered with the kubelet at {}\n",
+                        kubelet.kubelet_socket
+                    ),
+                )
+            }
+        }
+        "/status" => match tokio::time::timeout(MONITOR_ANSWER, context.devices.devices()).await {
+            Ok(Some(devices)) => {
+                let report = Report {
+                    devices,
+                    kubelet: context.kubelet.borrow().clone(),
+                    policy: context.policy.clone(),
+                };
+                match serde_json::to_vec_pretty(&report) {
+                    Ok(body) => Response::builder()
+                        .status(StatusCode::OK)
+                        .header("content-type", "application/json")
+                        .body(Full::new(Bytes::from(body)))
+                        .unwrap_or_default(),
+                    Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
+                }
+            }
+            _ => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the health monitor did not answer\n".into(),
+            ),
+        },
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found: try /healthz, /readyz or /status\n".into(),
+        ),
+    }
+}
+
+fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "text/plain; charset=utf-8")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap_or_default()
+}
+
+/// Why the `status` command got no report.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// Nothing answered at the address.
+    #[error("cannot reach the plugin at {addr}: {cause} (is it running, with --http-addr {addr}?)")]
+    Connect {
+        /// The address.
+        addr: String,
+        /// The OS error.
+        cause: std::io::Error,
+    },
+    /// The HTTP exchange failed.
+    #[error("the plugin at {addr} did not answer over HTTP: {cause}")]
+    Http {
+        /// The address.
+        addr: String,
+        /// What failed.
+        cause: String,
+    },
+    /// An answer that is not a status report.
+    #[error("the plugin at {addr} answered {status}: {body}")]
+    Refused {
+        /// The address.
+        addr: String,
+        /// HTTP status.
+        status: StatusCode,
+        /// What it said.
+        body: String,
+    },
+    /// No answer in time.
+    #[error("the plugin at {0} did not answer within 5 s")]
+    Timeout(String),
+}
+
+/// Fetches the status report from a running plugin's `/status`.
+pub async fn fetch_report(addr: &str) -> Result<Report, ClientError> {
+    let (status, body) = get(addr, "/status").await?;
+    if status != StatusCode::OK {
+        return Err(ClientError::Refused {
+            addr: addr.to_string(),
+            status,
+            body: String::from_utf8_lossy(&body).trim().to_string(),
+        });
+    }
+    serde_json::from_slice(&body).map_err(|e| ClientError::Http {
+        addr: addr.to_string(),
+        cause: format!("not a status report: {e}"),
+    })
+}
+
+/// One GET of `path` from a running plugin: the status code and the body. At most 5 s.
+pub async fn get(addr: &str, path: &str) -> Result<(StatusCode, Bytes), ClientError> {
+    tokio::time::timeout(Duration::from_secs(5), fetch(addr, path))
+        .await
+        .unwrap_or_else(|_| Err(ClientError::Timeout(addr.to_string())))
+}
+
+async fn fetch(addr: &str, path: &str) -> Result<(StatusCode, Bytes), ClientError> {
+    let http = |cause: String| ClientError::Http {
+        addr: addr.to_string(),
+        cause,
+    };
+    let stream = TcpStream::connect(addr)
+        .await
+        .map_err(|cause| ClientError::Connect {
+            addr: addr.to_string(),
+            cause,
+        })?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| http(e.to_string()))?;
+    tokio::spawn(connection);
+    let request = Request::get(path)
+        .header("host", addr)
+        .body(http_body_util::Empty::<Bytes>::new())
+        .map_err(|e| http(e.to_string()))?;
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(|e| http(e.to_string()))?;
+    let status = response.status();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| http(e.to_string()))?
+        .to_bytes();
+    Ok((status, body))
+}

@@ -1,0 +1,255 @@
+//! What the node agent says about itself: each device with its health, conditions and message, the link with
+//! the kubelet, and the policy in force. Served as JSON on `/status` and shown by `gpu-device-plugin status`;
+//! the types are shared by both ends, and the table an operator reads is rendered here, pure.
+
+use serde::{Deserialize, Serialize};
+
+/// The whole report.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    /// Every device, in the order the kubelet gets them.
+    pub devices: Vec<DeviceStatus>,
+    /// Where the plugin stands with the kubelet.
+    pub kubelet: KubeletStatus,
+    /// The health policy in force.
+    pub policy: PolicySummary,
+}
+
+/// One device.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceStatus {
+    /// Device ID as the kubelet knows it (the GPU UUID).
+    pub id: String,
+    /// Position in the device list (NVML's index order for NVML's GPUs).
+    pub index: usize,
+    /// `Healthy` or `Unhealthy`.
+    pub health: String,
+    /// NUMA node, where known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<i64>,
+    /// The health message (KEP-4680 shape), when the device has conditions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Active conditions, in the order first seen.
+    pub conditions: Vec<ConditionStatus>,
+}
+
+/// One active condition of a device.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConditionStatus {
+    /// Name in the DRA health schema (`xid`, `ecc-dbe`, ...).
+    pub kind: String,
+    /// Its value where it has one (the XID, the recovery action).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value: Option<u64>,
+    /// `Unhealthy` or `None`, under the policy in force.
+    pub effect: String,
+    /// `auto` or `never`.
+    pub recover: String,
+    /// Times observed.
+    pub count: u64,
+    /// First observation, RFC 3339.
+    pub first_seen: String,
+    /// Latest observation, RFC 3339.
+    pub last_seen: String,
+}
+
+/// The plugin's link with the kubelet.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KubeletStatus {
+    /// Extended resource name registered.
+    pub resource: String,
+    /// The kubelet's registration socket.
+    pub kubelet_socket: String,
+    /// Our socket's file name, as registered.
+    pub endpoint: String,
+    /// The kubelet behind `kubelet.sock` accepted our registration and has not closed our stream since.
+    pub registered: bool,
+    /// ListAndWatch streams open now (the kubelet holds one while it uses this plugin).
+    pub streams_open: usize,
+    /// Registrations the kubelet accepted since the plugin started.
+    pub registrations: u64,
+    /// Whether the kubelet calls PreStartContainer before each container start (the start check).
+    pub pre_start_check: bool,
+}
+
+/// The health policy in force, in the config file's terms.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicySummary {
+    /// `catalog` or `nvidia`.
+    pub xid_policy: String,
+    /// `DP_DISABLE_HEALTHCHECKS` as given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_disable_healthchecks: Option<String>,
+    /// `DP_ENABLE_HEALTHCHECKS` as given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_enable_healthchecks: Option<String>,
+    /// Quiet period before recovery, e.g. `10m`.
+    pub quiet_period: String,
+    /// Retry interval of a failed recovery probe.
+    pub probe_interval: String,
+    /// How often the driver's recovery action is read.
+    pub recovery_action_interval: String,
+}
+
+impl Report {
+    /// The table an operator reads at a glance: one line per device (index, ID, health, what is wrong in
+    /// short), the kubelet link, then each Unhealthy or noted device's full message.
+    pub fn table(&self) -> String {
+        let rows: Vec<[String; 4]> = self
+            .devices
+            .iter()
+            .map(|d| {
+                let conditions: Vec<String> = d
+                    .conditions
+                    .iter()
+                    .map(|c| match c.value {
+                        Some(v) => format!("{}={v}", c.kind),
+                        None => c.kind.clone(),
+                    })
+                    .collect();
+                [
+                    d.index.to_string(),
+                    d.id.clone(),
+                    d.health.clone(),
+                    if conditions.is_empty() {
+                        "-".into()
+                    } else {
+                        conditions.join(",")
+                    },
+                ]
+            })
+            .collect();
+        let header = ["INDEX", "DEVICE", "HEALTH", "CONDITIONS"];
+        let widths: Vec<usize> = (0..header.len())
+            .map(|i| {
+                rows.iter()
+                    .map(|r| r[i].chars().count())
+                    .chain([header[i].len()])
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let line = |cells: &[&str]| {
+            let mut out = String::new();
+            for (i, cell) in cells.iter().enumerate() {
+                if i + 1 == cells.len() {
+                    out.push_str(cell);
+                } else {
+                    out.push_str(&format!("{cell:<width$}  ", width = widths[i]));
+                }
+            }
+            out.push('\n');
+            out
+        };
+        let mut out = line(&header);
+        for row in &rows {
+            let cells: Vec<&str> = row.iter().map(String::as_str).collect();
+            out.push_str(&line(&cells));
+        }
+        let k = &self.kubelet;
+        let unhealthy = self
+            .devices
+            .iter()
+            .filter(|d| d.health != "Healthy")
+            .count();
+        out.push_str(&format!(
+            "\n{} devices, {} Unhealthy; kubelet: {} ({} as {}, {} stream{} open, {} registration{})\n",
+            self.devices.len(),
+            unhealthy,
+            if k.registered {
+                "registered"
+            } else {
+                "NOT registered"
+            },
+            k.resource,
+            k.endpoint,
+            k.streams_open,
+            if k.streams_open == 1 { "" } else { "s" },
+            k.registrations,
+            if k.registrations == 1 { "" } else { "s" },
+        ));
+        for d in &self.devices {
+            if let Some(message) = &d.message {
+                out.push_str(&format!("\n{} ({}):\n  {message}\n", d.id, d.index));
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report() -> Report {
+        Report {
+            devices: vec![
+                DeviceStatus {
+                    id: "GPU-a".into(),
+                    index: 0,
+                    health: "Healthy".into(),
+                    ..DeviceStatus::default()
+                },
+                DeviceStatus {
+                    id: "GPU-bb".into(),
+                    index: 1,
+                    health: "Unhealthy".into(),
+                    message: Some("Unhealthy: XID 79: the GPU has fallen off the bus".into()),
+                    conditions: vec![ConditionStatus {
+                        kind: "xid".into(),
+                        value: Some(79),
+                        effect: "Unhealthy".into(),
+                        recover: "auto".into(),
+                        count: 1,
+                        ..ConditionStatus::default()
+                    }],
+                    ..DeviceStatus::default()
+                },
+            ],
+            kubelet: KubeletStatus {
+                resource: "nvidia.com/gpu".into(),
+                endpoint: "gpu-device-plugin-1.sock".into(),
+                registered: true,
+                streams_open: 1,
+                registrations: 1,
+                ..KubeletStatus::default()
+            },
+            policy: PolicySummary::default(),
+        }
+    }
+
+    #[test]
+    fn the_table_lines_up_devices_and_ends_with_the_messages() {
+        let table = report().table();
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines[0], "INDEX  DEVICE  HEALTH     CONDITIONS");
+        assert_eq!(lines[1], "0      GPU-a   Healthy    -");
+        assert_eq!(lines[2], "1      GPU-bb  Unhealthy  xid=79");
+        assert!(
+            table.contains(
+                "2 devices, 1 Unhealthy; kubelet: registered (nvidia.com/gpu as \
+                 gpu-device-plugin-1.sock, 1 stream open, 1 registration)"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.ends_with("GPU-bb (1):\n  Unhealthy: XID 79: the GPU has fallen off the bus\n"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn the_report_round_trips_through_json() -> Result<(), serde_json::Error> {
+        let report = report();
+        let text = serde_json::to_string(&report)?;
+        assert!(text.contains("\"streamsOpen\":1"), "{text}");
+        assert_eq!(serde_json::from_str::<Report>(&text)?, report);
+        Ok(())
+    }
+}
