@@ -126,6 +126,11 @@ pub struct Args {
     #[arg(long, env = "GPU_DEVICE_PLUGIN_HTTP_ADDR", value_name = "HOST:PORT")]
     pub http_addr: Option<String>,
 
+    /// /healthz turns red when the NVML event thread has not come round its loop for this long (stuck in the
+    /// driver) [default: 30s]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_STUCK_AFTER", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub stuck_after: Option<std::time::Duration>,
+
     /// Have the kubelet ask before every container start, and refuse a start on an Unhealthy GPU with its
     /// health message (PreStartContainer) [default: true]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_PRE_START_CHECK", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
@@ -177,6 +182,9 @@ pub struct FileConfig {
     pub pre_start_check: Option<bool>,
     /// See `--http-addr`.
     pub http_addr: Option<String>,
+    /// See `--stuck-after`.
+    #[serde(default, with = "humantime_serde")]
+    pub stuck_after: Option<std::time::Duration>,
 }
 
 /// Checked settings the plugin runs with.
@@ -208,6 +216,8 @@ pub struct Settings {
     pub pre_start_check: bool,
     /// Where the HTTP surfaces listen; `None` turns them off.
     pub http_addr: Option<std::net::SocketAddr>,
+    /// How long the NVML event thread may go silent before `/healthz` calls it stuck.
+    pub stuck_after: std::time::Duration,
 }
 
 /// A setting that cannot be used.
@@ -363,6 +373,18 @@ impl Settings {
                 .pre_start_check
                 .or(file.pre_start_check)
                 .unwrap_or(true),
+            stuck_after: match args.stuck_after.or(file.stuck_after) {
+                Some(d) if d < std::time::Duration::from_secs(3) => {
+                    return Err(ConfigError::Invalid {
+                        setting: "--stuck-after",
+                        value: humantime::format_duration(d).to_string(),
+                        why: "must be at least 3s: the NVML event wait itself lasts up to 2s"
+                            .into(),
+                    });
+                }
+                Some(d) => d,
+                None => std::time::Duration::from_secs(30),
+            },
             http_addr: parse_http_addr(
                 args.http_addr
                     .or(file.http_addr)

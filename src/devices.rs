@@ -236,6 +236,83 @@ pub trait DeviceSource: Send + 'static {
         events: mpsc::Sender<DeviceEvent>,
         probes: mpsc::Receiver<Vec<String>>,
     ) -> Result<(), SourceError>;
+
+    /// The heartbeat of the thread that waits for the devices' events, for sources that have one: a thread
+    /// stuck in the driver leaves faults unseen, and `/healthz` must say so.
+    fn heartbeat(&self) -> Option<Heartbeat> {
+        None
+    }
+}
+
+/// When a watching thread last came round its loop. Shared between that thread, which beats it, and whoever
+/// asks whether it is alive.
+#[derive(Debug, Clone)]
+pub struct Heartbeat(Arc<std::sync::atomic::AtomicU64>);
+
+/// Stored when the thread stopped watching on purpose (nothing to watch): no age, nothing stuck.
+const RETIRED: u64 = u64::MAX;
+
+impl Default for Heartbeat {
+    fn default() -> Self {
+        let beat = Heartbeat(Arc::default());
+        beat.beat();
+        beat
+    }
+}
+
+impl Heartbeat {
+    fn now_ms() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX - 1))
+    }
+
+    /// The thread is alive now.
+    pub fn beat(&self) {
+        self.0
+            .store(Self::now_ms(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The thread has ended on purpose; there is nothing left to be stuck.
+    pub fn retire(&self) {
+        self.0.store(RETIRED, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Watches this heartbeat from a task of its own: logs an error once when it has been silent for longer
+    /// than `stuck_after` (the thread is stuck, in the driver most likely, and faults go unseen), and again
+    /// when it beats once more. Looks every `stuck_after / 2`, so an idle plugin is not woken often.
+    pub fn watch(self, stuck_after: std::time::Duration) {
+        tokio::spawn(async move {
+            let mut stuck = false;
+            let mut every = tokio::time::interval(stuck_after / 2);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(age) = self.age() else { return };
+                if age > stuck_after && !stuck {
+                    tracing::error!(
+                        silent_s = age.as_secs(),
+                        "the NVML event thread is stuck (in the driver?): GPU faults are not seen; /healthz \
+                         reports it"
+                    );
+                    stuck = true;
+                } else if age <= stuck_after && stuck {
+                    tracing::info!("the NVML event thread is running again");
+                    stuck = false;
+                }
+            }
+        });
+    }
+
+    /// Time since the last beat; `None` once retired.
+    pub fn age(&self) -> Option<std::time::Duration> {
+        match self.0.load(std::sync::atomic::Ordering::Relaxed) {
+            RETIRED => None,
+            at => Some(std::time::Duration::from_millis(
+                Self::now_ms().saturating_sub(at),
+            )),
+        }
+    }
 }
 
 /// Shared, cheaply cloned view of the current inventory.

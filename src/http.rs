@@ -19,6 +19,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::devices::Heartbeat;
 use crate::health::monitor::StatusQueries;
 use crate::status::{KubeletStatus, PolicySummary, Report};
 
@@ -42,6 +43,10 @@ pub struct Context {
     pub kubelet: watch::Receiver<KubeletStatus>,
     /// The policy in force.
     pub policy: PolicySummary,
+    /// The heartbeat of the thread waiting for the GPUs' events, where there is one.
+    pub event_thread: Option<Heartbeat>,
+    /// How long that thread may go without coming round its loop before it counts as stuck.
+    pub stuck_after: Duration,
 }
 
 /// Serves the HTTP surfaces on `addr` until `shutdown`, in a task of its own. An address in use is tried
@@ -104,7 +109,17 @@ async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Byte
     }
     match request.uri().path() {
         "/healthz" => match tokio::time::timeout(MONITOR_ANSWER, context.devices.devices()).await {
-            Ok(Some(_)) => text(StatusCode::OK, "ok\n".into()),
+            Ok(Some(_)) => match context.event_thread.as_ref().and_then(Heartbeat::age) {
+                Some(age) if age > context.stuck_after => text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "the NVML event thread has been stuck for {} s (in the driver?): GPU faults are not \
+                         seen\n",
+                        age.as_secs()
+                    ),
+                ),
+                _ => text(StatusCode::OK, "ok\n".into()),
+            },
             Ok(None) => text(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the health monitor has stopped\n".into(),

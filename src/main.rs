@@ -105,11 +105,16 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;
+    if let Some(heartbeat) = monitored.heartbeat.clone() {
+        heartbeat.watch(settings.stuck_after);
+    }
     if let Some(addr) = settings.http_addr {
         let context = http::Context {
             devices: monitored.status.clone(),
             kubelet: plugin.status.subscribe(),
             policy: settings.monitor.policy.summary(),
+            event_thread: monitored.heartbeat.clone(),
+            stuck_after: settings.stuck_after,
         };
         http::spawn(addr, context, shutdown.clone());
     }

@@ -20,7 +20,7 @@ use nvml_wrapper::structs::device::FieldId;
 use nvml_wrapper::{Device, EventSet, Nvml};
 use tokio::sync::mpsc;
 
-use crate::devices::{DeviceEvent, DeviceInfo, DeviceSource, SourceError};
+use crate::devices::{DeviceEvent, DeviceInfo, DeviceSource, Heartbeat, SourceError};
 use crate::health::{Observation, ProbeResult};
 
 /// The library name NVIDIA's driver installs.
@@ -94,6 +94,8 @@ pub struct NvmlGpus {
     gpus: Vec<(u32, String)>,
     /// GPUs that could not be read at discovery (no UUID): reported lost as soon as the source starts.
     lost_at_start: Vec<String>,
+    /// Beaten by the event thread each time round its loop (at least every [`WAIT_TIMEOUT_MS`]).
+    heartbeat: Heartbeat,
 }
 
 impl NvmlGpus {
@@ -118,6 +120,7 @@ impl NvmlGpus {
             options,
             gpus: Vec::new(),
             lost_at_start: Vec::new(),
+            heartbeat: Heartbeat::default(),
         })
     }
 }
@@ -164,7 +167,12 @@ impl DeviceSource for NvmlGpus {
         for id in &self.lost_at_start {
             report_at_start(&events, id, Observation::GpuLost);
         }
-        let NvmlGpus { nvml, gpus, .. } = *self;
+        let NvmlGpus {
+            nvml,
+            gpus,
+            heartbeat,
+            ..
+        } = *self;
         let nvml = Arc::new(nvml);
         let gpus = Arc::new(gpus);
         let thread_error =
@@ -178,7 +186,11 @@ impl DeviceSource for NvmlGpus {
         let (registered_tx, registered) = std::sync::mpsc::sync_channel(1);
         std::thread::Builder::new()
             .name("nvml-events".into())
-            .spawn(move || watch_events(&nvml, &gpus, &events, registered_tx))
+            .spawn(move || {
+                heartbeat.beat();
+                watch_events(&nvml, &gpus, &events, registered_tx, &heartbeat);
+                heartbeat.retire();
+            })
             .map_err(thread_error)?;
         // Return, and so let the GPUs be listed, only once their events are being watched. Blocking here is
         // start-up, before anything is served. Nothing reads `events` until this returns, and the event thread
@@ -194,6 +206,10 @@ impl DeviceSource for NvmlGpus {
             );
         }
         Ok(())
+    }
+
+    fn heartbeat(&self) -> Option<Heartbeat> {
+        Some(self.heartbeat.clone())
     }
 }
 
@@ -317,6 +333,7 @@ fn watch_events(
     gpus: &[(u32, String)],
     events: &mpsc::Sender<DeviceEvent>,
     registered: std::sync::mpsc::SyncSender<()>,
+    heartbeat: &Heartbeat,
 ) {
     let outcome = register_all(nvml, gpus, events);
     let _told = registered.try_send(());
@@ -340,6 +357,7 @@ fn watch_events(
     let mut unexpected = 0u32;
     tracing::info!(gpus = watched.len(), "watching NVML health events");
     while !events.is_closed() {
+        heartbeat.beat();
         match set.wait(WAIT_TIMEOUT_MS) {
             Ok(data) => {
                 unexpected = 0;

@@ -372,3 +372,38 @@ impl Unwatched {
         })
     }
 }
+
+#[tokio::test]
+async fn healthz_turns_red_when_the_nvml_event_thread_is_stuck_in_the_driver() -> TestResult {
+    let flags = tempfile::tempdir()?;
+    let hang = flags.path().join("hang");
+    let node = NvmlNode::start_with_env(
+        None,
+        &["--stuck-after", "3s"],
+        &[("FAKE_NVML_HANG_FILE", hang.clone())],
+    )
+    .await?;
+    let addr = node
+        .plugin
+        .http_addr()
+        .await
+        .ok_or_else(|| format!("no HTTP address\n{}", node.plugin.log()))?;
+    let healthz = || async {
+        let (status, body) = gpu_device_plugin::http::get(&addr, "/healthz")
+            .await
+            .expect("the plugin answers HTTP");
+        (status.as_u16(), String::from_utf8_lossy(&body).into_owned())
+    };
+    assert_eq!(healthz().await, (200, "ok\n".to_string()));
+
+    // The driver stops answering: the next event wait never returns.
+    std::fs::write(&hang, "")?;
+    node.plugin
+        .wait_log(WAIT, |l| l.contains("the NVML event thread is stuck"))
+        .await
+        .ok_or_else(|| format!("the stuck thread was never noticed\n{}", node.plugin.log()))?;
+    let (status, body) = healthz().await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("NVML event thread has been stuck"), "{body}");
+    Ok(())
+}

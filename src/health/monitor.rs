@@ -17,7 +17,9 @@ use super::Effect;
 use super::checkpoint::{self, Checkpoint, Durability, Store};
 use super::policy::Recover;
 use super::{HealthEngine, Observation, Outcome, Policy};
-use crate::devices::{DeviceEvent, DeviceSource, Inventory, InventoryWatch, SourceError};
+use crate::devices::{
+    DeviceEvent, DeviceSource, Heartbeat, Inventory, InventoryWatch, SourceError,
+};
 use crate::status::{ConditionStatus, DeviceStatus};
 
 /// How the monitor runs.
@@ -63,6 +65,8 @@ pub struct Monitored {
     pub inventory: InventoryWatch,
     /// Status queries.
     pub status: StatusQueries,
+    /// The heartbeat of the source's event thread, where it has one.
+    pub heartbeat: Option<Heartbeat>,
 }
 
 /// Discovers the source's devices, restores their health from the checkpoint, starts the source and the
@@ -79,6 +83,7 @@ pub fn spawn_monitored(
     mut source: Box<dyn DeviceSource>,
     config: MonitorConfig,
 ) -> Result<Monitored, SourceError> {
+    let heartbeat = source.heartbeat();
     let found = source.discover()?;
     tracing::info!(devices = found.len(), "discovered devices");
     let mut inventory = Inventory::new(found);
@@ -118,6 +123,7 @@ pub fn spawn_monitored(
     Ok(Monitored {
         inventory: rx,
         status: StatusQueries(query_tx),
+        heartbeat,
     })
 }
 

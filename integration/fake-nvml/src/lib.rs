@@ -547,6 +547,19 @@ pub extern "C" fn nvmlDeviceRegisterEvents(
     })
 }
 
+/// `FAKE_NVML_HANG_FILE=<path>`: while that file exists, a call to `nvmlEventSetWait` never returns, as
+/// with a driver stuck in the kernel; for testing that a plugin notices its event thread is stuck.
+fn hang_if_asked() {
+    let Some(path) = std::env::var_os("FAKE_NVML_HANG_FILE") else {
+        return;
+    };
+    if std::path::Path::new(&path).exists() {
+        loop {
+            std::thread::park();
+        }
+    }
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlEventSetWait_v2(
     set: nvmlEventSet_t,
@@ -559,6 +572,7 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
     let Some(set) = SetRef::from_handle(set) else {
         return code::INVALID_ARGUMENT;
     };
+    hang_if_asked();
     match set.wait(Duration::from_millis(u64::from(timeout_ms))) {
         None => code::TIMEOUT,
         Some(Pending::Lost) => code::GPU_IS_LOST,

@@ -318,6 +318,15 @@ impl NvmlNode {
         config: Option<&str>,
         extra: &[&str],
     ) -> Result<Self, Box<dyn std::error::Error>> {
+        Self::start_with_env(config, extra, &[]).await
+    }
+
+    /// As [`NvmlNode::start`], with more environment variables for the plugin (and the fake library in it).
+    pub async fn start_with_env(
+        config: Option<&str>,
+        extra: &[&str],
+        more_envs: &[(&'static str, PathBuf)],
+    ) -> Result<Self, Box<dyn std::error::Error>> {
         let dir = tempfile::tempdir()?;
         let kubelet_dir = dir.path().join("device-plugins");
         std::fs::create_dir(&kubelet_dir)?;
@@ -325,6 +334,7 @@ impl NvmlNode {
         std::fs::write(&events, "")?;
         std::fs::write(dir.path().join("boot_id"), "boot-1\n")?;
         let mut envs = vec![("FAKE_NVML_EVENTS", events.clone())];
+        envs.extend(more_envs.iter().cloned());
         if let Some(config) = config {
             let path = dir.path().join("gpus.json");
             std::fs::write(&path, config)?;
