@@ -302,7 +302,13 @@ pub async fn run(
                     }
                 }
                 Attempt::NoKubelet => Link::Owed(None),
-                Attempt::Failed(_) if changed => registrar.owe_now(),
+                // A new kubelet came up while we talked to the old one (its inotify event may still be on
+                // its way): no reason to wait.
+                Attempt::Failed(_)
+                    if changed || socket::SocketId::of(&kubelet_socket) != target =>
+                {
+                    registrar.owe_now()
+                }
                 Attempt::Failed(retry_in) => Link::Owed(Some(Instant::now() + retry_in)),
             };
             continue;

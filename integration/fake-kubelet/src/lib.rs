@@ -40,6 +40,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
@@ -183,6 +184,9 @@ struct Shared {
     /// While true, `Register` waits after accepting a plugin, before answering (see
     /// [`FakeKubelet::hold_registrations`]).
     hold: watch::Sender<bool>,
+    /// Cancelled when the running kubelet stops: its work in progress (a `Register` being accepted) dies
+    /// with it, as a kubelet's goroutines die with its process.
+    alive: Mutex<CancellationToken>,
     /// Whether an accepted registration gets its ListAndWatch (see [`FakeKubelet::open_streams`]).
     open_streams: std::sync::atomic::AtomicBool,
 }
@@ -209,6 +213,7 @@ impl FakeKubelet {
             lists: watch::Sender::new(ListState::default()),
             clients: Mutex::new(Clients::default()),
             hold: watch::Sender::new(false),
+            alive: Mutex::new(CancellationToken::new()),
             open_streams: std::sync::atomic::AtomicBool::new(true),
         });
         let mut kubelet = FakeKubelet {
@@ -234,8 +239,13 @@ impl FakeKubelet {
             path: path.display().to_string(),
             source,
         })?;
+        let alive = CancellationToken::new();
+        if let Ok(mut current) = self.shared.alive.lock() {
+            *current = alive.clone();
+        }
         let service = RegistrationServer::new(RegistrationService {
             shared: self.shared.clone(),
+            alive,
         });
         // Every connection reaches the gRPC server through the relay that accepts any :authority, as the
         // kubelet does. The relays live in this task: stopping the kubelet closes every connection.
@@ -277,6 +287,9 @@ impl FakeKubelet {
 
     /// Stops the kubelet: closes `kubelet.sock` and every connection to the plugin, as a dying kubelet does.
     pub fn stop(&mut self) {
+        if let Ok(alive) = self.shared.alive.lock() {
+            alive.cancel();
+        }
         self.server = None;
         let clients = self
             .shared
@@ -534,6 +547,8 @@ pub fn delete_sockets(dir: &Path) -> Result<(), FakeKubeletError> {
 
 struct RegistrationService {
     shared: Arc<Shared>,
+    /// This kubelet's life: cancelled when it stops.
+    alive: CancellationToken,
 }
 
 #[tonic::async_trait]
@@ -542,7 +557,15 @@ impl Registration for RegistrationService {
         // grpc-go runs a handler to its end even when the caller gives up on it (its context is cancelled,
         // and the kubelet's Register does not look): a plugin that abandons a Register may still have been
         // accepted. hyper would drop this future on the caller's reset, so the work runs in a task of its own.
-        let work = tokio::spawn(accept(self.shared.clone(), request.into_inner()));
+        // It dies with the kubelet, though.
+        let (shared, alive) = (self.shared.clone(), self.alive.clone());
+        let request = request.into_inner();
+        let work = tokio::spawn(async move {
+            tokio::select! {
+                () = alive.cancelled() => Err(Status::unavailable("the kubelet stopped")),
+                accepted = accept(shared, request, &alive) => accepted,
+            }
+        });
         match work.await {
             Ok(result) => result.map(Response::new),
             Err(e) => Err(Status::internal(format!("registration task failed: {e}"))),
@@ -550,7 +573,11 @@ impl Registration for RegistrationService {
     }
 }
 
-async fn accept(shared: Arc<Shared>, request: RegisterRequest) -> Result<Empty, Status> {
+async fn accept(
+    shared: Arc<Shared>,
+    request: RegisterRequest,
+    alive: &CancellationToken,
+) -> Result<Empty, Status> {
     let received_at = Instant::now();
     if request.version != VERSION {
         return Err(Status::invalid_argument(format!(
@@ -583,6 +610,36 @@ async fn accept(shared: Arc<Shared>, request: RegisterRequest) -> Result<Empty, 
         .await
         .map_err(|_| Status::deadline_exceeded("plugin did not answer GetDevicePluginOptions"))??;
 
+    record(
+        &shared,
+        alive,
+        &request,
+        client,
+        dialed_options,
+        received_at,
+    )?;
+    let mut hold = shared.hold.subscribe();
+    let _released = hold.wait_for(|held| !held).await;
+    Ok(Empty {})
+}
+
+/// Records an accepted registration: the registration, the new client and its stream reader. Under the
+/// clients' lock, and refused if the kubelet stopped meanwhile: `stop` cancels first and takes the clients
+/// after, so a client is either refused here or closed there.
+fn record(
+    shared: &Arc<Shared>,
+    alive: &CancellationToken,
+    request: &RegisterRequest,
+    client: DevicePluginClient<Channel>,
+    dialed_options: DevicePluginOptions,
+    received_at: Instant,
+) -> Result<(), Status> {
+    let Ok(mut clients) = shared.clients.lock() else {
+        return Err(Status::internal("client table poisoned"));
+    };
+    if alive.is_cancelled() {
+        return Err(Status::unavailable("the kubelet stopped"));
+    }
     let mut registration = 0;
     shared.registrations.send_modify(|regs| {
         regs.push(Registered {
@@ -619,14 +676,10 @@ async fn accept(shared: Arc<Shared>, request: RegisterRequest) -> Result<Empty, 
         client,
         _reader: reader,
     };
-    if let Ok(mut clients) = shared.clients.lock() {
-        // Neither device manager closes the client a new registration replaces.
-        clients.live.push(new);
-        clients.current = Some(registration);
-    }
-    let mut hold = shared.hold.subscribe();
-    let _released = hold.wait_for(|held| !held).await;
-    Ok(Empty {})
+    // Neither device manager closes the client a new registration replaces.
+    clients.live.push(new);
+    clients.current = Some(registration);
+    Ok(())
 }
 
 async fn read_list_and_watch(
