@@ -37,7 +37,9 @@ pub enum LogFormat {
 #[command(
     name = "gpu-device-plugin",
     version,
-    about = "Kubernetes device plugin for NVIDIA GPUs"
+    about = "Kubernetes device plugin for NVIDIA GPUs",
+    after_help = "`gpu-device-plugin status` shows a running plugin's devices, their health and messages \
+                  (see `gpu-device-plugin status --help`)."
 )]
 pub struct Args {
     /// Kubelet device plugin directory [default: /var/lib/kubelet/device-plugins]

@@ -245,11 +245,7 @@ pub async fn run(
             Link::Registered {
                 lost: Some(delay), ..
             } => {
-                let delay = *delay;
-                link = registrar.owe_now();
-                if !delay.is_zero() {
-                    link = Link::Owed(Some(Instant::now() + delay));
-                }
+                link = registrar.owe_after_lost(*delay);
                 continue;
             }
             Link::Registered {
@@ -465,10 +461,20 @@ impl Registrar {
         }
     }
 
-    /// A registration owed now, with a fresh backoff: something changed.
+    /// A registration owed now, with a fresh backoff: something changed (a new kubelet, our socket).
     fn owe_now(&mut self) -> Link {
         self.backoff = self.backoff_builder.build();
+        // A kubelet restart explains a lost stream: only losses without one count as a kubelet that keeps
+        // closing the stream.
+        self.short_lived = 0;
         Link::Owed(Some(Instant::now()))
+    }
+
+    /// A registration owed `delay` from now (see [`Registrar::lost_after`]) after the kubelet closed our
+    /// last stream.
+    fn owe_after_lost(&mut self, delay: Duration) -> Link {
+        self.backoff = self.backoff_builder.build();
+        Link::Owed(Some(Instant::now() + delay))
     }
 
     /// The next backoff delay.
@@ -536,6 +542,10 @@ mod tests {
         }
         // A stream held for a while resets the count: the next cut is answered at once again.
         assert_eq!(registrar.lost_after(SHORT_LIVED), Duration::ZERO);
+        // So does a kubelet restart, which explains the lost stream.
+        assert!(registrar.lost_after(soon) > Duration::ZERO);
+        registrar.owe_now();
+        assert_eq!(registrar.lost_after(soon), Duration::ZERO);
     }
 
     #[tokio::test]
