@@ -369,6 +369,7 @@ impl Settings {
                     .boot_id_file
                     .or(file.boot_id_file)
                     .unwrap_or_else(|| checkpoint::DEFAULT_BOOT_ID_PATH.into()),
+                metrics: None,
             },
             allocate,
             pre_start_check: args

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::devices::Heartbeat;
 use crate::health::monitor::StatusQueries;
+use crate::metrics::Metrics;
 use crate::status::{KubeletStatus, PolicySummary, Report};
 
 /// Where the HTTP surfaces listen unless told otherwise: loopback only, so nothing is exposed off the node by
@@ -47,6 +48,8 @@ pub struct Context {
     pub event_thread: Option<Heartbeat>,
     /// How long that thread may go without coming round its loop before it counts as stuck.
     pub stuck_after: Duration,
+    /// The metrics `/metrics` serves.
+    pub metrics: Arc<Metrics>,
 }
 
 /// Serves the HTTP surfaces on `addr` until `shutdown`, in a task of its own. An address in use is tried
@@ -76,7 +79,7 @@ pub fn spawn(addr: SocketAddr, context: Context, shutdown: CancellationToken) {
 /// Serves the HTTP surfaces on an already bound listener until `shutdown`.
 pub async fn serve(listener: TcpListener, context: Arc<Context>, shutdown: CancellationToken) {
     if let Ok(local) = listener.local_addr() {
-        tracing::info!(addr = %local, "serving HTTP: /healthz /readyz /status");
+        tracing::info!(addr = %local, "serving HTTP: /healthz /readyz /status /metrics");
     }
     loop {
         let stream = tokio::select! {
@@ -169,9 +172,30 @@ async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Byte
                 "the health monitor did not answer\n".into(),
             ),
         },
+        "/metrics" => match tokio::time::timeout(MONITOR_ANSWER, context.devices.devices()).await {
+            Ok(Some(devices)) => {
+                let report = Report {
+                    devices,
+                    kubelet: context.kubelet.borrow().clone(),
+                    policy: context.policy.clone(),
+                };
+                Response::builder()
+                    .status(StatusCode::OK)
+                    .header(
+                        "content-type",
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )
+                    .body(Full::new(Bytes::from(context.metrics.render(&report))))
+                    .unwrap_or_default()
+            }
+            _ => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the health monitor did not answer\n".into(),
+            ),
+        },
         _ => text(
             StatusCode::NOT_FOUND,
-            "not found: try /healthz, /readyz or /status\n".into(),
+            "not found: try /healthz, /readyz, /status or /metrics\n".into(),
         ),
     }
 }

@@ -9,7 +9,8 @@
 //! - [`config`]: command line, environment and config file.
 //! - [`status`]: what the agent says about itself (devices, conditions, the kubelet link), as `/status`
 //!   serves it and the `status` command shows it.
-//! - [`http`]: the HTTP surfaces: `/healthz`, `/readyz`, `/status`.
+//! - [`http`]: the HTTP surfaces: `/healthz`, `/readyz`, `/status`, `/metrics`.
+//! - [`metrics`]: the Prometheus metrics, recorded through plain methods.
 
 pub mod allocation;
 pub mod api;
@@ -18,5 +19,6 @@ pub mod devices;
 pub mod health;
 pub mod http;
 pub mod kubelet;
+pub mod metrics;
 pub mod nvml;
 pub mod status;

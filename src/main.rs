@@ -12,7 +12,9 @@ use gpu_device_plugin::devices::simulated::SimulatedGpus;
 use gpu_device_plugin::health::monitor;
 use gpu_device_plugin::http;
 use gpu_device_plugin::kubelet::{self, PluginConfig};
+use gpu_device_plugin::metrics::Metrics;
 use gpu_device_plugin::nvml::{NvmlGpus, UnmonitoredGpus};
+use std::sync::Arc;
 
 fn main() -> ExitCode {
     if std::env::args_os().nth(1).is_some_and(|a| a == "status") {
@@ -100,7 +102,11 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
             }
         },
     };
-    let monitored = monitor::spawn_monitored(source, settings.monitor.clone())
+    let metrics = Arc::new(Metrics::new());
+    plugin.metrics = Some(metrics.clone());
+    let mut monitor_config = settings.monitor.clone();
+    monitor_config.metrics = Some(metrics.clone());
+    let monitored = monitor::spawn_monitored(source, monitor_config)
         .context("cannot start the device source")?;
 
     let shutdown = CancellationToken::new();
@@ -115,6 +121,7 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
             policy: settings.monitor.policy.summary(),
             event_thread: monitored.heartbeat.clone(),
             stuck_after: settings.stuck_after,
+            metrics,
         };
         http::spawn(addr, context, shutdown.clone());
     }

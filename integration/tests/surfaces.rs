@@ -180,3 +180,166 @@ async fn http_can_be_turned_off() -> TestResult {
     assert!(!plugin.log().contains("serving HTTP"), "{}", plugin.log());
     Ok(())
 }
+
+/// The value of the sample `name` (a counter's with or without `_total`) whose labels include `labels`.
+fn sample(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    scrape
+        .samples
+        .iter()
+        .find(|s| {
+            (s.metric == name || s.metric.strip_suffix("_total") == Some(name))
+                && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v))
+        })
+        .and_then(|s| match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => Some(v),
+            _ => None,
+        })
+}
+
+/// Scrapes `/metrics`: checks the text line by line (every sample line is a name, optional labels and a
+/// number; the exposition ends with `# EOF`) and parses it.
+async fn scrape(addr: &str) -> (String, prometheus_parse::Scrape) {
+    let (status, text) = get(addr, "/metrics").await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let (series, value) = line.rsplit_once(' ').unwrap_or_default();
+        assert!(
+            !series.is_empty() && value.parse::<f64>().is_ok(),
+            "not a sample line: {line:?}"
+        );
+    }
+    let parsed = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
+        .expect("Prometheus text");
+    (text, parsed)
+}
+
+#[tokio::test]
+async fn metrics_parse_and_count_faults_transitions_and_kubelet_calls() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let faults = dir.path().join("faults");
+    let faults_arg = faults.to_string_lossy().into_owned();
+    let kubelet = FakeKubelet::start(dir.path()).await?;
+    let plugin = PluginProcess::spawn(
+        dir.path(),
+        &["--simulate", "4", "--simulate-events", &faults_arg],
+    );
+    kubelet
+        .wait_list("4 devices", WAIT, |l| l.allocatable() == 4)
+        .await?;
+    let addr = plugin.http_addr().await.ok_or("no HTTP address")?;
+    let (_, before) = scrape(&addr).await;
+    assert_eq!(sample(&before, "gpu_device_plugin_xid_events", &[]), None);
+    assert_eq!(
+        sample(
+            &before,
+            "gpu_device_plugin_device_healthy",
+            &[("device", &gpu(1))]
+        ),
+        Some(1.0)
+    );
+
+    // A harmless XID, then a fatal one; events are handled in order.
+    support::append(
+        &faults,
+        &[format!("xid {} 13", gpu(0)), format!("xid {} 79", gpu(1))],
+    );
+    kubelet
+        .wait_list("GPU 1 unhealthy", WAIT, |l| {
+            l.health(&gpu(1)) == Some("Unhealthy")
+        })
+        .await?;
+    kubelet.allocate(&[&[&gpu(0)]]).await?;
+    assert!(kubelet.allocate(&[&[&gpu(1)]]).await.is_err());
+    assert!(kubelet.start_container(&[&gpu(1)]).await.is_err());
+
+    let (text, after) = scrape(&addr).await;
+    let value = |name: &str, labels: &[(&str, &str)]| sample(&after, name, labels);
+    assert_eq!(
+        value(
+            "gpu_device_plugin_device_healthy",
+            &[("device", &gpu(1)), ("index", "1")]
+        ),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        value("gpu_device_plugin_device_healthy", &[("device", &gpu(0))]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value("gpu_device_plugin_xid_events", &[("xid", "79")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value("gpu_device_plugin_xid_events", &[("xid", "13")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(
+            "gpu_device_plugin_devices_with_condition",
+            &[("kind", "xid")]
+        ),
+        Some(2.0)
+    );
+    assert_eq!(
+        value(
+            "gpu_device_plugin_health_transitions",
+            &[("to", "Unhealthy")]
+        ),
+        Some(1.0)
+    );
+    let calls = |method: &str, code: &str| {
+        value(
+            "gpu_device_plugin_kubelet_calls",
+            &[("method", method), ("code", code)],
+        )
+    };
+    assert_eq!(calls("Allocate", "Ok"), Some(1.0), "{text}");
+    assert_eq!(calls("Allocate", "FailedPrecondition"), Some(1.0));
+    assert_eq!(calls("PreStartContainer", "FailedPrecondition"), Some(1.0));
+    assert_eq!(
+        value("gpu_device_plugin_kubelet_registrations", &[]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value("gpu_device_plugin_kubelet_registered", &[]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value("gpu_device_plugin_list_and_watch_streams", &[]),
+        Some(1.0)
+    );
+    assert!(
+        text.contains("gpu_device_plugin_event_to_published_seconds_count 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("gpu_device_plugin_build_info{version="),
+        "{text}"
+    );
+
+    // A kubelet restart: one more registration, from a new kubelet.sock.
+    let mut kubelet = kubelet;
+    kubelet.restart_and_wait(WAIT).await?;
+    let regs = kubelet.registrations().len();
+    kubelet
+        .wait_list("the list after the restart", WAIT, |l| {
+            l.registration == regs && l.messages >= 1
+        })
+        .await?;
+    let (text, restarted) = scrape(&addr).await;
+    // At least the one after the restart (a registration racing the restart may add one).
+    assert!(
+        sample(&restarted, "gpu_device_plugin_kubelet_registrations", &[]) >= Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&restarted, "gpu_device_plugin_kubelet_restarts", &[]),
+        Some(1.0),
+        "{text}"
+    );
+    Ok(())
+}

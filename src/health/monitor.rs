@@ -20,6 +20,7 @@ use super::{HealthEngine, Observation, Outcome, Policy};
 use crate::devices::{
     DeviceEvent, DeviceSource, Heartbeat, Inventory, InventoryWatch, SourceError,
 };
+use crate::metrics::Metrics;
 use crate::status::{ConditionStatus, DeviceStatus};
 
 /// How the monitor runs.
@@ -31,6 +32,8 @@ pub struct MonitorConfig {
     pub state_dir: Option<PathBuf>,
     /// Where this boot's id is read.
     pub boot_id_path: PathBuf,
+    /// Where events, transitions and publish latency are counted, if anywhere.
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 impl MonitorConfig {
@@ -40,6 +43,7 @@ impl MonitorConfig {
             policy: Policy::default(),
             state_dir: None,
             boot_id_path: PathBuf::from(checkpoint::DEFAULT_BOOT_ID_PATH),
+            metrics: None,
         }
     }
 }
@@ -117,6 +121,7 @@ pub fn spawn_monitored(
         probes: probe_tx,
         writer: store.map(Writer::new),
         boot_id,
+        metrics: config.metrics.clone(),
     };
     let (query_tx, query_rx) = mpsc::channel(16);
     tokio::spawn(monitor.run(event_rx, query_rx));
@@ -187,6 +192,7 @@ struct Monitor {
     probes: mpsc::Sender<Vec<String>>,
     writer: Option<Writer>,
     boot_id: Option<String>,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl Monitor {
@@ -304,6 +310,9 @@ impl Monitor {
                     tracing::warn!(device = %id, ?observation, "event for a device that is not present; ignored");
                     return None;
                 }
+                if let Some(metrics) = &self.metrics {
+                    metrics.observed(&observation);
+                }
                 let outcome = self.engine.observe(&id, &observation, at);
                 if outcome.probe_now {
                     self.probe(vec![id.clone()]);
@@ -317,6 +326,12 @@ impl Monitor {
                     .would_change(&id, health, message.as_deref())
                 {
                     self.publish(|inv| inv.set_health(&id, health, message));
+                    if let Some(metrics) = &self.metrics {
+                        metrics.published(SystemTime::now().duration_since(at).unwrap_or_default());
+                        if outcome.is_transition() {
+                            metrics.transition(outcome.new.as_api_str());
+                        }
+                    }
                 }
                 if outcome.is_transition() || outcome.conditions_changed {
                     return Some(Recorded {

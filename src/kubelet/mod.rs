@@ -91,6 +91,8 @@ pub struct PluginConfig {
     pub allocate: AllocateOptions,
     /// Ask the kubelet to call PreStartContainer before each container start (the health gate).
     pub pre_start_check: bool,
+    /// Where registrations and calls are counted, if anywhere.
+    pub metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
     /// Where the plugin stands with the kubelet, for `/readyz` and `/status`; kept current by [`run`].
     pub status: tokio::sync::watch::Sender<KubeletStatus>,
     /// Registration retry delays.
@@ -106,6 +108,7 @@ impl PluginConfig {
             socket_name: None,
             allocate: AllocateOptions::default(),
             pre_start_check: true,
+            metrics: None,
             status: tokio::sync::watch::Sender::new(KubeletStatus::default()),
             backoff: default_backoff(),
         }
@@ -176,7 +179,8 @@ pub async fn run(
     tracing::info!(socket = %path.display(), resource = %config.resource_name, "serving device plugin API");
 
     let service = PluginService::new(inventory, config.allocate.clone(), shutdown.clone())
-        .with_pre_start_check(config.pre_start_check);
+        .with_pre_start_check(config.pre_start_check)
+        .with_metrics(config.metrics.clone());
     let mut streams = service.streams();
     let incoming = ReceiverStream::new(conn_rx).map(Ok::<_, std::io::Error>);
     let server_shutdown = shutdown.clone();
@@ -195,6 +199,8 @@ pub async fn run(
     });
     let mut registrar = Registrar::new(&config, socket_name);
     let mut link = Link::Owed(Some(Instant::now()));
+    // The kubelet.sock of the latest accepted registration, to count kubelet restarts.
+    let mut last_kubelet: Option<Option<socket::SocketId>> = None;
     'serve: loop {
         // Our own streams end at shutdown: that is not the kubelet closing them.
         if shutdown.is_cancelled() {
@@ -281,15 +287,23 @@ pub async fn run(
                     }
                 }
             };
+            // What kubelet.sock is now. If there was none when the attempt began, the one that appeared
+            // meanwhile is the one the attempt reached.
+            let now_id = socket::SocketId::of(&kubelet_socket);
             link = match outcome {
-                Attempt::Registered if socket::SocketId::of(&kubelet_socket) != target => {
+                Attempt::Registered if target.is_some() && now_id != target => {
                     tracing::info!(
                         "kubelet.sock was replaced while registering; registering with the new kubelet"
                     );
                     registrar.owe_now()
                 }
                 Attempt::Registered => {
+                    let target = target.or(now_id);
                     config.status.send_modify(|s| s.registrations += 1);
+                    if let Some(metrics) = &config.metrics {
+                        metrics.registered(last_kubelet.is_some_and(|last| last != target));
+                    }
+                    last_kubelet = Some(target);
                     Link::Registered {
                         kubelet: target,
                         since: Instant::now(),
@@ -300,11 +314,7 @@ pub async fn run(
                 Attempt::NoKubelet => Link::Owed(None),
                 // A new kubelet came up while we talked to the old one (its inotify event may still be on
                 // its way): no reason to wait.
-                Attempt::Failed(_)
-                    if changed || socket::SocketId::of(&kubelet_socket) != target =>
-                {
-                    registrar.owe_now()
-                }
+                Attempt::Failed(_) if changed || now_id != target => registrar.owe_now(),
                 Attempt::Failed(retry_in) => Link::Owed(Some(Instant::now() + retry_in)),
             };
             continue;

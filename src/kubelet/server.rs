@@ -19,6 +19,7 @@ use crate::api::{
     TopologyInfo,
 };
 use crate::devices::{Inventory, InventoryWatch};
+use crate::metrics::Metrics;
 
 /// The options this plugin registers with and reports: with `pre_start_check`, the kubelet calls
 /// PreStartContainer before every start of a container holding our devices (see [`allocation::pre_start`]).
@@ -38,6 +39,7 @@ pub struct PluginService {
     streams: watch::Sender<Streams>,
     /// Whether we ask the kubelet for PreStartContainer calls.
     pre_start_check: bool,
+    metrics: Option<Arc<Metrics>>,
 }
 
 /// The ListAndWatch streams this plugin serves: how the kubelet's hold on us is seen. The kubelet opens one
@@ -84,6 +86,19 @@ impl PluginService {
             shutdown,
             streams: watch::Sender::new(Streams::default()),
             pre_start_check: false,
+            metrics: None,
+        }
+    }
+
+    /// Counts Allocate and PreStartContainer calls by result in `metrics`.
+    pub fn with_metrics(mut self, metrics: Option<Arc<Metrics>>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    fn count(&self, method: &str, code: tonic::Code) {
+        if let Some(metrics) = &self.metrics {
+            metrics.call(method, code);
         }
     }
 
@@ -211,6 +226,7 @@ impl DevicePlugin for PluginService {
             .collect();
         match allocation::allocate(&inventory, &containers, &self.options, |p| p.exists()) {
             Ok(container_responses) => {
+                self.count("Allocate", tonic::Code::Ok);
                 tracing::info!(devices = ?containers, "allocated");
                 Ok(Response::new(AllocateResponse {
                     container_responses,
@@ -218,7 +234,9 @@ impl DevicePlugin for PluginService {
             }
             Err(e) => {
                 tracing::warn!(devices = ?containers, error = %e, "refused allocation");
-                Err(e.into())
+                let status = Status::from(e);
+                self.count("Allocate", status.code());
+                Err(status)
             }
         }
     }
@@ -232,10 +250,15 @@ impl DevicePlugin for PluginService {
         let ids = request.into_inner().devices_ids;
         let inventory = self.inventory.borrow().clone();
         match allocation::pre_start(&inventory, &ids) {
-            Ok(()) => Ok(Response::new(PreStartContainerResponse {})),
+            Ok(()) => {
+                self.count("PreStartContainer", tonic::Code::Ok);
+                Ok(Response::new(PreStartContainerResponse {}))
+            }
             Err(e) => {
                 tracing::warn!(devices = ?ids, error = %e, "refused a container start");
-                Err(e.into())
+                let status = Status::from(e);
+                self.count("PreStartContainer", status.code());
+                Err(status)
             }
         }
     }

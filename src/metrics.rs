@@ -1,0 +1,248 @@
+//! Prometheus metrics, served on `/metrics`. The rest of the code records what happens through [`Metrics`]'s
+//! methods and never sees Prometheus types; per-device state (health, conditions) and the kubelet link are
+//! read from the status report when a scrape comes, so they are always what `/status` says.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::Registry;
+
+use crate::health::Observation;
+use crate::status::Report;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeviceLabels {
+    resource: String,
+    device: String,
+    index: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HealthLabels {
+    to: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct XidLabels {
+    xid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabels {
+    method: String,
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: String,
+}
+
+/// Every metric the plugin exports, prefixed `gpu_device_plugin_`.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    device_healthy: Family<DeviceLabels, Gauge>,
+    devices_with_condition: Family<KindLabels, Gauge>,
+    kubelet_registered: Gauge,
+    streams: Gauge,
+    transitions: Family<HealthLabels, Counter>,
+    xid_events: Family<XidLabels, Counter>,
+    events: Family<KindLabels, Counter>,
+    registrations: Counter,
+    kubelet_restarts: Counter,
+    calls: Family<CallLabels, Counter>,
+    published: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// All metrics registered, every counter at zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("gpu_device_plugin");
+        let device_healthy = Family::<DeviceLabels, Gauge>::default();
+        registry.register(
+            "device_healthy",
+            "1 while the device is Healthy (allocatable), 0 while Unhealthy",
+            device_healthy.clone(),
+        );
+        let devices_with_condition = Family::<KindLabels, Gauge>::default();
+        registry.register(
+            "devices_with_condition",
+            "Devices with an active condition of this kind (xid, ecc-dbe, gpu-lost, ...)",
+            devices_with_condition.clone(),
+        );
+        let kubelet_registered = Gauge::default();
+        registry.register(
+            "kubelet_registered",
+            "1 while the kubelet has accepted our registration and not closed our stream since",
+            kubelet_registered.clone(),
+        );
+        let streams = Gauge::default();
+        registry.register(
+            "list_and_watch_streams",
+            "ListAndWatch streams open now",
+            streams.clone(),
+        );
+        let transitions = Family::<HealthLabels, Counter>::default();
+        registry.register(
+            "health_transitions",
+            "Device health changes, by the health changed to",
+            transitions.clone(),
+        );
+        let xid_events = Family::<XidLabels, Counter>::default();
+        registry.register(
+            "xid_events",
+            "XID events received, by XID",
+            xid_events.clone(),
+        );
+        let events = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "health_events",
+            "Health events received, by kind (xid, ecc-sbe, ecc-dbe, gpu-lost)",
+            events.clone(),
+        );
+        let registrations = Counter::default();
+        registry.register(
+            "kubelet_registrations",
+            "Registrations the kubelet accepted",
+            registrations.clone(),
+        );
+        let kubelet_restarts = Counter::default();
+        registry.register(
+            "kubelet_restarts",
+            "New kubelet.sock files seen (kubelet restarts) after the first registration",
+            kubelet_restarts.clone(),
+        );
+        let calls = Family::<CallLabels, Counter>::default();
+        registry.register(
+            "kubelet_calls",
+            "Allocate and PreStartContainer calls, by method and gRPC code",
+            calls.clone(),
+        );
+        // 50 µs to about 1.6 s.
+        let published = Histogram::new(exponential_buckets(0.000_05, 2.0, 16));
+        registry.register(
+            "event_to_published_seconds",
+            "Time from a health event to the device list that reflects it being published to the streams",
+            published.clone(),
+        );
+        let build = Info::new(BuildLabels {
+            version: env!("CARGO_PKG_VERSION").into(),
+        });
+        registry.register("build", "The plugin's version", build);
+        Metrics {
+            registry,
+            device_healthy,
+            devices_with_condition,
+            kubelet_registered,
+            streams,
+            transitions,
+            xid_events,
+            events,
+            registrations,
+            kubelet_restarts,
+            calls,
+            published,
+        }
+    }
+
+    /// A health event came in.
+    pub fn observed(&self, observation: &Observation) {
+        let kind = match observation {
+            Observation::Xid(xid) => {
+                self.xid_events
+                    .get_or_create(&XidLabels {
+                        xid: xid.to_string(),
+                    })
+                    .inc();
+                "xid"
+            }
+            Observation::DoubleBitEcc => "ecc-dbe",
+            Observation::SingleBitEcc => "ecc-sbe",
+            Observation::GpuLost => "gpu-lost",
+            _ => return,
+        };
+        self.events
+            .get_or_create(&KindLabels { kind: kind.into() })
+            .inc();
+    }
+
+    /// A device's health changed to `to` (`Healthy` or `Unhealthy`).
+    pub fn transition(&self, to: &str) {
+        self.transitions
+            .get_or_create(&HealthLabels { to: to.into() })
+            .inc();
+    }
+
+    /// A change was published to the streams `took` after its event.
+    pub fn published(&self, took: Duration) {
+        self.published.observe(took.as_secs_f64());
+    }
+
+    /// The kubelet accepted a registration; `new_kubelet` when it came from a kubelet.sock other than the
+    /// previous registration's.
+    pub fn registered(&self, new_kubelet: bool) {
+        self.registrations.inc();
+        if new_kubelet {
+            self.kubelet_restarts.inc();
+        }
+    }
+
+    /// An Allocate or PreStartContainer call ended with `code`.
+    pub fn call(&self, method: &str, code: tonic::Code) {
+        self.calls
+            .get_or_create(&CallLabels {
+                method: method.into(),
+                code: format!("{code:?}"),
+            })
+            .inc();
+    }
+
+    /// The metrics in the OpenMetrics text format, with per-device state from `report`.
+    pub fn render(&self, report: &Report) -> String {
+        self.device_healthy.clear();
+        self.devices_with_condition.clear();
+        for d in &report.devices {
+            let labels = DeviceLabels {
+                resource: report.kubelet.resource.clone(),
+                device: d.id.clone(),
+                index: d.index.to_string(),
+            };
+            self.device_healthy
+                .get_or_create(&labels)
+                .set(i64::from(d.health == "Healthy"));
+            let kinds: std::collections::BTreeSet<&str> =
+                d.conditions.iter().map(|c| c.kind.as_str()).collect();
+            for kind in kinds {
+                self.devices_with_condition
+                    .get_or_create(&KindLabels { kind: kind.into() })
+                    .inc();
+            }
+        }
+        self.kubelet_registered
+            .set(i64::from(report.kubelet.registered));
+        self.streams
+            .set(i64::try_from(report.kubelet.streams_open).unwrap_or(i64::MAX));
+        let mut out = String::new();
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::warn!(error = %e, "cannot encode the metrics");
+        }
+        out
+    }
+}
