@@ -194,31 +194,39 @@ pub enum PreStartError {
 /// included, so a container whose GPU recovered starts at the kubelet's next try.
 pub fn pre_start(inventory: &Inventory, ids: &[String]) -> Result<(), PreStartError> {
     let mut seen = HashSet::new();
-    let mut problems = Vec::new();
+    let mut text = String::new();
     for id in ids {
+        // Past the bound nothing more would be shown: a request naming huge numbers of devices costs no more.
+        if text.len() > MAX_PRE_START_DESCRIPTION {
+            break;
+        }
         if !seen.insert(id.as_str()) {
             continue;
         }
-        match inventory.get(id) {
-            None => problems.push(format!(
+        let problem = match inventory.get(id) {
+            None => format!(
                 "device {id} is not served by this plugin any more (gone from the node since it was \
                  allocated?)."
-            )),
-            Some(device) if device.health != Health::Healthy => problems.push(format!(
+            ),
+            Some(device) if device.health != Health::Healthy => format!(
                 "device {id}: {}",
                 device
                     .reason
                     .as_deref()
                     .unwrap_or("Unhealthy (no reason recorded)")
-            )),
-            Some(_) => {}
+            ),
+            Some(_) => continue,
+        };
+        if !text.is_empty() {
+            text.push(' ');
         }
+        text.push_str(&problem);
     }
-    if problems.is_empty() {
+    if text.is_empty() {
         return Ok(());
     }
     Err(PreStartError::Refused(cut_bytes(
-        &problems.join(" "),
+        &text,
         MAX_PRE_START_DESCRIPTION,
     )))
 }
@@ -515,6 +523,19 @@ mod tests {
         );
         assert_eq!(text.matches("device g1").count(), 1, "{text}");
         assert!(!text.contains("g0"), "{text}");
+    }
+
+    #[test]
+    fn a_pre_start_naming_a_million_unknown_devices_is_refused_with_a_bounded_text() {
+        let ids: Vec<String> = (0..1_000_000).map(|i| format!("GPU-gone-{i}")).collect();
+        let Err(PreStartError::Refused(text)) = pre_start(&node(), &ids) else {
+            panic!("refused");
+        };
+        assert!(text.len() <= MAX_PRE_START_DESCRIPTION);
+        assert!(
+            text.starts_with("device GPU-gone-0 is not served"),
+            "{text}"
+        );
     }
 
     #[test]
