@@ -54,6 +54,9 @@ fn main() -> ExitCode {
     }
 }
 
+/// How long shutdown waits for the last checkpoint write (well within the 2 s a DaemonSet update allows).
+const FLUSH_AT_EXIT: std::time::Duration = std::time::Duration::from_millis(500);
+
 fn fail(message: &str) -> ExitCode {
     eprintln!("gpu-device-plugin: error: {message}");
     ExitCode::FAILURE
@@ -125,7 +128,18 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
         };
         http::spawn(addr, context, shutdown.clone());
     }
+    let status = monitored.status.clone();
     kubelet::run(plugin, monitored.inventory, shutdown).await?;
+    // The checkpoint holds what the kubelet was last told before the process goes: a write still queued when
+    // the runtime stops would never run.
+    if tokio::time::timeout(FLUSH_AT_EXIT, status.flush())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "the health checkpoint was not written within {FLUSH_AT_EXIT:?} of shutdown"
+        );
+    }
     tracing::info!("stopped");
     Ok(())
 }

@@ -51,14 +51,35 @@ impl MonitorConfig {
 /// Asks the monitor for every device's status (conditions and all), for `/status`. The monitor answers
 /// between events, so an answer also says that the monitor is alive.
 #[derive(Debug, Clone)]
-pub struct StatusQueries(mpsc::Sender<oneshot::Sender<Vec<DeviceStatus>>>);
+pub struct StatusQueries(mpsc::Sender<Query>);
+
+/// What can be asked of the monitor.
+#[derive(Debug)]
+enum Query {
+    /// Every device's status.
+    Devices(oneshot::Sender<Vec<DeviceStatus>>),
+    /// Save the checkpoint now; the answer follows the writer until it is idle.
+    Flush(oneshot::Sender<Option<watch::Receiver<bool>>>),
+}
 
 impl StatusQueries {
     /// Every device's status, or `None` if the monitor is gone.
     pub async fn devices(&self) -> Option<Vec<DeviceStatus>> {
         let (reply, answer) = oneshot::channel();
-        self.0.send(reply).await.ok()?;
+        self.0.send(Query::Devices(reply)).await.ok()?;
         answer.await.ok()
+    }
+
+    /// Saves the current state to the checkpoint and waits until it is written. For shutdown: a write still
+    /// queued when the runtime stops would never run, and a restart would forget what the kubelet was told.
+    pub async fn flush(&self) {
+        let (reply, answer) = oneshot::channel();
+        if self.0.send(Query::Flush(reply)).await.is_err() {
+            return;
+        }
+        if let Ok(Some(mut busy)) = answer.await {
+            let _written = busy.wait_for(|busy| !busy).await;
+        }
     }
 }
 
@@ -199,7 +220,7 @@ impl Monitor {
     async fn run(
         mut self,
         mut events: mpsc::Receiver<DeviceEvent>,
-        mut queries: mpsc::Receiver<oneshot::Sender<Vec<DeviceStatus>>>,
+        mut queries: mpsc::Receiver<Query>,
     ) {
         self.save();
         // First tick one period from now. (An interval's immediate first tick, awaited, still waits for the
@@ -230,9 +251,16 @@ impl Monitor {
                     None => break,
                 },
                 () = sleep(wait) => {}
-                Some(reply) = queries.recv() => {
-                    let _asker_gone = reply.send(self.statuses());
-                }
+                Some(query) = queries.recv() => match query {
+                    Query::Devices(reply) => {
+                        let _asker_gone = reply.send(self.statuses());
+                    }
+                    Query::Flush(reply) => {
+                        self.save();
+                        let busy = self.writer.as_ref().map(|w| w.busy.subscribe());
+                        let _asker_gone = reply.send(busy);
+                    }
+                },
                 _ = poll.tick() => {
                     let ids = self.inventory.borrow().devices().iter()
                         .filter(|d| self.engine.device(&d.info.id).and_then(|s| s.reports_recovery_action()) == Some(true))
@@ -385,11 +413,14 @@ impl Monitor {
 
 /// Writes checkpoints off the runtime thread, newest first: while a write is in progress, later states
 /// replace each other in one pending slot, and the writer takes the newest when it is done. At most one
-/// blocking task writes at a time; the runtime waits for it when the process exits, so the last state a
-/// kubelet has seen is on disk before the plugin is gone.
+/// blocking task writes at a time. The runtime does not run a blocking task still queued when it stops, so
+/// at shutdown the plugin asks for a last save and waits for the writer ([`StatusQueries::flush`]): the last
+/// state a kubelet has seen is on disk before the plugin is gone.
 struct Writer {
     store: Store,
     state: Arc<std::sync::Mutex<WriterState>>,
+    /// True from a save until every pending state is written.
+    busy: Arc<watch::Sender<bool>>,
 }
 
 #[derive(Default)]
@@ -403,6 +434,7 @@ impl Writer {
         Writer {
             store,
             state: Arc::default(),
+            busy: Arc::new(watch::Sender::new(false)),
         }
     }
 
@@ -413,8 +445,9 @@ impl Writer {
             return;
         }
         state.running = true;
+        self.busy.send_replace(true);
         drop(state);
-        let (store, shared) = (self.store.clone(), self.state.clone());
+        let (store, shared, busy) = (self.store.clone(), self.state.clone(), self.busy.clone());
         tokio::task::spawn_blocking(move || {
             loop {
                 let next = {
@@ -422,6 +455,7 @@ impl Writer {
                     let next = state.pending.take();
                     if next.is_none() {
                         state.running = false;
+                        busy.send_replace(false);
                     }
                     next
                 };
