@@ -164,44 +164,23 @@ async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Byte
                 )
             }
         }
-        "/status" => match tokio::time::timeout(MONITOR_ANSWER, context.devices.devices()).await {
-            Ok(Some(devices)) => {
-                let report = Report {
-                    devices,
-                    kubelet: context.kubelet.borrow().clone(),
-                    policy: context.policy.clone(),
-                };
-                match serde_json::to_vec_pretty(&report) {
-                    Ok(body) => Response::builder()
-                        .status(StatusCode::OK)
-                        .header("content-type", "application/json")
-                        .body(Full::new(Bytes::from(body)))
-                        .unwrap_or_default(),
-                    Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
-                }
-            }
-            _ => text(
+        "/status" => match report(context).await {
+            Some(report) => match serde_json::to_vec_pretty(&report) {
+                Ok(body) => respond(StatusCode::OK, "application/json", body),
+                Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
+            },
+            None => text(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the health monitor did not answer\n".into(),
             ),
         },
-        "/metrics" => match tokio::time::timeout(MONITOR_ANSWER, context.devices.devices()).await {
-            Ok(Some(devices)) => {
-                let report = Report {
-                    devices,
-                    kubelet: context.kubelet.borrow().clone(),
-                    policy: context.policy.clone(),
-                };
-                Response::builder()
-                    .status(StatusCode::OK)
-                    .header(
-                        "content-type",
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    )
-                    .body(Full::new(Bytes::from(context.metrics.render(&report))))
-                    .unwrap_or_default()
-            }
-            _ => text(
+        "/metrics" => match report(context).await {
+            Some(report) => respond(
+                StatusCode::OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                context.metrics.render(&report),
+            ),
+            None => text(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the health monitor did not answer\n".into(),
             ),
@@ -213,12 +192,32 @@ async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Byte
     }
 }
 
-fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+/// The status report now, or `None` if the monitor does not answer within [`MONITOR_ANSWER`].
+async fn report(context: &Context) -> Option<Report> {
+    let devices = tokio::time::timeout(MONITOR_ANSWER, context.devices.devices())
+        .await
+        .ok()??;
+    Some(Report {
+        devices,
+        kubelet: context.kubelet.borrow().clone(),
+        policy: context.policy.clone(),
+    })
+}
+
+fn respond(
+    status: StatusCode,
+    content_type: &str,
+    body: impl Into<Bytes>,
+) -> Response<Full<Bytes>> {
     Response::builder()
         .status(status)
-        .header("content-type", "text/plain; charset=utf-8")
-        .body(Full::new(Bytes::from(body)))
+        .header("content-type", content_type)
+        .body(Full::new(body.into()))
         .unwrap_or_default()
+}
+
+fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    respond(status, "text/plain; charset=utf-8", body)
 }
 
 /// Why the `status` command got no report.

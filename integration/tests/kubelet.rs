@@ -620,18 +620,8 @@ async fn a_kubelet_that_opens_no_stream_after_register_gets_a_new_registration()
 #[tokio::test]
 async fn a_container_start_on_an_unhealthy_gpu_is_refused_with_its_message_until_it_recovers()
 -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let faults = dir.path().join("faults");
-    let faults_arg = faults.to_string_lossy().into_owned();
-    let kubelet = FakeKubelet::start(dir.path()).await?;
-    let plugin = PluginProcess::spawn(
-        dir.path(),
-        &["--simulate", "4", "--simulate-events", &faults_arg],
-    );
-    kubelet
-        .wait_list("4 devices", WAIT, |l| l.allocatable() == 4)
-        .await
-        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    let node = support::ScriptedNode::start(4, &[]).await?;
+    let kubelet = &node.kubelet;
     let (g0, g1, g2) = (gpu(0), gpu(1), gpu(2));
     assert!(
         kubelet.start_container(&[&g0, &g1, &g2]).await?,
@@ -639,7 +629,7 @@ async fn a_container_start_on_an_unhealthy_gpu_is_refused_with_its_message_until
     );
 
     // GPU 1: the driver asks for a reset; GPU 2 falls off the bus.
-    support::append(&faults, &[format!("action {g1} 1"), format!("xid {g2} 79")]);
+    node.inject(&[format!("action {g1} 1"), format!("xid {g2} 79")]);
     kubelet
         .wait_list("GPUs 1 and 2 unhealthy", WAIT, |l| l.allocatable() == 2)
         .await?;
@@ -674,7 +664,7 @@ async fn a_container_start_on_an_unhealthy_gpu_is_refused_with_its_message_until
     );
 
     // The driver's recovery action returns to None: GPU 1 recovers, and the container on it starts again.
-    support::append(&faults, &[format!("action {g1} 0")]);
+    node.inject(&[format!("action {g1} 0")]);
     kubelet
         .wait_list("GPU 1 healthy again", WAIT, |l| {
             l.health(&g1) == Some("Healthy")
@@ -686,23 +676,10 @@ async fn a_container_start_on_an_unhealthy_gpu_is_refused_with_its_message_until
 
 #[tokio::test]
 async fn with_the_start_check_off_the_kubelet_never_asks() -> TestResult {
-    let node_dir = tempfile::tempdir()?;
-    let kubelet = FakeKubelet::start(node_dir.path()).await?;
-    let faults = node_dir.path().join("faults");
-    let faults_arg = faults.to_string_lossy().into_owned();
-    let _plugin = PluginProcess::spawn(
-        node_dir.path(),
-        &[
-            "--simulate",
-            "2",
-            "--simulate-events",
-            &faults_arg,
-            "--pre-start-check=false",
-        ],
-    );
-    let regs = kubelet.wait_registrations(1, WAIT).await?;
-    assert!(!regs[0].dialed_options.pre_start_required);
-    support::append(&faults, &[format!("xid {} 79", gpu(1))]);
+    let node = support::ScriptedNode::start(2, &["--pre-start-check=false"]).await?;
+    let kubelet = &node.kubelet;
+    assert!(!kubelet.registrations()[0].dialed_options.pre_start_required);
+    node.inject(&[format!("xid {} 79", gpu(1))]);
     kubelet
         .wait_list("GPU 1 unhealthy", WAIT, |l| l.allocatable() == 1)
         .await?;

@@ -218,17 +218,12 @@ async fn scrape(addr: &str) -> (String, prometheus_parse::Scrape) {
 
 #[tokio::test]
 async fn metrics_parse_and_count_faults_transitions_and_kubelet_calls() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let faults = dir.path().join("faults");
-    let faults_arg = faults.to_string_lossy().into_owned();
-    let kubelet = FakeKubelet::start(dir.path()).await?;
-    let plugin = PluginProcess::spawn(
-        dir.path(),
-        &["--simulate", "4", "--simulate-events", &faults_arg],
-    );
-    kubelet
-        .wait_list("4 devices", WAIT, |l| l.allocatable() == 4)
-        .await?;
+    let support::ScriptedNode {
+        kubelet,
+        plugin,
+        faults,
+        dir: _dir,
+    } = support::ScriptedNode::start(4, &[]).await?;
     let addr = plugin.http_addr().await.ok_or("no HTTP address")?;
     let (_, before) = scrape(&addr).await;
     assert_eq!(sample(&before, "gpu_device_plugin_xid_events", &[]), None);

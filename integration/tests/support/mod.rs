@@ -202,6 +202,45 @@ pub async fn wait_for_content(
     .await
 }
 
+/// A fake kubelet and the binary on simulated GPUs that follow a fault script, registered and listing every
+/// GPU Healthy.
+pub struct ScriptedNode {
+    pub kubelet: fake_kubelet::FakeKubelet,
+    pub plugin: PluginProcess,
+    pub faults: PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+impl ScriptedNode {
+    /// Starts the plugin on `gpus` simulated GPUs with `extra` arguments.
+    pub async fn start(gpus: usize, extra: &[&str]) -> Result<Self, Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let faults = dir.path().join("faults");
+        let kubelet = fake_kubelet::FakeKubelet::start(dir.path()).await?;
+        let (count, faults_arg) = (gpus.to_string(), faults.to_string_lossy().into_owned());
+        let mut args = vec!["--simulate", &count, "--simulate-events", &faults_arg];
+        args.extend_from_slice(extra);
+        let plugin = PluginProcess::spawn(dir.path(), &args);
+        kubelet
+            .wait_list("every GPU listed Healthy", WAIT, |l| {
+                l.allocatable() == gpus
+            })
+            .await
+            .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+        Ok(ScriptedNode {
+            kubelet,
+            plugin,
+            faults,
+            dir,
+        })
+    }
+
+    /// Appends fault commands to the script.
+    pub fn inject(&self, lines: &[String]) {
+        append(&self.faults, lines);
+    }
+}
+
 /// A fake kubelet and the in-process plugin on one temporary directory, registered and listing.
 pub struct Node {
     pub kubelet: fake_kubelet::FakeKubelet,
