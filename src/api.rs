@@ -8,3 +8,14 @@ pub const VERSION: &str = "v1beta1";
 
 /// File name of the kubelet's registration socket inside the device plugin directory.
 pub const KUBELET_SOCKET: &str = "kubelet.sock";
+
+/// The kubelet pod-resources API v1 (which pods and containers hold which devices), generated from
+/// `proto/podresources.proto`.
+pub mod pod_resources {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+
+    tonic::include_proto!("v1");
+
+    /// Where the kubelet serves it.
+    pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
+}

@@ -6,14 +6,17 @@
 //! - [`health`]: the health engine (pure: observations and time in, conditions, health and messages out),
 //!   its policy, checkpoint, and the monitor task around it.
 //! - [`allocation`]: pure Allocate / GetPreferredAllocation decisions.
+//! - [`cluster`]: the Kubernetes API side: Events and the node condition.
 //! - [`config`]: command line, environment and config file.
 //! - [`status`]: what the agent says about itself (devices, conditions, the kubelet link), as `/status`
 //!   serves it and the `status` command shows it.
 //! - [`http`]: the HTTP surfaces: `/healthz`, `/readyz`, `/status`, `/metrics`.
 //! - [`metrics`]: the Prometheus metrics, recorded through plain methods.
+//! - [`pods`]: which pods hold which devices, from the kubelet's pod-resources API.
 
 pub mod allocation;
 pub mod api;
+pub mod cluster;
 pub mod config;
 pub mod devices;
 pub mod health;
@@ -21,4 +24,5 @@ pub mod http;
 pub mod kubelet;
 pub mod metrics;
 pub mod nvml;
+pub mod pods;
 pub mod status;

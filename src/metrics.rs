@@ -44,6 +44,12 @@ struct CallLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ApiLabels {
+    request: String,
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: String,
 }
@@ -63,6 +69,8 @@ pub struct Metrics {
     kubelet_restarts: Counter,
     calls: Family<CallLabels, Counter>,
     published: Histogram,
+    api_requests: Family<ApiLabels, Counter>,
+    events_dropped: Counter,
 }
 
 impl Default for Metrics {
@@ -142,6 +150,18 @@ impl Metrics {
             "Time from a health event to the device list that reflects it being published to the streams",
             published.clone(),
         );
+        let api_requests = Family::<ApiLabels, Counter>::default();
+        registry.register(
+            "kubernetes_api_writes",
+            "Kubernetes Events recorded and node condition writes, by request and result (ok, or error after retries for Events, each failed try for the condition)",
+            api_requests.clone(),
+        );
+        let events_dropped = Counter::default();
+        registry.register(
+            "kubernetes_events_dropped",
+            "Kubernetes Events not sent because they were over the Event budget",
+            events_dropped.clone(),
+        );
         let build = Info::new(BuildLabels {
             version: env!("CARGO_PKG_VERSION").into(),
         });
@@ -159,6 +179,8 @@ impl Metrics {
             kubelet_restarts,
             calls,
             published,
+            api_requests,
+            events_dropped,
         }
     }
 
@@ -212,6 +234,21 @@ impl Metrics {
                 code: format!("{code:?}"),
             })
             .inc();
+    }
+
+    /// A write to the Kubernetes API (`event` or `node_condition`) ended.
+    pub fn api_call(&self, request: &str, ok: bool) {
+        self.api_requests
+            .get_or_create(&ApiLabels {
+                request: request.into(),
+                result: if ok { "ok" } else { "error" }.into(),
+            })
+            .inc();
+    }
+
+    /// A Kubernetes Event was dropped, over the budget.
+    pub fn event_dropped(&self) {
+        self.events_dropped.inc();
     }
 
     /// The metrics in the OpenMetrics text format, with per-device state from `report`.

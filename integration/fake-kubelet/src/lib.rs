@@ -19,6 +19,7 @@
 //! nothing here sleeps.
 
 mod authority;
+mod pod_resources;
 
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
@@ -189,12 +190,19 @@ struct Shared {
     alive: Mutex<CancellationToken>,
     /// Whether an accepted registration gets its ListAndWatch (see [`FakeKubelet::open_streams`]).
     open_streams: std::sync::atomic::AtomicBool,
+    /// Which pods' containers hold which devices, for the pod-resources API.
+    pods: Arc<Mutex<pod_resources::PodTable>>,
+    /// Pod-resources calls answered.
+    pod_calls: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// A running fake kubelet on one directory.
 pub struct FakeKubelet {
     shared: Arc<Shared>,
     server: Option<AbortOnDropHandle<()>>,
+    /// Where the pod-resources API is served, if it is ([`FakeKubelet::serve_pod_resources`]).
+    pod_resources: Option<PathBuf>,
+    pod_server: Option<AbortOnDropHandle<()>>,
 }
 
 impl FakeKubelet {
@@ -215,10 +223,14 @@ impl FakeKubelet {
             hold: watch::Sender::new(false),
             alive: Mutex::new(CancellationToken::new()),
             open_streams: std::sync::atomic::AtomicBool::new(true),
+            pods: Arc::default(),
+            pod_calls: Arc::default(),
         });
         let mut kubelet = FakeKubelet {
             shared,
             server: None,
+            pod_resources: None,
+            pod_server: None,
         };
         kubelet.serve()?;
         Ok(kubelet)
@@ -272,7 +284,80 @@ impl FakeKubelet {
             }
         });
         self.server = Some(AbortOnDropHandle::new(task));
+        if let Some(path) = self.pod_resources.clone() {
+            self.serve_pod_resources(&path)?;
+        }
         Ok(())
+    }
+
+    /// Serves the pod-resources API v1 on the socket at `path` (the kubelet's is
+    /// `/var/lib/kubelet/pod-resources/kubelet.sock`), from now on and after every restart, until the kubelet
+    /// stops. It lists the containers given devices by [`FakeKubelet::allocate_to`].
+    pub fn serve_pod_resources(&mut self, path: &Path) -> Result<(), FakeKubeletError> {
+        let _stale = std::fs::remove_file(path);
+        let listener = UnixListener::bind(path).map_err(|source| FakeKubeletError::Bind {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let service = gpu_device_plugin::api::pod_resources::pod_resources_lister_server::PodResourcesListerServer::new(
+            pod_resources::Service::new(self.shared.pods.clone(), self.shared.pod_calls.clone()),
+        );
+        let task = tokio::spawn(async move {
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let _ended = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(incoming)
+                .await;
+        });
+        self.pod_resources = Some(path.to_owned());
+        self.pod_server = Some(AbortOnDropHandle::new(task));
+        Ok(())
+    }
+
+    /// Pod-resources calls answered so far (rate-limited calls not counted).
+    pub fn pod_resources_calls(&self) -> u64 {
+        self.shared
+            .pod_calls
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Starts container `container` of pod `namespace/pod` with `devices` as the kubelet does: Allocate on
+    /// the registered plugin, and on success the pod-resources API lists the container with the devices
+    /// under the registered resource name.
+    pub async fn allocate_to(
+        &self,
+        namespace: &str,
+        pod: &str,
+        container: &str,
+        devices: &[&str],
+    ) -> Result<AllocateResponse, Status> {
+        let response = self.allocate(&[devices]).await?;
+        let resource = self
+            .shared
+            .registrations
+            .borrow()
+            .last()
+            .map(|r| r.resource_name.clone())
+            .unwrap_or_default();
+        if let Ok(mut pods) = self.shared.pods.lock() {
+            pods.assign(
+                namespace,
+                pod,
+                container,
+                &resource,
+                devices.iter().map(|s| s.to_string()).collect(),
+            );
+        }
+        Ok(response)
+    }
+
+    /// Removes a pod (it ended): the pod-resources API no longer lists it. Returns whether it was there.
+    pub fn remove_pod(&self, namespace: &str, pod: &str) -> bool {
+        self.shared
+            .pods
+            .lock()
+            .map(|mut pods| pods.remove(namespace, pod))
+            .unwrap_or(false)
     }
 
     /// The device plugin directory.
@@ -291,6 +376,10 @@ impl FakeKubelet {
             alive.cancel();
         }
         self.server = None;
+        self.pod_server = None;
+        if let Some(path) = &self.pod_resources {
+            let _gone = std::fs::remove_file(path);
+        }
         let clients = self
             .shared
             .clients
