@@ -137,6 +137,24 @@ pub struct Args {
     /// health message (PreStartContainer) [default: true]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_PRE_START_CHECK", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub pre_start_check: Option<bool>,
+
+    /// The kubelet's pod-resources socket, to tell which pods hold a device; empty turns the lookup off
+    /// [default: /var/lib/kubelet/pod-resources/kubelet.sock]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_POD_RESOURCES_SOCKET", value_name = "PATH")]
+    pub pod_resources_socket: Option<PathBuf>,
+
+    /// Report to the Kubernetes API (Events, the GPUUnhealthy node condition) when it can be reached
+    /// [default: true]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_KUBE_API", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    pub kube_api: Option<bool>,
+
+    /// A kubeconfig for the API server [default: the pod's service account]
+    #[arg(long, env = "KUBECONFIG", value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// The node's name, for its Events and condition (from the downward API: spec.nodeName)
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    pub node_name: Option<String>,
 }
 
 /// The config file: the same settings as the flags, camelCase. Unknown keys are an error, so a typo is
@@ -184,6 +202,12 @@ pub struct FileConfig {
     pub pre_start_check: Option<bool>,
     /// See `--http-addr`.
     pub http_addr: Option<String>,
+    /// See `--pod-resources-socket`.
+    pub pod_resources_socket: Option<PathBuf>,
+    /// See `--kube-api`.
+    pub kube_api: Option<bool>,
+    /// See `--kubeconfig`.
+    pub kubeconfig: Option<PathBuf>,
     /// See `--stuck-after`.
     #[serde(default, with = "humantime_serde")]
     pub stuck_after: Option<std::time::Duration>,
@@ -220,6 +244,10 @@ pub struct Settings {
     pub http_addr: Option<std::net::SocketAddr>,
     /// How long the NVML event thread may go silent before `/healthz` calls it stuck.
     pub stuck_after: std::time::Duration,
+    /// The kubelet's pod-resources socket; `None` turns the lookup off.
+    pub pod_resources_socket: Option<PathBuf>,
+    /// The Kubernetes API side.
+    pub cluster: crate::cluster::ClusterConfig,
 }
 
 /// A setting that cannot be used.
@@ -387,6 +415,23 @@ impl Settings {
                 }
                 Some(d) => d,
                 None => std::time::Duration::from_secs(30),
+            },
+            pod_resources_socket: match args
+                .pod_resources_socket
+                .or(file.pod_resources_socket)
+            {
+                Some(path) if path.as_os_str().is_empty() => None,
+                Some(path) => Some(path),
+                None => Some(crate::api::pod_resources::DEFAULT_SOCKET.into()),
+            },
+            cluster: crate::cluster::ClusterConfig {
+                enabled: args.kube_api.or(file.kube_api).unwrap_or(true),
+                kubeconfig: args
+                    .kubeconfig
+                    .or(file.kubeconfig)
+                    .filter(|p| !p.as_os_str().is_empty()),
+                node_name: args.node_name.filter(|n| !n.is_empty()),
+                budget: crate::cluster::EventBudget::default(),
             },
             http_addr: parse_http_addr(
                 args.http_addr

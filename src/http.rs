@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::devices::Heartbeat;
 use crate::health::monitor::StatusQueries;
 use crate::metrics::Metrics;
+use crate::pods::PodResources;
 use crate::status::{KubeletStatus, PolicySummary, Report};
 
 /// Where the HTTP surfaces listen unless told otherwise: loopback only, so nothing is exposed off the node by
@@ -53,7 +54,12 @@ pub struct Context {
     pub stuck_after: Duration,
     /// The metrics `/metrics` serves.
     pub metrics: Arc<Metrics>,
+    /// Where `/status` learns which pods hold each device, if anywhere.
+    pub pods: Option<Arc<PodResources>>,
 }
+
+/// `/status` asks the kubelet which pods hold the devices at most this often.
+const PODS_MAX_AGE: Duration = Duration::from_secs(5);
 
 /// Serves the HTTP surfaces on `addr` until `shutdown`, in a task of its own. An address in use is tried
 /// again every few seconds (said once at warn level): the plugin's real work never waits for it.
@@ -165,10 +171,19 @@ async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Byte
             }
         }
         "/status" => match report(context).await {
-            Some(report) => match serde_json::to_vec_pretty(&report) {
+            Some(mut report) => {
+                if let Some(pods) = &context.pods
+                    && let Some(holders) = pods.holders(PODS_MAX_AGE).await
+                {
+                    for device in &mut report.devices {
+                        device.pods = holders.get(&device.id).cloned().unwrap_or_default();
+                    }
+                }
+                match serde_json::to_vec_pretty(&report) {
                 Ok(body) => respond(StatusCode::OK, "application/json", body),
-                Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
-            },
+                    Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
+                }
+            }
             None => text(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the health monitor did not answer\n".into(),

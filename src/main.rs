@@ -6,6 +6,7 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
 
+use gpu_device_plugin::cluster::Cluster;
 use gpu_device_plugin::config::{self, LogFormat, Settings};
 use gpu_device_plugin::devices::DeviceSource;
 use gpu_device_plugin::devices::simulated::SimulatedGpus;
@@ -14,6 +15,7 @@ use gpu_device_plugin::http;
 use gpu_device_plugin::kubelet::{self, PluginConfig};
 use gpu_device_plugin::metrics::Metrics;
 use gpu_device_plugin::nvml::{NvmlGpus, UnmonitoredGpus};
+use gpu_device_plugin::pods::PodResources;
 use std::sync::Arc;
 
 fn main() -> ExitCode {
@@ -112,6 +114,22 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     let monitored = monitor::spawn_monitored(source, monitor_config)
         .context("cannot start the device source")?;
 
+    // An unusable --kubeconfig stops the plugin here, before it registers; no API access at all is one line
+    // and everything else goes on.
+    let cluster = Cluster::connect(&settings.cluster).await?;
+    let pods = settings
+        .pod_resources_socket
+        .as_ref()
+        .map(|socket| Arc::new(PodResources::new(socket, settings.resource_name.clone())));
+    if let Some(cluster) = cluster {
+        cluster.spawn(
+            monitored.inventory.clone(),
+            pods.clone(),
+            Some(metrics.clone()),
+            settings.cluster.budget,
+        );
+    }
+
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone())?;
     if let Some(heartbeat) = monitored.heartbeat.clone() {
@@ -125,6 +143,7 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
             event_thread: monitored.heartbeat.clone(),
             stuck_after: settings.stuck_after,
             metrics,
+            pods,
         };
         http::spawn(addr, context, shutdown.clone());
     }

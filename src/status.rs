@@ -34,6 +34,10 @@ pub struct DeviceStatus {
     pub message: Option<String>,
     /// Active conditions, in the order first seen.
     pub conditions: Vec<ConditionStatus>,
+    /// The containers holding the device, from the kubelet's pod-resources API (empty when none, or when
+    /// the kubelet cannot say).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<crate::pods::Holder>,
 }
 
 /// One active condition of a device.
@@ -101,7 +105,7 @@ impl Report {
     /// The table an operator reads at a glance: one line per device (index, ID, health, what is wrong in
     /// short), the kubelet link, then each Unhealthy or noted device's full message.
     pub fn table(&self) -> String {
-        let rows: Vec<[String; 4]> = self
+        let rows: Vec<[String; 5]> = self
             .devices
             .iter()
             .map(|d| {
@@ -113,10 +117,21 @@ impl Report {
                         None => c.kind.clone(),
                     })
                     .collect();
+                let mut pods: Vec<String> = d
+                    .pods
+                    .iter()
+                    .map(|h| format!("{}/{}", h.namespace, h.pod))
+                    .collect();
+                pods.dedup();
                 [
                     d.index.to_string(),
                     d.id.clone(),
                     d.health.clone(),
+                    if pods.is_empty() {
+                        "-".into()
+                    } else {
+                        pods.join(",")
+                    },
                     if conditions.is_empty() {
                         "-".into()
                     } else {
@@ -125,7 +140,7 @@ impl Report {
                 ]
             })
             .collect();
-        let header = ["INDEX", "DEVICE", "HEALTH", "CONDITIONS"];
+        let header = ["INDEX", "DEVICE", "HEALTH", "PODS", "CONDITIONS"];
         let widths: Vec<usize> = (0..header.len())
             .map(|i| {
                 rows.iter()
@@ -209,6 +224,13 @@ mod tests {
                         count: 1,
                         ..ConditionStatus::default()
                     }],
+                    pods: ["trainer", "profiler"]
+                        .map(|container| crate::pods::Holder {
+                            namespace: "ml".into(),
+                            pod: "train-0".into(),
+                            container: container.into(),
+                        })
+                        .to_vec(),
                     ..DeviceStatus::default()
                 },
             ],
@@ -228,9 +250,9 @@ mod tests {
     fn the_table_lines_up_devices_and_ends_with_the_messages() {
         let table = report().table();
         let lines: Vec<&str> = table.lines().collect();
-        assert_eq!(lines[0], "INDEX  DEVICE  HEALTH     CONDITIONS");
-        assert_eq!(lines[1], "0      GPU-a   Healthy    -");
-        assert_eq!(lines[2], "1      GPU-bb  Unhealthy  xid=79");
+        assert_eq!(lines[0], "INDEX  DEVICE  HEALTH     PODS        CONDITIONS");
+        assert_eq!(lines[1], "0      GPU-a   Healthy    -           -");
+        assert_eq!(lines[2], "1      GPU-bb  Unhealthy  ml/train-0  xid=79");
         assert!(
             table.contains(
                 "2 devices, 1 Unhealthy; kubelet: registered (nvidia.com/gpu as \

@@ -311,6 +311,7 @@ impl Monitor {
                     numa_node: d.info.numa_node,
                     message: d.reason.clone().or_else(|| self.engine.message(&d.info.id)),
                     conditions,
+                    pods: Vec::new(),
                 }
             })
             .collect()
