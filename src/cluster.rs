@@ -166,17 +166,20 @@ impl Cluster {
     /// transition. Must be called inside a tokio runtime; the tasks end when the inventory's sender does.
     pub fn spawn(
         self,
-        inventory: InventoryWatch,
+        mut inventory: InventoryWatch,
         pods: Option<Arc<PodResources>>,
         metrics: Option<Arc<Metrics>>,
         budget: EventBudget,
     ) {
-        let first = condition_of(&inventory.borrow());
+        // What is current now is the starting point: a change from here on, even one made before the tasks
+        // first run, is a transition.
+        let before = inventory.borrow_and_update().clone();
+        let first = condition_of(&before);
         let (conditions, wanted) = watch::channel(first);
         let (notes, queue) = mpsc::channel(QUEUE);
         tokio::spawn(self.clone().keep_condition(wanted, metrics.clone()));
         tokio::spawn(self.send_events(queue, budget, metrics.clone()));
-        tokio::spawn(follow(inventory, conditions, notes, pods, metrics));
+        tokio::spawn(follow(before, inventory, conditions, notes, pods, metrics));
     }
 
     /// Writes the wanted node condition, retrying with backoff until it is written; a newer wanted state
@@ -384,13 +387,13 @@ impl Cluster {
 
 /// Follows the inventory: each change of health wakes the node condition and queues Events.
 async fn follow(
+    mut before: Arc<Inventory>,
     mut inventory: InventoryWatch,
     conditions: watch::Sender<WantedCondition>,
     notes: mpsc::Sender<Note>,
     pods: Option<Arc<PodResources>>,
     metrics: Option<Arc<Metrics>>,
 ) {
-    let mut before = inventory.borrow_and_update().clone();
     while inventory.changed().await.is_ok() {
         let after = inventory.borrow_and_update().clone();
         let changes = transitions(&before, &after);

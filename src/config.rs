@@ -140,7 +140,11 @@ pub struct Args {
 
     /// The kubelet's pod-resources socket, to tell which pods hold a device; empty turns the lookup off
     /// [default: /var/lib/kubelet/pod-resources/kubelet.sock]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_POD_RESOURCES_SOCKET", value_name = "PATH")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_POD_RESOURCES_SOCKET",
+        value_name = "PATH"
+    )]
     pub pod_resources_socket: Option<PathBuf>,
 
     /// Report to the Kubernetes API (Events, the GPUUnhealthy node condition) when it can be reached
@@ -416,10 +420,7 @@ impl Settings {
                 Some(d) => d,
                 None => std::time::Duration::from_secs(30),
             },
-            pod_resources_socket: match args
-                .pod_resources_socket
-                .or(file.pod_resources_socket)
-            {
+            pod_resources_socket: match args.pod_resources_socket.or(file.pod_resources_socket) {
                 Some(path) if path.as_os_str().is_empty() => None,
                 Some(path) => Some(path),
                 None => Some(crate::api::pod_resources::DEFAULT_SOCKET.into()),

@@ -180,7 +180,7 @@ async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Byte
                     }
                 }
                 match serde_json::to_vec_pretty(&report) {
-                Ok(body) => respond(StatusCode::OK, "application/json", body),
+                    Ok(body) => respond(StatusCode::OK, "application/json", body),
                     Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
                 }
             }

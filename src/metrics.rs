@@ -251,6 +251,11 @@ impl Metrics {
         self.events_dropped.inc();
     }
 
+    /// Kubernetes Events dropped so far.
+    pub fn events_dropped(&self) -> u64 {
+        self.events_dropped.get()
+    }
+
     /// The metrics in the OpenMetrics text format, with per-device state from `report`.
     pub fn render(&self, report: &Report) -> String {
         self.device_healthy.clear();

@@ -18,6 +18,7 @@
 //! Tests wait on its state with timeouts ([`FakeKubelet::wait_registrations`], [`FakeKubelet::wait_list`]);
 //! nothing here sleeps.
 
+pub mod apiserver;
 mod authority;
 mod pod_resources;
 

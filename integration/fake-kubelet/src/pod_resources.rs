@@ -19,10 +19,13 @@ use tonic::{Request, Response, Status};
 const QPS: f64 = 100.0;
 const BURST: f64 = 10.0;
 
-/// Pods and what their containers hold: (namespace, pod) → container → (resource, device IDs).
+/// What one container holds: (resource, device IDs) per Allocate.
+type Held = Vec<(String, Vec<String>)>;
+
+/// Pods and what their containers hold: (namespace, pod) → container → what it holds.
 #[derive(Debug, Default)]
 pub(crate) struct PodTable {
-    pods: BTreeMap<(String, String), BTreeMap<String, Vec<(String, Vec<String>)>>>,
+    pods: BTreeMap<(String, String), BTreeMap<String, Held>>,
 }
 
 impl PodTable {

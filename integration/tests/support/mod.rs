@@ -54,6 +54,17 @@ impl PluginProcess {
         if !args.contains(&"--http-addr") {
             command.arg("--http-addr").arg("127.0.0.1:0");
         }
+        // Nothing of the machine the tests run on: no kubelet's pod-resources socket, no API server from
+        // the environment, unless the test names them.
+        if !args.contains(&"--pod-resources-socket") {
+            command
+                .arg("--pod-resources-socket")
+                .arg(state.path().join("no-pod-resources.sock"));
+        }
+        command
+            .env_remove("KUBECONFIG")
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env_remove("NODE_NAME");
         let child = command
             .args(args)
             .env("RUST_LOG", "debug")

@@ -1,0 +1,495 @@
+//! A recording stand-in for the Kubernetes API server, for the plugin's Events and node condition: it serves
+//! the few requests the plugin makes over plain HTTP on loopback, checks them as the API server does (content
+//! type of a patch, the fields events.k8s.io/v1 requires and their limits, a condition's status), keeps the
+//! objects, and records every request so that tests can assert the exact bodies.
+//!
+//! - `GET /api/v1/nodes/{name}`, `PATCH /api/v1/nodes/{name}/status` (strategic merge: conditions merge by
+//!   type, as the API server merges them);
+//! - `GET /api/v1/namespaces/{ns}/pods/{name}`;
+//! - `POST /apis/events.k8s.io/v1/namespaces/{ns}/events`, `PATCH .../events/{name}` (JSON merge patch).
+//!
+//! Anything else is 404. [`FakeApiServer::forbid`] answers every request 403 (a service account without the
+//! RBAC), [`FakeApiServer::fail_next`] answers the next requests 503.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_util::task::AbortOnDropHandle;
+
+/// One request as it arrived, with the answer's status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recorded {
+    /// HTTP method.
+    pub method: String,
+    /// Path, without the query.
+    pub path: String,
+    /// `Content-Type`, if any.
+    pub content_type: Option<String>,
+    /// The body as JSON (`Null` when empty).
+    pub body: Value,
+    /// The status code answered.
+    pub status: u16,
+    /// When it arrived.
+    pub at: Instant,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    nodes: BTreeMap<String, Value>,
+    pods: BTreeMap<(String, String), Value>,
+    events: BTreeMap<(String, String), Value>,
+    forbidden: bool,
+    fail_next: u32,
+    version: u64,
+}
+
+/// A running fake API server.
+pub struct FakeApiServer {
+    addr: SocketAddr,
+    state: Arc<Mutex<State>>,
+    requests: Arc<watch::Sender<Vec<Recorded>>>,
+    _task: AbortOnDropHandle<()>,
+}
+
+impl FakeApiServer {
+    /// Starts serving on a free loopback port.
+    pub async fn start() -> std::io::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(Mutex::new(State::default()));
+        let requests = Arc::new(watch::Sender::new(Vec::new()));
+        let task = tokio::spawn({
+            let (state, requests) = (state.clone(), requests.clone());
+            async move {
+                loop {
+                    let Ok((stream, _)) = listener.accept().await else {
+                        continue;
+                    };
+                    let (state, requests) = (state.clone(), requests.clone());
+                    tokio::spawn(async move {
+                        let service = hyper::service::service_fn(move |request| {
+                            let (state, requests) = (state.clone(), requests.clone());
+                            async move { Ok::<_, Infallible>(handle(request, &state, &requests).await) }
+                        });
+                        let _closed = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(stream), service)
+                            .await;
+                    });
+                }
+            }
+        });
+        Ok(FakeApiServer {
+            addr,
+            state,
+            requests,
+            _task: AbortOnDropHandle::new(task),
+        })
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Writes a kubeconfig that points at this server.
+    pub fn write_kubeconfig(&self, path: &Path) -> std::io::Result<()> {
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n\
+             users:\n- name: plugin\n  user:\n    token: fake-token\ncontexts:\n- name: fake\n  context:\n    \
+             cluster: fake\n    user: plugin\ncurrent-context: fake\n",
+            self.url()
+        );
+        std::fs::write(path, text)
+    }
+
+    /// Adds a Node object.
+    pub fn add_node(&self, name: &str) {
+        let node = json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "uid": format!("uid-node-{name}"), "resourceVersion": "1"},
+            "status": {"conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status",
+                 "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+            ]}
+        });
+        self.with_state(|s| s.nodes.insert(name.into(), node));
+    }
+
+    /// Adds a Pod object; returns its UID.
+    pub fn add_pod(&self, namespace: &str, name: &str) -> String {
+        let uid = format!("uid-pod-{namespace}-{name}");
+        let pod = json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid, "resourceVersion": "1"},
+        });
+        self.with_state(|s| s.pods.insert((namespace.into(), name.into()), pod));
+        uid
+    }
+
+    /// While `true`, every request is answered 403 Forbidden.
+    pub fn forbid(&self, forbidden: bool) {
+        self.with_state(|s| s.forbidden = forbidden);
+    }
+
+    /// Answers the next `n` requests 503 Service Unavailable.
+    pub fn fail_next(&self, n: u32) {
+        self.with_state(|s| s.fail_next = n);
+    }
+
+    /// Every request so far, oldest first.
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.requests.borrow().clone()
+    }
+
+    /// Waits until the requests so far satisfy `pred`; returns them.
+    pub async fn wait_for(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut pred: impl FnMut(&[Recorded]) -> bool,
+    ) -> Result<Vec<Recorded>, String> {
+        let mut rx = self.requests.subscribe();
+        match tokio::time::timeout(timeout, rx.wait_for(|r| pred(r))).await {
+            Ok(Ok(requests)) => Ok(requests.clone()),
+            _ => Err(format!(
+                "timed out after {timeout:?} waiting for {what}; requests: {:#?}",
+                self.requests()
+            )),
+        }
+    }
+
+    /// The condition of type `type_` on node `name`, as stored.
+    pub fn node_condition(&self, name: &str, type_: &str) -> Option<Value> {
+        self.with_state(|s| {
+            s.nodes.get(name).and_then(|node| {
+                node["status"]["conditions"]
+                    .as_array()?
+                    .iter()
+                    .find(|c| c["type"] == type_)
+                    .cloned()
+            })
+        })
+    }
+
+    /// Every stored Event (events.k8s.io/v1), by namespace and name.
+    pub fn events(&self) -> Vec<Value> {
+        self.with_state(|s| s.events.values().cloned().collect())
+    }
+
+    fn with_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        f(&mut state)
+    }
+}
+
+async fn handle(
+    request: Request<Incoming>,
+    state: &Mutex<State>,
+    requests: &watch::Sender<Vec<Recorded>>,
+) -> Response<Full<Bytes>> {
+    let at = Instant::now();
+    let method = request.method().clone();
+    let path = request.uri().path().to_string();
+    let content_type = request
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let body = match request.into_body().collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => Bytes::new(),
+    };
+    let body: Value = if body.is_empty() {
+        Value::Null
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(value) => value,
+            Err(e) => {
+                return answer(
+                    requests,
+                    Recorded {
+                        method: method.to_string(),
+                        path,
+                        content_type,
+                        body: Value::Null,
+                        status: 400,
+                        at,
+                    },
+                    failure(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+                );
+            }
+        }
+    };
+    let (status, reply) = {
+        let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+        route(&mut state, &method, &path, content_type.as_deref(), &body)
+    };
+    answer(
+        requests,
+        Recorded {
+            method: method.to_string(),
+            path,
+            content_type,
+            body,
+            status: status.as_u16(),
+            at,
+        },
+        (status, reply),
+    )
+}
+
+fn answer(
+    requests: &watch::Sender<Vec<Recorded>>,
+    recorded: Recorded,
+    (status, body): (StatusCode, Value),
+) -> Response<Full<Bytes>> {
+    requests.send_modify(|r| r.push(recorded));
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap_or_default()
+}
+
+fn failure(code: StatusCode, reason: &str, message: &str) -> (StatusCode, Value) {
+    (
+        code,
+        json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code.as_u16(),
+        }),
+    )
+}
+
+fn route(
+    state: &mut State,
+    method: &Method,
+    path: &str,
+    content_type: Option<&str>,
+    body: &Value,
+) -> (StatusCode, Value) {
+    if state.forbidden {
+        return failure(
+            StatusCode::FORBIDDEN,
+            "Forbidden",
+            &format!(
+                "{path} is forbidden: User \"system:serviceaccount:kube-system:gpu-device-plugin\" cannot {} it",
+                method.as_str().to_lowercase()
+            ),
+        );
+    }
+    if state.fail_next > 0 {
+        state.fail_next -= 1;
+        return failure(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            "the server is currently unable to handle the request",
+        );
+    }
+    state.version += 1;
+    let version = state.version.to_string();
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    match (method, parts.as_slice()) {
+        (&Method::GET, ["api", "v1", "nodes", name]) => match state.nodes.get(*name) {
+            Some(node) => (StatusCode::OK, node.clone()),
+            None => not_found("nodes", name),
+        },
+        (&Method::PATCH, ["api", "v1", "nodes", name, "status"]) => {
+            if content_type != Some("application/strategic-merge-patch+json") {
+                return failure(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "UnsupportedMediaType",
+                    "the body of the request was in an unknown format",
+                );
+            }
+            let Some(node) = state.nodes.get_mut(*name) else {
+                return not_found("nodes", name);
+            };
+            let conditions = body["status"]["conditions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            for c in &conditions {
+                let type_ok = c["type"].as_str().is_some_and(|t| !t.is_empty());
+                let status_ok = matches!(c["status"].as_str(), Some("True" | "False" | "Unknown"));
+                if !type_ok || !status_ok {
+                    return invalid(&format!(
+                        "Node \"{name}\" is invalid: status.conditions: {c}"
+                    ));
+                }
+            }
+            let stored = node["status"]["conditions"]
+                .as_array_mut()
+                .map(std::mem::take)
+                .unwrap_or_default();
+            let mut merged = stored;
+            for c in conditions {
+                match merged.iter_mut().find(|old| old["type"] == c["type"]) {
+                    Some(old) => merge(old, &c),
+                    None => merged.push(c),
+                }
+            }
+            node["status"]["conditions"] = Value::Array(merged);
+            node["metadata"]["resourceVersion"] = Value::String(version);
+            (StatusCode::OK, node.clone())
+        }
+        (&Method::GET, ["api", "v1", "namespaces", ns, "pods", name]) => {
+            match state.pods.get(&((*ns).into(), (*name).into())) {
+                Some(pod) => (StatusCode::OK, pod.clone()),
+                None => not_found("pods", name),
+            }
+        }
+        (&Method::POST, ["apis", "events.k8s.io", "v1", "namespaces", ns, "events"]) => {
+            let mut event = body.clone();
+            let name = event["metadata"]["name"].as_str().unwrap_or("").to_string();
+            if name.is_empty() {
+                return invalid("Event is invalid: metadata.name: Required value");
+            }
+            if let Some(problem) = check_event(ns, &event) {
+                return invalid(&format!(
+                    "Event.events.k8s.io \"{name}\" is invalid: {problem}"
+                ));
+            }
+            let key = ((*ns).to_string(), name.clone());
+            if state.events.contains_key(&key) {
+                return failure(
+                    StatusCode::CONFLICT,
+                    "AlreadyExists",
+                    &format!("events.events.k8s.io \"{name}\" already exists"),
+                );
+            }
+            event["metadata"]["namespace"] = Value::String((*ns).into());
+            event["metadata"]["resourceVersion"] = Value::String(version);
+            event["metadata"]["uid"] = Value::String(format!("uid-event-{name}"));
+            state.events.insert(key, event.clone());
+            (StatusCode::CREATED, event)
+        }
+        (
+            &Method::PATCH,
+            [
+                "apis",
+                "events.k8s.io",
+                "v1",
+                "namespaces",
+                ns,
+                "events",
+                name,
+            ],
+        ) => {
+            if content_type != Some("application/merge-patch+json") {
+                return failure(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "UnsupportedMediaType",
+                    "the body of the request was in an unknown format",
+                );
+            }
+            let Some(stored) = state.events.get(&((*ns).into(), (*name).into())) else {
+                return not_found("events.events.k8s.io", name);
+            };
+            let mut event = stored.clone();
+            merge(&mut event, body);
+            if let Some(problem) = check_event(ns, &event) {
+                return invalid(&format!(
+                    "Event.events.k8s.io \"{name}\" is invalid: {problem}"
+                ));
+            }
+            event["metadata"]["resourceVersion"] = Value::String(version);
+            state
+                .events
+                .insert(((*ns).into(), (*name).into()), event.clone());
+            (StatusCode::OK, event)
+        }
+        _ => failure(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("the server could not find the requested resource ({method} {path})"),
+        ),
+    }
+}
+
+/// What the API server's validation of an events.k8s.io/v1 Event would refuse, if anything.
+fn check_event(namespace: &str, event: &Value) -> Option<String> {
+    let text = |field: &str| event[field].as_str().unwrap_or("");
+    let required = [
+        "eventTime",
+        "reportingController",
+        "reportingInstance",
+        "action",
+        "reason",
+    ];
+    if let Some(missing) = required.iter().find(|f| text(f).is_empty()) {
+        return Some(format!("{missing}: Required value"));
+    }
+    for (field, limit) in [("action", 128), ("reason", 128), ("reportingInstance", 128)] {
+        if text(field).len() > limit {
+            return Some(format!(
+                "{field}: Too long: may not be more than {limit} bytes"
+            ));
+        }
+    }
+    if text("note").len() > 1024 {
+        return Some("note: Too long: may not be more than 1024 bytes".into());
+    }
+    if !matches!(text("type"), "Normal" | "Warning") {
+        return Some(format!("type: Unsupported value: {:?}", text("type")));
+    }
+    let regarding = &event["regarding"];
+    if regarding["kind"].as_str().unwrap_or("").is_empty() {
+        return Some("regarding.kind: Required value".into());
+    }
+    match regarding["namespace"].as_str() {
+        Some(ns) if !ns.is_empty() && ns != namespace => Some(format!(
+            "regarding.namespace: Invalid value: {ns:?}: does not match event.namespace"
+        )),
+        _ => None,
+    }
+}
+
+fn not_found(resource: &str, name: &str) -> (StatusCode, Value) {
+    failure(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        &format!("{resource} \"{name}\" not found"),
+    )
+}
+
+fn invalid(message: &str) -> (StatusCode, Value) {
+    failure(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", message)
+}
+
+/// JSON merge patch (RFC 7386): objects merge key by key, `null` deletes, anything else replaces.
+fn merge(target: &mut Value, patch: &Value) {
+    let Value::Object(patch) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = Value::Object(Default::default());
+    }
+    if let Value::Object(target) = target {
+        for (key, value) in patch {
+            if value.is_null() {
+                target.remove(key);
+            } else {
+                merge(target.entry(key.clone()).or_insert(Value::Null), value);
+            }
+        }
+    }
+}
