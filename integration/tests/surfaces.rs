@@ -325,6 +325,14 @@ async fn metrics_parse_and_count_faults_transitions_and_kubelet_calls() -> TestR
             l.registration == regs && l.messages >= 1
         })
         .await?;
+    // The kubelet can have the list before the plugin has read the answer to its Register: the counters
+    // move with the log line that says so.
+    plugin
+        .wait_log(WAIT, |l| {
+            l.matches("registered with the kubelet").count() >= 2
+        })
+        .await
+        .ok_or("the plugin never saw its second registration accepted")?;
     let (text, restarted) = scrape(&addr).await;
     // At least the one after the restart (a registration racing the restart may add one).
     assert!(
