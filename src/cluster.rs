@@ -97,26 +97,34 @@ pub enum ClusterError {
     },
 }
 
-/// A client and the node, ready to report.
-#[derive(Clone)]
-pub struct Cluster {
-    client: Client,
+/// Where the API server is and which node this is: settled at start, so that a bad `--kubeconfig` stops the
+/// plugin before it registers. The client itself is built later ([`Cluster::spawn`]), off the kubelet's path.
+pub struct ApiAccess {
+    config: Config,
     node: String,
 }
 
-impl std::fmt::Debug for Cluster {
+impl std::fmt::Debug for ApiAccess {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Cluster")
+        f.debug_struct("ApiAccess")
+            .field("server", &self.config.cluster_url)
             .field("node", &self.node)
             .finish_non_exhaustive()
     }
 }
 
-impl Cluster {
+/// A client and the node, reporting.
+#[derive(Clone)]
+struct Cluster {
+    client: Client,
+    node: String,
+}
+
+impl ApiAccess {
     /// Finds the API server: `--kubeconfig` if given (an unusable one is an error), else the pod's service
     /// account. Without one, or without a node name, says so in one line and returns `None`: everything
     /// else works without the API server.
-    pub async fn connect(config: &ClusterConfig) -> Result<Option<Cluster>, ClusterError> {
+    pub async fn resolve(config: &ClusterConfig) -> Result<Option<ApiAccess>, ClusterError> {
         if !config.enabled {
             tracing::info!("Kubernetes API surfaces turned off (--kube-api=false)");
             return Ok(None);
@@ -153,35 +161,60 @@ impl Cluster {
         kube_config.connect_timeout = Some(CONNECT_TIMEOUT);
         kube_config.read_timeout = Some(CALL_TIMEOUT);
         kube_config.write_timeout = Some(CALL_TIMEOUT);
-        let server = kube_config.cluster_url.to_string();
-        let client = Client::try_from(kube_config).map_err(|e| ClusterError::Kubeconfig {
-            path: config.kubeconfig.clone().unwrap_or_default(),
-            message: e.to_string(),
-        })?;
-        tracing::info!(%server, %node, "reporting GPU health to the Kubernetes API: Events and the node condition");
-        Ok(Some(Cluster { client, node }))
+        Ok(Some(ApiAccess {
+            config: kube_config,
+            node,
+        }))
     }
 
-    /// Starts following `inventory`: the node condition now and on every change of health, Events on every
-    /// transition. Must be called inside a tokio runtime; the tasks end when the inventory's sender does.
+    /// Reports the devices' health from `start` on: once `start` resolves (the plugin registers first: the
+    /// client's TLS set-up is work the kubelet must not wait behind), builds the client, writes the node
+    /// condition, and from then on follows `inventory`: the condition on every change of health, Events on
+    /// every transition. A transition between `before` (the inventory as the plugin started) and the
+    /// start is reported too. Must be called inside a tokio runtime; the tasks end when the inventory's
+    /// sender does.
     pub fn spawn(
         self,
-        mut inventory: InventoryWatch,
+        start: impl std::future::Future<Output = ()> + Send + 'static,
+        before: Arc<Inventory>,
+        inventory: InventoryWatch,
         pods: Option<Arc<PodResources>>,
         metrics: Option<Arc<Metrics>>,
         budget: EventBudget,
     ) {
-        // What is current now is the starting point: a change from here on, even one made before the tasks
-        // first run, is a transition.
-        let before = inventory.borrow_and_update().clone();
-        let first = condition_of(&before);
-        let (conditions, wanted) = watch::channel(first);
-        let (notes, queue) = mpsc::channel(QUEUE);
-        tokio::spawn(self.clone().keep_condition(wanted, metrics.clone()));
-        tokio::spawn(self.send_events(queue, budget, metrics.clone()));
-        tokio::spawn(follow(before, inventory, conditions, notes, pods, metrics));
+        tokio::spawn(async move {
+            start.await;
+            let server = self.config.cluster_url.to_string();
+            // Loading the TLS roots takes tens of milliseconds of CPU: on a thread of its own, so that a fault
+            // arriving meanwhile is not held up on the runtime's thread.
+            let config = self.config;
+            let built = tokio::task::spawn_blocking(move || Client::try_from(config))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string()));
+            let client = match built {
+                Ok(client) => client,
+                Err(e) => {
+                    tracing::warn!(error = %e, %server, "cannot build a Kubernetes API client: no Events and no node condition; everything else works");
+                    return;
+                }
+            };
+            tracing::info!(%server, node = %self.node, "reporting GPU health to the Kubernetes API: Events and the node condition");
+            let cluster = Cluster {
+                client,
+                node: self.node,
+            };
+            let first = condition_of(&inventory.borrow());
+            let (conditions, wanted) = watch::channel(first);
+            let (notes, queue) = mpsc::channel(QUEUE);
+            tokio::spawn(cluster.clone().keep_condition(wanted, metrics.clone()));
+            tokio::spawn(cluster.send_events(queue, budget, metrics.clone()));
+            follow(before, inventory, conditions, notes, pods, metrics).await;
+        });
     }
+}
 
+impl Cluster {
     /// Writes the wanted node condition, retrying with backoff until it is written; a newer wanted state
     /// replaces one still being retried.
     async fn keep_condition(
@@ -385,7 +418,8 @@ impl Cluster {
     }
 }
 
-/// Follows the inventory: each change of health wakes the node condition and queues Events.
+/// Follows the inventory: each change of health (and any since `before`, at once) wakes the node condition
+/// and queues Events.
 async fn follow(
     mut before: Arc<Inventory>,
     mut inventory: InventoryWatch,
@@ -394,32 +428,34 @@ async fn follow(
     pods: Option<Arc<PodResources>>,
     metrics: Option<Arc<Metrics>>,
 ) {
-    while inventory.changed().await.is_ok() {
+    loop {
         let after = inventory.borrow_and_update().clone();
         let changes = transitions(&before, &after);
         before = after.clone();
-        if changes.is_empty() {
-            continue;
-        }
-        conditions.send_if_modified(|current| {
-            let wanted = condition_of(&after);
-            let changed = *current != wanted;
-            *current = wanted;
-            changed
-        });
-        let holders = match &pods {
-            Some(pods) => pods.holders(Duration::ZERO).await.unwrap_or_default(),
-            None => BTreeMap::new(),
-        };
-        for change in &changes {
-            let none = Vec::new();
-            for note in notes_for(change, holders.get(&change.id).unwrap_or(&none)) {
-                if notes.try_send(note).is_err()
-                    && let Some(metrics) = &metrics
-                {
-                    metrics.event_dropped();
+        if !changes.is_empty() {
+            conditions.send_if_modified(|current| {
+                let wanted = condition_of(&after);
+                let changed = *current != wanted;
+                *current = wanted;
+                changed
+            });
+            let holders = match &pods {
+                Some(pods) => pods.holders(Duration::ZERO).await.unwrap_or_default(),
+                None => BTreeMap::new(),
+            };
+            for change in &changes {
+                let none = Vec::new();
+                for note in notes_for(change, holders.get(&change.id).unwrap_or(&none)) {
+                    if notes.try_send(note).is_err()
+                        && let Some(metrics) = &metrics
+                    {
+                        metrics.event_dropped();
+                    }
                 }
             }
+        }
+        if inventory.changed().await.is_err() {
+            return;
         }
     }
 }

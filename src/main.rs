@@ -6,7 +6,7 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
 
-use gpu_device_plugin::cluster::Cluster;
+use gpu_device_plugin::cluster::ApiAccess;
 use gpu_device_plugin::config::{self, LogFormat, Settings};
 use gpu_device_plugin::devices::DeviceSource;
 use gpu_device_plugin::devices::simulated::SimulatedGpus;
@@ -55,6 +55,9 @@ fn main() -> ExitCode {
         Err(e) => fail(&format!("{e:#}")),
     }
 }
+
+/// The Kubernetes API side starts at the latest this long after the plugin, registered or not.
+const API_START_AT_LATEST: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// How long shutdown waits for the last checkpoint write (well within the 2 s a DaemonSet update allows).
 const FLUSH_AT_EXIT: std::time::Duration = std::time::Duration::from_millis(500);
@@ -116,13 +119,26 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
 
     // An unusable --kubeconfig stops the plugin here, before it registers; no API access at all is one line
     // and everything else goes on.
-    let cluster = Cluster::connect(&settings.cluster).await?;
+    let api = ApiAccess::resolve(&settings.cluster).await?;
     let pods = settings
         .pod_resources_socket
         .as_ref()
         .map(|socket| Arc::new(PodResources::new(socket, settings.resource_name.clone())));
-    if let Some(cluster) = cluster {
-        cluster.spawn(
+    if let Some(api) = api {
+        // The kubelet first: the API client starts once the first registration is accepted, or after a
+        // couple of seconds without one. Health changes meanwhile are reported then.
+        let mut kubelet = plugin.status.subscribe();
+        let registered = async move {
+            let _either = tokio::time::timeout(
+                API_START_AT_LATEST,
+                kubelet.wait_for(|k| k.registrations > 0),
+            )
+            .await;
+        };
+        let before = monitored.inventory.borrow().clone();
+        api.spawn(
+            registered,
+            before,
             monitored.inventory.clone(),
             pods.clone(),
             Some(metrics.clone()),

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use fake_kubelet::FakeKubelet;
 use fake_kubelet::apiserver::{FakeApiServer, Recorded};
-use gpu_device_plugin::cluster::{Cluster, ClusterConfig, EventBudget};
+use gpu_device_plugin::cluster::{ApiAccess, ClusterConfig, EventBudget};
 use gpu_device_plugin::devices::simulated::simulated_uuid;
 use gpu_device_plugin::devices::{DeviceInfo, Health, Inventory};
 use gpu_device_plugin::http;
@@ -440,17 +440,25 @@ async fn a_storm_of_faults_is_held_to_the_event_budget() -> TestResult {
         burst: 5,
         refill: Duration::from_secs(3600),
     };
-    let cluster = Cluster::connect(&ClusterConfig {
+    let api_access = ApiAccess::resolve(&ClusterConfig {
         enabled: true,
         kubeconfig: Some(kubeconfig),
         node_name: Some(NODE.into()),
         budget,
     })
     .await?
-    .ok_or("no cluster")?;
-    let (inventory, watch) = tokio::sync::watch::channel(Arc::new(gpus(8)));
+    .ok_or("no API access")?;
+    let start = Arc::new(gpus(8));
+    let (inventory, watch) = tokio::sync::watch::channel(start.clone());
     let metrics = Arc::new(Metrics::new());
-    cluster.spawn(watch, None, Some(metrics.clone()), budget);
+    api_access.spawn(
+        std::future::ready(()),
+        start,
+        watch,
+        None,
+        Some(metrics.clone()),
+        budget,
+    );
 
     // Every GPU fails at once, then every one recovers: 16 Events wanted, 5 allowed.
     inventory.send_modify(|inv| {
@@ -510,5 +518,63 @@ async fn a_storm_of_faults_is_held_to_the_event_budget() -> TestResult {
             format!("device GPU-{i} (index {i}): Unhealthy: XID 79.")
         );
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_fault_before_the_api_client_starts_is_still_reported() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let api = FakeApiServer::start().await?;
+    api.add_node(NODE);
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+    let access = ApiAccess::resolve(&ClusterConfig {
+        enabled: true,
+        kubeconfig: Some(kubeconfig),
+        node_name: Some(NODE.into()),
+        budget: EventBudget::default(),
+    })
+    .await?
+    .ok_or("no API access")?;
+    let start = Arc::new(gpus(2));
+    let (inventory, watch) = tokio::sync::watch::channel(start.clone());
+    let (go, registered) = tokio::sync::oneshot::channel::<()>();
+    access.spawn(
+        async move {
+            let _ = registered.await;
+        },
+        start,
+        watch,
+        None,
+        None,
+        EventBudget::default(),
+    );
+    // The fault comes while the plugin is still registering: nothing has been sent yet.
+    inventory.send_modify(|inv| {
+        Arc::make_mut(inv).set_health(
+            "GPU-1",
+            Health::Unhealthy,
+            Some("Unhealthy: XID 79.".into()),
+        );
+    });
+    tokio::task::yield_now().await;
+    assert!(api.requests().is_empty());
+    go.send(()).map_err(|()| "the reporter is gone")?;
+    let requests = api
+        .wait_for("the Event and the condition", WAIT, |r| {
+            r.iter().any(|r| is_event(r, "default", "GPUUnhealthy"))
+                && condition_patches(r)
+                    .last()
+                    .is_some_and(|p| patched_condition(p)["status"] == "True")
+        })
+        .await?;
+    let event = requests
+        .iter()
+        .find(|r| is_event(r, "default", "GPUUnhealthy"))
+        .ok_or("no Event")?;
+    assert_eq!(
+        event.body["note"],
+        "device GPU-1 (index 1): Unhealthy: XID 79."
+    );
     Ok(())
 }
