@@ -330,7 +330,9 @@ impl Cluster {
             self.client.clone(),
             Reporter {
                 controller: CONTROLLER.into(),
-                instance: Some(format!("{CONTROLLER}-{}", self.node)),
+                // `kubectl describe` shows "From: <controller>, <instance>", as "kubelet, <node>" for the
+                // kubelet's own Events.
+                instance: Some(self.node.clone()),
             },
         );
         let mut bucket = TokenBucket::new(budget, Instant::now());

@@ -173,10 +173,7 @@ async fn a_fault_reaches_the_pod_and_the_node_and_recovery_clears_it() -> TestRe
     );
     assert_eq!(pod_event["type"], "Warning");
     assert_eq!(pod_event["reportingController"], "gpu-device-plugin");
-    assert_eq!(
-        pod_event["reportingInstance"],
-        format!("gpu-device-plugin-{NODE}")
-    );
+    assert_eq!(pod_event["reportingInstance"], NODE);
     let note = pod_event["note"].as_str().unwrap();
     let prefix = format!(
         "device {} (index 2), used by container trainer: Unhealthy: ",
