@@ -145,7 +145,7 @@ pub struct Args {
         env = "GPU_DEVICE_PLUGIN_POD_RESOURCES_SOCKET",
         value_name = "PATH"
     )]
-    pub pod_resources_socket: Option<PathBuf>,
+    pub pod_resources_socket: Option<String>,
 
     /// Report to the Kubernetes API (Events, the GPUUnhealthy node condition) when it can be reached
     /// [default: true]
@@ -154,7 +154,7 @@ pub struct Args {
 
     /// A kubeconfig for the API server [default: the pod's service account]
     #[arg(long, env = "KUBECONFIG", value_name = "FILE")]
-    pub kubeconfig: Option<PathBuf>,
+    pub kubeconfig: Option<String>,
 
     /// The node's name, for its Events and condition (from the downward API: spec.nodeName)
     #[arg(long, env = "NODE_NAME", value_name = "NAME")]
@@ -420,7 +420,11 @@ impl Settings {
                 Some(d) => d,
                 None => std::time::Duration::from_secs(30),
             },
-            pod_resources_socket: match args.pod_resources_socket.or(file.pod_resources_socket) {
+            pod_resources_socket: match args
+                .pod_resources_socket
+                .map(PathBuf::from)
+                .or(file.pod_resources_socket)
+            {
                 Some(path) if path.as_os_str().is_empty() => None,
                 Some(path) => Some(path),
                 None => Some(crate::api::pod_resources::DEFAULT_SOCKET.into()),
@@ -429,6 +433,7 @@ impl Settings {
                 enabled: args.kube_api.or(file.kube_api).unwrap_or(true),
                 kubeconfig: args
                     .kubeconfig
+                    .map(PathBuf::from)
                     .or(file.kubeconfig)
                     .filter(|p| !p.as_os_str().is_empty()),
                 node_name: args.node_name.filter(|n| !n.is_empty()),
@@ -678,6 +683,31 @@ mod tests {
             .err()
             .unwrap_or_default();
         assert!(err.contains("--http-addr"), "{err}");
+    }
+
+    #[test]
+    fn the_api_roads_can_each_be_turned_off_and_an_empty_value_means_off() {
+        let s = settings(&[
+            "--pod-resources-socket",
+            "",
+            "--kubeconfig",
+            "",
+            "--kube-api=false",
+            "--node-name",
+            "gpu-7",
+        ]);
+        let s = s.as_ref().map(|s| (&s.pod_resources_socket, &s.cluster));
+        assert_eq!(
+            s.map(|(pods, cluster)| (pods.clone(), cluster.enabled, cluster.kubeconfig.clone())),
+            Ok((None, false, None))
+        );
+        assert_eq!(
+            s.map(|(_, c)| c.node_name.clone()),
+            Ok(Some("gpu-7".into()))
+        );
+        let pods =
+            settings(&["--pod-resources-socket", "/run/pr.sock"]).map(|s| s.pod_resources_socket);
+        assert_eq!(pods, Ok(Some(PathBuf::from("/run/pr.sock"))));
     }
 
     #[test]

@@ -77,6 +77,9 @@ pub(crate) enum Measure {
     Fault,
     /// Surge rolling-update hand-over on a legacy kubelet.
     Surge,
+    /// Fault → kubelet with every surface on (HTTP, pod-resources, Events and the node condition against a
+    /// recording API server) and with all of them off, interleaved. This workspace's plugin only.
+    Surfaces,
 }
 
 impl Args {

@@ -82,6 +82,173 @@ pub(crate) async fn all(
             format!("{} of {}", samples.len(), counts.faults),
         );
     }
+    if args.runs(Measure::Surfaces) && rig.is_ours() {
+        surfaces(rig, devices, counts.faults, report).await?;
+    }
+    Ok(())
+}
+
+/// Fault → kubelet with every other road on and with all of them off, one instance of each in turn, so that
+/// both see the same machine. "On": HTTP on an ephemeral port, the fake kubelet's pod-resources API with a pod
+/// holding every GPU, and Events and the node condition going to a recording API server (each fault: a
+/// pod-resources List, a Node and a pod Event, a condition patch). "Off": `--http-addr ''
+/// --pod-resources-socket '' --kube-api=false`.
+async fn surfaces(
+    rig: &Rig,
+    devices: usize,
+    count: usize,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    use fake_kubelet::apiserver::FakeApiServer;
+    const NODE: &str = "bench-node";
+    let pod_resources = rig.work_dir().join("pod-resources.sock");
+    rig.kubelet
+        .lock()
+        .await
+        .serve_pod_resources(&pod_resources)?;
+    let api = FakeApiServer::start().await?;
+    api.add_node(NODE);
+    api.add_pod("bench", "trainer-0");
+    let kubeconfig = rig.work_dir().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+    let path = |p: &std::path::Path| p.to_string_lossy().into_owned();
+    let on: Vec<String> = [
+        "--http-addr",
+        "127.0.0.1:0",
+        "--pod-resources-socket",
+        &path(&pod_resources),
+        "--kubeconfig",
+        &path(&kubeconfig),
+    ]
+    .map(String::from)
+    .to_vec();
+    let off: Vec<String> = [
+        "--http-addr",
+        "",
+        "--pod-resources-socket",
+        "",
+        "--kube-api=false",
+    ]
+    .map(String::from)
+    .to_vec();
+    let node_env = [("NODE_NAME", std::ffi::OsStr::new(NODE))];
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    let mut missed = 0;
+    let mut events_before = 0;
+    let mut events_missing = None;
+    // Resident memory after an instance's faults, the most of any instance, with and without.
+    let (mut rss_on, mut rss_off) = (0u64, 0u64);
+    while with.len() + without.len() + missed < 2 * count {
+        for surfaces_on in [false, true] {
+            let want = count.saturating_sub(if surfaces_on {
+                with.len()
+            } else {
+                without.len()
+            });
+            if want == 0 {
+                continue;
+            }
+            let n = rig.next_registration().await;
+            let plugin = if surfaces_on {
+                rig.spawn_with(devices, None, &on, &node_env)?
+            } else {
+                rig.spawn_with(devices, None, &off, &[])?
+            };
+            rig.wait_registered(n, &plugin).await?;
+            let kubelet = rig.kubelet.lock().await;
+            kubelet
+                .wait_list("every GPU listed healthy", WAIT, |l| {
+                    l.registration >= n && l.allocatable() == devices
+                })
+                .await?;
+            if surfaces_on {
+                // One pod holds every GPU, so that each fault has a pod to tell.
+                kubelet.remove_pod("bench", "trainer-0");
+                for i in 0..devices {
+                    let id = uuid(i);
+                    kubelet
+                        .allocate_to("bench", "trainer-0", &format!("worker-{i}"), &[&id])
+                        .await?;
+                }
+            }
+            for i in 0..devices.min(want) {
+                let id = uuid(i);
+                let injected = rig.inject(&[format!("xid {id} 79")])?;
+                match kubelet
+                    .wait_list("fault", WAIT, |l| {
+                        l.registration >= n && l.health(&id) == Some("Unhealthy")
+                    })
+                    .await
+                    .ok()
+                    .and_then(|list| list.received_at)
+                {
+                    Some(at) => {
+                        let took = at.saturating_duration_since(injected);
+                        if surfaces_on {
+                            with.push(took);
+                        } else {
+                            without.push(took);
+                        }
+                    }
+                    None => missed += 1,
+                }
+            }
+            drop(kubelet);
+            if let Ok(sample) = ProcSample::read(plugin.pid()) {
+                let rss = if surfaces_on {
+                    &mut rss_on
+                } else {
+                    &mut rss_off
+                };
+                *rss = (*rss).max(sample.rss_kib);
+            }
+            if surfaces_on {
+                // The API side really ran: two Events per fault (the Node and the pod) reached the API server.
+                let wanted = events_before + 2 * devices.min(want);
+                let seen = api
+                    .wait_for("the Events of this instance's faults", WAIT, |r| {
+                        r.iter().filter(|r| r.path.ends_with("/events")).count() >= wanted
+                    })
+                    .await
+                    .is_ok();
+                if !seen {
+                    events_missing = Some(wanted);
+                }
+                events_before = wanted;
+            }
+            plugin.stop().await;
+        }
+    }
+    report.latency(
+        &format!("fault (XID 79) → kubelet sees Unhealthy, {devices} GPUs, every surface off"),
+        &without,
+    );
+    report.latency(
+        &format!(
+            "fault (XID 79) → kubelet sees Unhealthy, {devices} GPUs, every surface on (HTTP, pod-resources, Events, node condition)"
+        ),
+        &with,
+    );
+    report.value(
+        "RSS after the faults, every surface off",
+        rss_off as f64 / 1024.0,
+        "MiB",
+    );
+    report.value(
+        "RSS after the faults, every surface on",
+        rss_on as f64 / 1024.0,
+        "MiB",
+    );
+    report.check(
+        "surfaces on: every fault's Events (Node and pod) reached the API server",
+        events_missing.is_none(),
+        events_missing.map_or_else(String::new, |n| format!("fewer than {n} Events")),
+    );
+    report.check(
+        "surfaces: every fault seen",
+        missed == 0,
+        format!("{missed} missed"),
+    );
     Ok(())
 }
 

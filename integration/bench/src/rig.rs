@@ -155,6 +155,18 @@ impl Rig {
         shell_words::join(&self.command)
     }
 
+    /// Whether the plugin measured is this workspace's (whose flags the measures may add to).
+    pub(crate) fn is_ours(&self) -> bool {
+        self.command
+            .first()
+            .is_some_and(|c| c.ends_with("/gpu-device-plugin"))
+    }
+
+    /// The work directory (tmpfs where there is one).
+    pub(crate) fn work_dir(&self) -> &Path {
+        self.work.path()
+    }
+
     fn config(&self) -> PathBuf {
         self.work.path().join("gpus.json")
     }
@@ -175,6 +187,18 @@ impl Rig {
         &self,
         devices: usize,
         shared_state: Option<&Path>,
+    ) -> anyhow::Result<Plugin> {
+        self.spawn_with(devices, shared_state, &[], &[])
+    }
+
+    /// As [`Rig::spawn_with_state`], with arguments added to the plugin's command line and environment
+    /// variables set.
+    pub(crate) fn spawn_with(
+        &self,
+        devices: usize,
+        shared_state: Option<&Path>,
+        extra_args: &[String],
+        envs: &[(&str, &std::ffi::OsStr)],
     ) -> anyhow::Result<Plugin> {
         let list: Vec<String> = (0..devices)
             .map(|i| format!(r#"{{"uuid":"{}","minor":{i}}}"#, uuid(i)))
@@ -198,6 +222,8 @@ impl Rig {
         }
         let child = Command::new(fill(&self.command[0]))
             .args(self.command[1..].iter().map(fill))
+            .args(extra_args)
+            .envs(envs.iter().copied())
             .env("FAKE_NVML_CONFIG", self.config())
             .env("FAKE_NVML_EVENTS", self.events())
             .env("LD_LIBRARY_PATH", library_path)
