@@ -3,7 +3,8 @@
 //! GPU is Unhealthy, with each one's message.
 //!
 //! It follows the published inventory and never touches the kubelet path: a fault reaches ListAndWatch
-//! first; this side sees it afterwards, through the same `watch`, and does its API calls on tasks of its own.
+//! first; this side sees it afterwards, through the same `watch`, and does its API calls on a thread of its
+//! own, with its own runtime.
 //! API errors are retried with backoff; a storm of faults is held to a budget of Events ([`EventBudget`]),
 //! and the node condition always carries the newest state (older ones still waiting are skipped).
 //!
@@ -16,10 +17,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
-use kube::api::{Api, Patch, PatchParams};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Config};
+use serde::Deserialize;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
@@ -171,8 +173,7 @@ impl ApiAccess {
     /// client's TLS set-up is work the kubelet must not wait behind), builds the client, writes the node
     /// condition, and from then on follows `inventory`: the condition on every change of health, Events on
     /// every transition. A transition between `before` (the inventory as the plugin started) and the
-    /// start is reported too. Must be called inside a tokio runtime; the tasks end when the inventory's
-    /// sender does.
+    /// start is reported too. Runs on a thread of its own, which ends when the inventory's sender does.
     pub fn spawn(
         self,
         start: impl std::future::Future<Output = ()> + Send + 'static,
@@ -182,17 +183,10 @@ impl ApiAccess {
         metrics: Option<Arc<Metrics>>,
         budget: EventBudget,
     ) {
-        tokio::spawn(async move {
+        let report = async move {
             start.await;
             let server = self.config.cluster_url.to_string();
-            // Loading the TLS roots takes tens of milliseconds of CPU: on a thread of its own, so that a fault
-            // arriving meanwhile is not held up on the runtime's thread.
-            let config = self.config;
-            let built = tokio::task::spawn_blocking(move || Client::try_from(config))
-                .await
-                .map_err(|e| e.to_string())
-                .and_then(|r| r.map_err(|e| e.to_string()));
-            let client = match built {
+            let client = match Client::try_from(self.config) {
                 Ok(client) => client,
                 Err(e) => {
                     tracing::warn!(error = %e, %server, "cannot build a Kubernetes API client: no Events and no node condition; everything else works");
@@ -210,7 +204,25 @@ impl ApiAccess {
             tokio::spawn(cluster.clone().keep_condition(wanted, metrics.clone()));
             tokio::spawn(cluster.send_events(queue, budget, metrics.clone()));
             follow(before, inventory, conditions, notes, pods, metrics).await;
-        });
+        };
+        // A thread and runtime of their own: building the client (TLS roots: tens of milliseconds of CPU),
+        // encoding Events and talking HTTP never take a turn on the thread that carries faults to the kubelet.
+        let thread = std::thread::Builder::new()
+            .name("kube-api".into())
+            .spawn(move || {
+                match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime.block_on(report),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot start the Kubernetes API side's runtime: no Events and no node condition");
+                    }
+                }
+            });
+        if let Err(e) = thread {
+            tracing::warn!(error = %e, "cannot start the Kubernetes API side's thread: no Events and no node condition");
+        }
     }
 }
 
@@ -222,7 +234,6 @@ impl Cluster {
         mut wanted: watch::Receiver<WantedCondition>,
         metrics: Option<Arc<Metrics>>,
     ) {
-        let nodes: Api<Node> = Api::all(self.client.clone());
         // What the node says now: (status, lastTransitionTime) of our condition, once read.
         let mut on_node: Option<Option<(String, String)>> = None;
         let mut failing = false;
@@ -230,7 +241,7 @@ impl Cluster {
             let target = wanted.borrow_and_update().clone();
             let mut delay = FIRST_RETRY;
             loop {
-                let result = self.write_condition(&nodes, &target, &mut on_node).await;
+                let result = self.write_condition(&target, &mut on_node).await;
                 if let Some(metrics) = &metrics {
                     metrics.api_call("node_condition", result.is_ok());
                 }
@@ -266,26 +277,28 @@ impl Cluster {
         }
     }
 
+    /// Reads the node's conditions (once) and patches ours. The requests are made by hand with a view of
+    /// only the fields used: the typed Node would bring the code to decode every field of a Node into the
+    /// binary, and its pages into every node's memory.
     async fn write_condition(
         &self,
-        nodes: &Api<Node>,
         target: &WantedCondition,
         on_node: &mut Option<Option<(String, String)>>,
     ) -> Result<(), kube::Error> {
+        let path = format!("/api/v1/nodes/{}", self.node);
         let known = match on_node {
             Some(known) => known.clone(),
             None => {
-                let node = nodes.get(&self.node).await?;
+                let request = hyper::Request::get(&path)
+                    .body(Vec::new())
+                    .map_err(kube::Error::HttpError)?;
+                let node: NodeView = self.client.request(request).await?;
                 let found = node
                     .status
-                    .and_then(|s| s.conditions)
-                    .unwrap_or_default()
+                    .conditions
                     .into_iter()
                     .find(|c| c.type_ == CONDITION_TYPE)
-                    .and_then(|c| {
-                        let time = serde_json::to_value(&c.last_transition_time).ok()?;
-                        Some((c.status, time.as_str()?.to_string()))
-                    });
+                    .map(|c| (c.status, c.last_transition_time.unwrap_or_default()));
                 *on_node = Some(found.clone());
                 found
             }
@@ -308,13 +321,11 @@ impl Cluster {
                 }]
             }
         });
-        nodes
-            .patch_status(
-                &self.node,
-                &PatchParams::default(),
-                &Patch::Strategic(&patch),
-            )
-            .await?;
+        let request = hyper::Request::patch(format!("{path}/status"))
+            .header("content-type", "application/strategic-merge-patch+json")
+            .body(patch.to_string().into_bytes())
+            .map_err(kube::Error::HttpError)?;
+        self.client.request_text(request).await?;
         *on_node = Some(Some((status.to_string(), transition)));
         Ok(())
     }
@@ -399,8 +410,9 @@ impl Cluster {
                 ..Default::default()
             },
             Target::Pod { namespace, name } => {
+                // Only the metadata: decoding a whole Pod takes a lot of code for one field.
                 let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-                let uid = match pods.get(name).await {
+                let uid = match pods.get_metadata(name).await {
                     Ok(pod) => pod.metadata.uid,
                     Err(e) => {
                         tracing::debug!(error = %explain(&e, "get on pods"), pod = %name, "pod UID unknown; its Event will show in `kubectl get events`, not in `kubectl describe pod`");
@@ -460,6 +472,29 @@ async fn follow(
             return;
         }
     }
+}
+
+/// The part of a Node the condition needs.
+#[derive(Debug, Default, Deserialize)]
+struct NodeView {
+    #[serde(default)]
+    status: NodeStatusView,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct NodeStatusView {
+    #[serde(default)]
+    conditions: Vec<ConditionView>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ConditionView {
+    #[serde(rename = "type")]
+    type_: String,
+    status: String,
+    #[serde(default)]
+    last_transition_time: Option<String>,
 }
 
 /// One device's change of health.

@@ -5,7 +5,7 @@
 //!
 //! - `GET /api/v1/nodes/{name}`, `PATCH /api/v1/nodes/{name}/status` (strategic merge: conditions merge by
 //!   type, as the API server merges them);
-//! - `GET /api/v1/namespaces/{ns}/pods/{name}`;
+//! - `GET /api/v1/namespaces/{ns}/pods/{name}` (metadata only when asked for `as=PartialObjectMetadata`);
 //! - `POST /apis/events.k8s.io/v1/namespaces/{ns}/events`, `PATCH .../events/{name}` (JSON merge patch).
 //!
 //! Anything else is 404. [`FakeApiServer::forbid`] answers every request 403 (a service account without the
@@ -212,6 +212,12 @@ async fn handle(
         .get("content-type")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
+    // A client asking for metadata only (`as=PartialObjectMetadata`) gets it, as from the real API server.
+    let metadata_only = request
+        .headers()
+        .get("accept")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("as=PartialObjectMetadata"));
     let body = match request.into_body().collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(_) => Bytes::new(),
@@ -237,10 +243,17 @@ async fn handle(
             }
         }
     };
-    let (status, reply) = {
+    let (status, mut reply) = {
         let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
         route(&mut state, &method, &path, content_type.as_deref(), &body)
     };
+    if metadata_only && method == Method::GET && status == StatusCode::OK {
+        reply = json!({
+            "kind": "PartialObjectMetadata",
+            "apiVersion": "meta.k8s.io/v1",
+            "metadata": reply["metadata"].clone(),
+        });
+    }
     answer(
         requests,
         Recorded {
