@@ -280,17 +280,33 @@ async fn a_fault_reaches_the_pod_and_the_node_and_recovery_clears_it() -> TestRe
     let refused: Vec<&Recorded> = requests.iter().filter(|r| r.status >= 300).collect();
     assert!(refused.is_empty(), "{refused:#?}");
 
-    let metrics = http::get(&addr, "/metrics").await?.1;
-    let metrics = String::from_utf8_lossy(&metrics);
-    let sent = metrics
-        .lines()
-        .find(|l| {
-            l.starts_with("gpu_device_plugin_kubernetes_api_writes_total")
-                && l.contains("request=\"event\"")
-                && l.contains("result=\"ok\"")
-        })
-        .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok());
-    assert_eq!(sent, Some(4), "{metrics}");
+    // The API server records a request before the plugin has read its answer: the counter follows a moment
+    // later, on the plugin's API thread.
+    let sent = |metrics: &str| {
+        metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("gpu_device_plugin_kubernetes_api_writes_total")
+                    && l.contains("request=\"event\"")
+                    && l.contains("result=\"ok\"")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+    };
+    let mut metrics = String::new();
+    let counted = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Ok((_, body)) = http::get(&addr, "/metrics").await {
+                metrics = String::from_utf8_lossy(&body).into_owned();
+                if sent(&metrics) >= Some(4) {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(counted.is_ok(), "{metrics}");
+    assert_eq!(sent(&metrics), Some(4), "{metrics}");
     Ok(())
 }
 

@@ -26,7 +26,6 @@ use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_util::task::AbortOnDropHandle;
 
 /// One request as it arrived, with the answer's status.
 #[derive(Debug, Clone, PartialEq)]
@@ -60,41 +59,44 @@ pub struct FakeApiServer {
     addr: SocketAddr,
     state: Arc<Mutex<State>>,
     requests: Arc<watch::Sender<Vec<Recorded>>>,
-    _task: AbortOnDropHandle<()>,
+    /// Stops the server's thread when dropped.
+    _stop: tokio_util::sync::DropGuard,
 }
 
 impl FakeApiServer {
-    /// Starts serving on a free loopback port.
+    /// Starts serving on a free loopback port, on a thread and runtime of its own, as a separate process
+    /// would: the API server's work never takes a turn on the caller's threads (a benchmark's kubelet side
+    /// among them).
     pub async fn start() -> std::io::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let state = Arc::new(Mutex::new(State::default()));
         let requests = Arc::new(watch::Sender::new(Vec::new()));
-        let task = tokio::spawn({
-            let (state, requests) = (state.clone(), requests.clone());
-            async move {
-                loop {
-                    let Ok((stream, _)) = listener.accept().await else {
-                        continue;
+        let stop = tokio_util::sync::CancellationToken::new();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (served_state, served_requests, stopped) =
+            (state.clone(), requests.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name("fake-apiserver".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let Ok(listener) = TcpListener::from_std(listener) else {
+                        return;
                     };
-                    let (state, requests) = (state.clone(), requests.clone());
-                    tokio::spawn(async move {
-                        let service = hyper::service::service_fn(move |request| {
-                            let (state, requests) = (state.clone(), requests.clone());
-                            async move { Ok::<_, Infallible>(handle(request, &state, &requests).await) }
-                        });
-                        let _closed = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(TokioIo::new(stream), service)
-                            .await;
-                    });
-                }
-            }
-        });
+                    tokio::select! {
+                        () = stopped.cancelled() => {}
+                        () = serve(listener, served_state, served_requests) => {}
+                    }
+                });
+            })?;
         Ok(FakeApiServer {
             addr,
             state,
             requests,
-            _task: AbortOnDropHandle::new(task),
+            _stop: stop.drop_guard(),
         })
     }
 
@@ -196,6 +198,30 @@ impl FakeApiServer {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         f(&mut state)
+    }
+}
+
+async fn serve(
+    listener: TcpListener,
+    state: Arc<Mutex<State>>,
+    requests: Arc<watch::Sender<Vec<Recorded>>>,
+) {
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let (state, requests) = (state.clone(), requests.clone());
+        connections.spawn(async move {
+            let service = hyper::service::service_fn(move |request| {
+                let (state, requests) = (state.clone(), requests.clone());
+                async move { Ok::<_, Infallible>(handle(request, &state, &requests).await) }
+            });
+            let _closed = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+        while connections.try_join_next().is_some() {}
     }
 }
 

@@ -203,7 +203,8 @@ pub struct FakeKubelet {
     server: Option<AbortOnDropHandle<()>>,
     /// Where the pod-resources API is served, if it is ([`FakeKubelet::serve_pod_resources`]).
     pod_resources: Option<PathBuf>,
-    pod_server: Option<AbortOnDropHandle<()>>,
+    /// Stops the pod-resources server's thread when dropped.
+    pod_server: Option<tokio_util::sync::DropGuard>,
 }
 
 impl FakeKubelet {
@@ -296,22 +297,40 @@ impl FakeKubelet {
     /// stops. It lists the containers given devices by [`FakeKubelet::allocate_to`].
     pub fn serve_pod_resources(&mut self, path: &Path) -> Result<(), FakeKubeletError> {
         let _stale = std::fs::remove_file(path);
-        let listener = UnixListener::bind(path).map_err(|source| FakeKubeletError::Bind {
+        let bind_err = |source| FakeKubeletError::Bind {
             path: path.display().to_string(),
             source,
-        })?;
+        };
+        let listener = std::os::unix::net::UnixListener::bind(path).map_err(bind_err)?;
+        listener.set_nonblocking(true).map_err(bind_err)?;
         let service = gpu_device_plugin::api::pod_resources::pod_resources_lister_server::PodResourcesListerServer::new(
             pod_resources::Service::new(self.shared.pods.clone(), self.shared.pod_calls.clone()),
         );
-        let task = tokio::spawn(async move {
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-            let _ended = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming(incoming)
-                .await;
-        });
+        // A thread and runtime of its own, as the kubelet serves it from other threads than the device
+        // manager's: its calls never hold up the device plugin side (a benchmark's time-stamps among it).
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(bind_err)?;
+        let stop = CancellationToken::new();
+        let stopped = stop.clone();
+        std::thread::Builder::new()
+            .name("pod-resources".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let Ok(listener) = UnixListener::from_std(listener) else {
+                        return;
+                    };
+                    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+                    let server = tonic::transport::Server::builder()
+                        .add_service(service)
+                        .serve_with_incoming_shutdown(incoming, stopped.cancelled());
+                    let _ended = server.await;
+                });
+            })
+            .map_err(bind_err)?;
         self.pod_resources = Some(path.to_owned());
-        self.pod_server = Some(AbortOnDropHandle::new(task));
+        self.pod_server = Some(stop.drop_guard());
         Ok(())
     }
 
