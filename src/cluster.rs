@@ -51,6 +51,10 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(15);
 const EVENT_ATTEMPTS: u32 = 4;
 const FIRST_RETRY: Duration = Duration::from_secs(1);
 const MAX_RETRY: Duration = Duration::from_secs(60);
+/// A change is reported once the device list has been quiet this long (a burst of faults settles), and at
+/// most this long after it.
+const SETTLE: Duration = Duration::from_millis(100);
+const SETTLE_AT_MOST: Duration = Duration::from_secs(1);
 /// Events waiting to be sent; more are dropped (and counted), as over the budget.
 const QUEUE: usize = 256;
 
@@ -470,6 +474,20 @@ async fn follow(
         }
         if inventory.changed().await.is_err() {
             return;
+        }
+        // Let a burst settle: the kubelet gets each fault of a burst first, and the burst is then reported
+        // in one go (one pod lookup, one condition write), not interleaved with faults still arriving.
+        let deadline = tokio::time::Instant::now() + SETTLE_AT_MOST;
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(SETTLE) => break,
+                () = tokio::time::sleep_until(deadline) => break,
+                changed = inventory.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                }
+            }
         }
     }
 }
