@@ -89,10 +89,11 @@ pub(crate) async fn all(
 }
 
 /// Fault → kubelet with every other road on and with all of them off, one instance of each in turn, so that
-/// both see the same machine. "On": HTTP on an ephemeral port, the fake kubelet's pod-resources API with a pod
-/// holding every GPU, and Events and the node condition going to a recording API server (each fault: a
-/// pod-resources List, a Node and a pod Event, a condition patch). "Off": `--http-addr ''
-/// --pod-resources-socket '' --kube-api=false`.
+/// both see the same machine; either way a pod holds every GPU (eight Allocates before the faults). "On":
+/// HTTP on an ephemeral port, the fake kubelet's pod-resources API, and Events and the node condition going
+/// to a recording API server (per burst of faults: a pod-resources List, a Node and a pod Event per fault, a
+/// condition patch); faults start once the instance has written its first node condition (its API client is
+/// built). "Off": `--http-addr '' --pod-resources-socket '' --kube-api=false`.
 async fn surfaces(
     rig: &Rig,
     devices: usize,
@@ -136,6 +137,7 @@ async fn surfaces(
     let mut missed = 0;
     let mut events_before = 0;
     let mut events_missing = None;
+    let mut instances_on = 0;
     // Resident memory after an instance's faults, the most of any instance, with and without.
     let (mut rss_on, mut rss_off) = (0u64, 0u64);
     while with.len() + without.len() + missed < 2 * count {
@@ -162,14 +164,25 @@ async fn surfaces(
                 })
                 .await?;
             if surfaces_on {
-                // One pod holds every GPU, so that each fault has a pod to tell.
-                kubelet.remove_pod("bench", "trainer-0");
-                for i in 0..devices {
-                    let id = uuid(i);
-                    kubelet
-                        .allocate_to("bench", "trainer-0", &format!("worker-{i}"), &[&id])
-                        .await?;
-                }
+                // Steady state: the API client is built (its TLS set-up is tens of milliseconds of CPU right
+                // after registration) once the instance has written its first node condition.
+                instances_on += 1;
+                api.wait_for("this instance's first node condition", WAIT, |r| {
+                    r.iter()
+                        .filter(|r| r.method == "PATCH" && r.path.ends_with("/status"))
+                        .count()
+                        >= instances_on
+                })
+                .await
+                .map_err(anyhow::Error::msg)?;
+            }
+            // One pod holds every GPU, so that each fault has a pod to tell (both ways: the same kubelet calls).
+            kubelet.remove_pod("bench", "trainer-0");
+            for i in 0..devices {
+                let id = uuid(i);
+                kubelet
+                    .allocate_to("bench", "trainer-0", &format!("worker-{i}"), &[&id])
+                    .await?;
             }
             for i in 0..devices.min(want) {
                 let id = uuid(i);
