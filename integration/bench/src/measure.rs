@@ -186,17 +186,8 @@ async fn surfaces(
             }
             for i in 0..devices.min(want) {
                 let id = uuid(i);
-                let injected = rig.inject(&[format!("xid {id} 79")])?;
-                match kubelet
-                    .wait_list("fault", WAIT, |l| {
-                        l.registration >= n && l.health(&id) == Some("Unhealthy")
-                    })
-                    .await
-                    .ok()
-                    .and_then(|list| list.received_at)
-                {
-                    Some(at) => {
-                        let took = at.saturating_duration_since(injected);
+                match one_fault(rig, &kubelet, n, &id).await? {
+                    Some(took) => {
                         if surfaces_on {
                             with.push(took);
                         } else {
@@ -620,6 +611,26 @@ async fn storm(
     Ok(())
 }
 
+/// XID 79 on `id`: the time from the write to the kubelet holding a list from registration `n` or later
+/// that shows it Unhealthy, or `None` if none came.
+async fn one_fault(
+    rig: &Rig,
+    kubelet: &fake_kubelet::FakeKubelet,
+    n: usize,
+    id: &str,
+) -> anyhow::Result<Option<Duration>> {
+    let injected = rig.inject(&[format!("xid {id} 79")])?;
+    let list = kubelet
+        .wait_list("fault", WAIT, |l| {
+            l.registration >= n && l.health(id) == Some("Unhealthy")
+        })
+        .await
+        .ok();
+    Ok(list
+        .and_then(|l| l.received_at)
+        .map(|at| at.saturating_duration_since(injected)))
+}
+
 async fn fault_latency(
     rig: &Rig,
     devices: usize,
@@ -648,18 +659,9 @@ async fn fault_latency(
                 })?;
             for i in 0..devices.min(count - samples.len() - missed) {
                 let id = uuid(i);
-                let injected = rig.inject(&[format!("xid {id} 79")])?;
-                match kubelet
-                    .wait_list("fault", WAIT, |l| {
-                        l.registration >= n && l.health(&id) == Some("Unhealthy")
-                    })
-                    .await
-                {
-                    Ok(list) => match list.received_at {
-                        Some(at) => samples.push(at.saturating_duration_since(injected)),
-                        None => missed += 1,
-                    },
-                    Err(_) => missed += 1,
+                match one_fault(rig, &kubelet, n, &id).await? {
+                    Some(took) => samples.push(took),
+                    None => missed += 1,
                 }
             }
         }
