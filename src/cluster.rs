@@ -244,6 +244,8 @@ impl Cluster {
         loop {
             let target = wanted.borrow_and_update().clone();
             let mut delay = FIRST_RETRY;
+            // Whether a newer state arrived while this one was being retried (then it is written at once).
+            let mut newer = false;
             loop {
                 let result = self.write_condition(&target, &mut on_node).await;
                 if let Some(metrics) = &metrics {
@@ -268,6 +270,7 @@ impl Cluster {
                             () = tokio::time::sleep(delay) => {}
                             changed = wanted.changed() => {
                                 if changed.is_err() { return; }
+                                newer = true;
                                 break;
                             }
                         }
@@ -275,7 +278,7 @@ impl Cluster {
                     }
                 }
             }
-            if !wanted.has_changed().unwrap_or(false) && wanted.changed().await.is_err() {
+            if !newer && !wanted.has_changed().unwrap_or(false) && wanted.changed().await.is_err() {
                 return;
             }
         }

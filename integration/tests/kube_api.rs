@@ -591,3 +591,42 @@ async fn a_fault_before_the_api_client_starts_is_still_reported() -> TestResult 
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn a_change_while_the_condition_is_being_retried_is_the_one_written() -> TestResult {
+    let node = ApiNode::start("{}\n").await?;
+    node.wait("the first condition", |r| !condition_patches(r).is_empty())
+        .await?;
+    node.api.forbid(true);
+    node.inject(&[format!("xid {} 79", gpu(1))]);
+    node.wait("a refused write of the condition", |r| {
+        r.iter()
+            .any(|r| r.status == 403 && r.path.starts_with("/api/v1/nodes/"))
+    })
+    .await?;
+    // While the plugin backs off, a second GPU fails; then access is granted.
+    node.inject(&[format!("xid {} 79", gpu(2))]);
+    node.kubelet
+        .wait_list("GPU 2 Unhealthy", WAIT, |l| {
+            l.health(&gpu(2)) == Some("Unhealthy")
+        })
+        .await?;
+    node.wait("the plugin trying again after the second fault", |r| {
+        r.iter()
+            .filter(|r| r.status == 403 && r.path.starts_with("/api/v1/nodes/"))
+            .count()
+            >= 2
+    })
+    .await?;
+    node.api.forbid(false);
+    node.wait("the newest condition written", |r| {
+        condition_patches(r).last().is_some_and(|p| {
+            p.status == 200
+                && patched_condition(p)["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("2 of 4 GPUs Unhealthy."))
+        })
+    })
+    .await?;
+    Ok(())
+}
