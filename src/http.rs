@@ -32,9 +32,6 @@ pub const DEFAULT_ADDR: &str = "127.0.0.1:9412";
 /// How long the monitor has to answer before `/healthz` says it is stuck.
 const MONITOR_ANSWER: Duration = Duration::from_secs(2);
 
-/// The HTTP surfaces start at the latest this long after the plugin, registered or not.
-const START_AT_LATEST: Duration = Duration::from_secs(2);
-
 /// How long to wait before trying the address again when it is taken (during a rolling update with the host
 /// network, the old instance holds it until it exits).
 const BIND_RETRY: Duration = Duration::from_secs(5);
@@ -65,15 +62,10 @@ const PODS_MAX_AGE: Duration = Duration::from_secs(5);
 /// again every few seconds (said once at warn level): the plugin's real work never waits for it.
 ///
 /// The kubelet first: the surfaces start once the kubelet has accepted the first registration, or after
-/// [`START_AT_LATEST`] without one, so that their start-up work never delays the plugin's own.
+/// [`crate::kubelet::OTHERS_START_AT_LATEST`] without one, so that their start-up work never delays the plugin's own.
 pub fn spawn(addr: SocketAddr, context: Context, shutdown: CancellationToken) {
     tokio::spawn(async move {
-        let mut kubelet = context.kubelet.clone();
-        // Registered, or late: either way, start (the watch's guard is not kept).
-        let registered =
-            tokio::time::timeout(START_AT_LATEST, kubelet.wait_for(|k| k.registrations > 0))
-                .await
-                .is_ok_and(|r| r.is_ok());
+        let registered = crate::kubelet::registered_or_late(context.kubelet.clone()).await;
         tracing::debug!(registered, "starting the HTTP surfaces");
         let mut warned = false;
         let listener = loop {

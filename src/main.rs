@@ -56,9 +56,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// The Kubernetes API side starts at the latest this long after the plugin, registered or not.
-const API_START_AT_LATEST: std::time::Duration = std::time::Duration::from_secs(2);
-
 /// How long shutdown waits for the last checkpoint write (well within the 2 s a DaemonSet update allows).
 const FLUSH_AT_EXIT: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -127,13 +124,9 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     if let Some(api) = api {
         // The kubelet first: the API client starts once the first registration is accepted, or after a
         // couple of seconds without one. Health changes meanwhile are reported then.
-        let mut kubelet = plugin.status.subscribe();
+        let kubelet = plugin.status.subscribe();
         let registered = async move {
-            let _either = tokio::time::timeout(
-                API_START_AT_LATEST,
-                kubelet.wait_for(|k| k.registrations > 0),
-            )
-            .await;
+            let _either = kubelet::registered_or_late(kubelet).await;
         };
         let before = monitored.inventory.borrow().clone();
         api.spawn(

@@ -36,6 +36,21 @@ use watch::DirWatch;
 /// the 2 s a DaemonSet update or node drain allows it comfortably.
 const SHUTDOWN_GRACE: Duration = Duration::from_millis(1000);
 
+/// Work that can wait for the kubelet (the HTTP surfaces, the API client) starts once the kubelet has accepted
+/// the first registration, or this long after the plugin started without one.
+pub const OTHERS_START_AT_LATEST: Duration = Duration::from_secs(2);
+
+/// Resolves once the kubelet has accepted a registration, or after [`OTHERS_START_AT_LATEST`]; says which.
+/// The kubelet first: what starts after it never delays the plugin's own start-up.
+pub async fn registered_or_late(mut status: tokio::sync::watch::Receiver<KubeletStatus>) -> bool {
+    tokio::time::timeout(
+        OTHERS_START_AT_LATEST,
+        status.wait_for(|k| k.registrations > 0),
+    )
+    .await
+    .is_ok_and(|r| r.is_ok())
+}
+
 /// Errors that stop the plugin.
 #[derive(Debug, thiserror::Error)]
 pub enum KubeletError {
