@@ -17,6 +17,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use backon::{BackoffBuilder as _, Retryable as _};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -48,9 +49,16 @@ const CONDITION_MESSAGE_LIMIT: usize = 8 * 1024;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const CALL_TIMEOUT: Duration = Duration::from_secs(15);
 /// Retries of a failed Event before it is given up; the node condition is retried until it is written.
-const EVENT_ATTEMPTS: u32 = 4;
+const EVENT_RETRIES: usize = 3;
 const FIRST_RETRY: Duration = Duration::from_secs(1);
 const MAX_RETRY: Duration = Duration::from_secs(60);
+
+/// The waits between tries of a failed API call: 1 s, doubling to 60 s.
+fn retry_delays() -> backon::ExponentialBuilder {
+    backon::ExponentialBuilder::new()
+        .with_min_delay(FIRST_RETRY)
+        .with_max_delay(MAX_RETRY)
+}
 /// A change is reported once the device list has been quiet this long (a burst of faults settles), and at
 /// most this long after it.
 const SETTLE: Duration = Duration::from_millis(100);
@@ -243,7 +251,7 @@ impl Cluster {
         let mut failing = false;
         loop {
             let target = wanted.borrow_and_update().clone();
-            let mut delay = FIRST_RETRY;
+            let mut delays = retry_delays().without_max_times().build();
             // Whether a newer state arrived while this one was being retried (then it is written at once).
             let mut newer = false;
             loop {
@@ -266,6 +274,7 @@ impl Cluster {
                             tracing::debug!(error = %e, "node condition still not written");
                         }
                         failing = true;
+                        let delay = delays.next().unwrap_or(MAX_RETRY);
                         tokio::select! {
                             () = tokio::time::sleep(delay) => {}
                             changed = wanted.changed() => {
@@ -274,7 +283,6 @@ impl Cluster {
                                 break;
                             }
                         }
-                        delay = (delay * 2).min(MAX_RETRY);
                     }
                 }
             }
@@ -377,30 +385,16 @@ impl Cluster {
                 action: action(note.reason, &note.text),
                 secondary: None,
             };
-            let mut delay = FIRST_RETRY;
-            let mut attempt = 1;
-            loop {
-                match recorder.publish(&event, &reference).await {
-                    Ok(()) => {
-                        if let Some(metrics) = &metrics {
-                            metrics.api_call("event", true);
-                        }
-                        break;
-                    }
-                    Err(e) if attempt < EVENT_ATTEMPTS => {
-                        tracing::debug!(error = %e, attempt, "Event not recorded; retrying");
-                        tokio::time::sleep(delay).await;
-                        delay = (delay * 2).min(MAX_RETRY);
-                        attempt += 1;
-                    }
-                    Err(e) => {
-                        if let Some(metrics) = &metrics {
-                            metrics.api_call("event", false);
-                        }
-                        tracing::warn!(error = %explain(&e, "create and patch on events.k8s.io events"), reason = note.reason, "cannot record a Kubernetes Event; given up");
-                        break;
-                    }
-                }
+            let published = (|| recorder.publish(&event, &reference))
+                .retry(retry_delays().with_max_times(EVENT_RETRIES))
+                .sleep(tokio::time::sleep)
+                .notify(|e, _| tracing::debug!(error = %e, "Event not recorded; retrying"))
+                .await;
+            if let Some(metrics) = &metrics {
+                metrics.api_call("event", published.is_ok());
+            }
+            if let Err(e) = published {
+                tracing::warn!(error = %explain(&e, "create and patch on events.k8s.io events"), reason = note.reason, "cannot record a Kubernetes Event; given up");
             }
         }
     }
