@@ -5,7 +5,10 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::Duration;
+
+use gpu_device_plugin::cluster::{EventBudget, TokenBucket};
+use tokio::time::Instant;
 
 use gpu_device_plugin::api::pod_resources::pod_resources_lister_server::PodResourcesLister;
 use gpu_device_plugin::api::pod_resources::{
@@ -15,9 +18,11 @@ use gpu_device_plugin::api::pod_resources::{
 };
 use tonic::{Request, Response, Status};
 
-/// The kubelet's default limit on this API: calls a second, and the burst.
-const QPS: f64 = 100.0;
-const BURST: f64 = 10.0;
+/// The kubelet's default limit on this API: 100 calls a second (one every 10 ms), bursts of 10.
+const LIMIT: EventBudget = EventBudget {
+    burst: 10,
+    refill: Duration::from_millis(10),
+};
 
 /// What one container holds: (resource, device IDs) per Allocate.
 type Held = Vec<(String, Vec<String>)>;
@@ -75,32 +80,10 @@ impl PodTable {
     }
 }
 
-/// A token bucket, as the kubelet's limiter.
-#[derive(Debug)]
-struct Limiter {
-    tokens: f64,
-    at: Instant,
-}
-
-impl Limiter {
-    fn allow(&mut self) -> bool {
-        let now = Instant::now();
-        let refill = now.saturating_duration_since(self.at).as_secs_f64() * QPS;
-        self.tokens = (self.tokens + refill).min(BURST);
-        self.at = now;
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
-    }
-}
-
 /// The gRPC service.
 pub(crate) struct Service {
     pub(crate) table: Arc<Mutex<PodTable>>,
-    limiter: Mutex<Limiter>,
+    limiter: Mutex<TokenBucket>,
     /// Calls answered, for tests.
     pub(crate) calls: Arc<std::sync::atomic::AtomicU64>,
 }
@@ -112,16 +95,17 @@ impl Service {
     ) -> Self {
         Service {
             table,
-            limiter: Mutex::new(Limiter {
-                tokens: BURST,
-                at: Instant::now(),
-            }),
+            limiter: Mutex::new(TokenBucket::new(LIMIT, Instant::now())),
             calls,
         }
     }
 
     fn admit(&self) -> Result<std::sync::MutexGuard<'_, PodTable>, Status> {
-        let allowed = self.limiter.lock().map(|mut l| l.allow()).unwrap_or(false);
+        let allowed = self
+            .limiter
+            .lock()
+            .map(|mut l| l.take(Instant::now()))
+            .unwrap_or(false);
         if !allowed {
             return Err(Status::resource_exhausted("rejected by rate limit"));
         }
