@@ -116,6 +116,7 @@ pub enum ClusterError {
 pub struct ApiAccess {
     config: Config,
     node: String,
+    budget: EventBudget,
 }
 
 impl std::fmt::Debug for ApiAccess {
@@ -178,6 +179,7 @@ impl ApiAccess {
         Ok(Some(ApiAccess {
             config: kube_config,
             node,
+            budget: config.budget,
         }))
     }
 
@@ -193,8 +195,8 @@ impl ApiAccess {
         inventory: InventoryWatch,
         pods: Option<Arc<PodResources>>,
         metrics: Option<Arc<Metrics>>,
-        budget: EventBudget,
     ) {
+        let budget = self.budget;
         let report = async move {
             start.await;
             let server = self.config.cluster_url.to_string();

@@ -135,7 +135,6 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
             monitored.inventory.clone(),
             pods.clone(),
             Some(metrics.clone()),
-            settings.cluster.budget,
         );
     }
 

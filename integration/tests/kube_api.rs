@@ -470,7 +470,6 @@ async fn a_storm_of_faults_is_held_to_the_event_budget() -> TestResult {
         watch,
         None,
         Some(metrics.clone()),
-        budget,
     );
 
     // Every GPU fails at once, then every one recovers: 16 Events wanted, 5 allowed.
@@ -560,7 +559,6 @@ async fn a_fault_before_the_api_client_starts_is_still_reported() -> TestResult 
         watch,
         None,
         None,
-        EventBudget::default(),
     );
     // The fault comes while the plugin is still registering: nothing has been sent yet.
     inventory.send_modify(|inv| {
