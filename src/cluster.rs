@@ -221,20 +221,7 @@ impl ApiAccess {
         };
         // A thread and runtime of their own: building the client (TLS roots: tens of milliseconds of CPU),
         // encoding Events and talking HTTP never take a turn on the thread that carries faults to the kubelet.
-        let thread = std::thread::Builder::new()
-            .name("kube-api".into())
-            .spawn(move || {
-                match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(runtime) => runtime.block_on(report),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot start the Kubernetes API side's runtime: no Events and no node condition");
-                    }
-                }
-            });
-        if let Err(e) = thread {
+        if let Err(e) = crate::runtime::spawn_on_own_thread("kube-api", report) {
             tracing::warn!(error = %e, "cannot start the Kubernetes API side's thread: no Events and no node condition");
         }
     }

@@ -12,6 +12,7 @@
 //!   serves it and the `status` command shows it.
 //! - [`http`]: the HTTP surfaces: `/healthz`, `/readyz`, `/status`, `/metrics`.
 //! - [`metrics`]: the Prometheus metrics, recorded through plain methods.
+//! - [`runtime`]: a thread and runtime of their own, for work kept off the kubelet's path.
 //! - [`pods`]: which pods hold which devices, from the kubelet's pod-resources API.
 
 pub mod allocation;
@@ -25,4 +26,5 @@ pub mod kubelet;
 pub mod metrics;
 pub mod nvml;
 pub mod pods;
+pub mod runtime;
 pub mod status;

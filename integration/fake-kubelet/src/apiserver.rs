@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use gpu_device_plugin::runtime::spawn_on_own_thread;
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
@@ -74,24 +75,17 @@ impl FakeApiServer {
         let state = Arc::new(Mutex::new(State::default()));
         let requests = Arc::new(watch::Sender::new(Vec::new()));
         let stop = tokio_util::sync::CancellationToken::new();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
         let (served_state, served_requests, stopped) =
             (state.clone(), requests.clone(), stop.clone());
-        std::thread::Builder::new()
-            .name("fake-apiserver".into())
-            .spawn(move || {
-                runtime.block_on(async move {
-                    let Ok(listener) = TcpListener::from_std(listener) else {
-                        return;
-                    };
-                    tokio::select! {
-                        () = stopped.cancelled() => {}
-                        () = serve(listener, served_state, served_requests) => {}
-                    }
-                });
-            })?;
+        spawn_on_own_thread("fake-apiserver", async move {
+            let Ok(listener) = TcpListener::from_std(listener) else {
+                return;
+            };
+            tokio::select! {
+                () = stopped.cancelled() => {}
+                () = serve(listener, served_state, served_requests) => {}
+            }
+        })?;
         Ok(FakeApiServer {
             addr,
             state,

@@ -308,27 +308,19 @@ impl FakeKubelet {
         );
         // A thread and runtime of its own, as the kubelet serves it from other threads than the device
         // manager's: its calls never hold up the device plugin side (a benchmark's time-stamps among it).
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(bind_err)?;
         let stop = CancellationToken::new();
         let stopped = stop.clone();
-        std::thread::Builder::new()
-            .name("pod-resources".into())
-            .spawn(move || {
-                runtime.block_on(async move {
-                    let Ok(listener) = UnixListener::from_std(listener) else {
-                        return;
-                    };
-                    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-                    let server = tonic::transport::Server::builder()
-                        .add_service(service)
-                        .serve_with_incoming_shutdown(incoming, stopped.cancelled());
-                    let _ended = server.await;
-                });
-            })
-            .map_err(bind_err)?;
+        gpu_device_plugin::runtime::spawn_on_own_thread("pod-resources", async move {
+            let Ok(listener) = UnixListener::from_std(listener) else {
+                return;
+            };
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let server = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, stopped.cancelled());
+            let _ended = server.await;
+        })
+        .map_err(bind_err)?;
         self.pod_resources = Some(path.to_owned());
         self.pod_server = Some(stop.drop_guard());
         Ok(())
