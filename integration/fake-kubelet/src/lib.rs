@@ -164,6 +164,8 @@ struct Client {
     endpoint: String,
     /// The plugin asked (in GetDevicePluginOptions) for PreStartContainer calls.
     pre_start_required: bool,
+    /// The plugin offers GetPreferredAllocation.
+    preferred_allocation: bool,
     client: DevicePluginClient<Channel>,
     _reader: Option<AbortOnDropHandle<()>>,
 }
@@ -361,6 +363,63 @@ impl FakeKubelet {
             );
         }
         Ok(response)
+    }
+
+    /// Admits a container asking for `count` of the resource, as the kubelet's device manager does: the
+    /// devices it may get are the Healthy ones of the latest list that no container holds (the kubelet's own
+    /// record, which outlives any plugin); the plugin's GetPreferredAllocation chooses among them when it
+    /// offers it (an answer that is not `count` of them is ignored, as the kubelet ignores it), otherwise the
+    /// first in ID order; then Allocate, and the container holds them. Too few → `RESOURCE_EXHAUSTED` with the
+    /// kubelet's message. Returns the devices and the plugin's answer.
+    pub async fn admit(
+        &self,
+        namespace: &str,
+        pod: &str,
+        container: &str,
+        count: usize,
+    ) -> Result<(Vec<String>, AllocateResponse), Status> {
+        let resource = self
+            .shared
+            .registrations
+            .borrow()
+            .last()
+            .map(|r| r.resource_name.clone())
+            .unwrap_or_default();
+        let held = self
+            .shared
+            .pods
+            .lock()
+            .map(|pods| pods.held(&resource))
+            .unwrap_or_default();
+        let mut available: Vec<String> = self
+            .list()
+            .devices
+            .iter()
+            .filter(|d| d.health == "Healthy" && !held.contains(&d.id))
+            .map(|d| d.id.clone())
+            .collect();
+        available.sort();
+        if available.len() < count {
+            return Err(Status::resource_exhausted(format!(
+                "requested number of devices unavailable for {resource}. Requested: {count}, Available: {}",
+                available.len()
+            )));
+        }
+        let offers = self
+            .current(|c| c.preferred_allocation)
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        let mut chosen: Vec<String> = available[..count].to_vec();
+        if offers && count < available.len() {
+            let ids: Vec<&str> = available.iter().map(String::as_str).collect();
+            let size = i32::try_from(count).map_err(|_| Status::invalid_argument("count"))?;
+            let preferred = self.preferred_allocation(&ids, &[], size).await?;
+            if preferred.len() == count && preferred.iter().all(|id| available.contains(id)) {
+                chosen = preferred;
+            }
+        }
+        let ids: Vec<&str> = chosen.iter().map(String::as_str).collect();
+        let response = self.allocate_to(namespace, pod, container, &ids).await?;
+        Ok((chosen, response))
     }
 
     /// Removes a pod (it ended): the pod-resources API no longer lists it. Returns whether it was there.
@@ -774,6 +833,7 @@ fn record(
         registration,
         endpoint: request.endpoint.clone(),
         pre_start_required: dialed_options.pre_start_required,
+        preferred_allocation: dialed_options.get_preferred_allocation_available,
         client,
         _reader: reader,
     };

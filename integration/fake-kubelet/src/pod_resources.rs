@@ -50,6 +50,17 @@ impl PodTable {
             .push((resource.into(), ids));
     }
 
+    /// Every device of `resource` some container holds.
+    pub(crate) fn held(&self, resource: &str) -> std::collections::BTreeSet<String> {
+        self.pods
+            .values()
+            .flat_map(|containers| containers.values())
+            .flatten()
+            .filter(|(r, _)| r == resource)
+            .flat_map(|(_, ids)| ids.iter().cloned())
+            .collect()
+    }
+
     pub(crate) fn remove(&mut self, namespace: &str, pod: &str) -> bool {
         self.pods
             .remove(&(namespace.to_string(), pod.to_string()))
