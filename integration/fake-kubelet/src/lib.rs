@@ -346,13 +346,7 @@ impl FakeKubelet {
         devices: &[&str],
     ) -> Result<AllocateResponse, Status> {
         let response = self.allocate(&[devices]).await?;
-        let resource = self
-            .shared
-            .registrations
-            .borrow()
-            .last()
-            .map(|r| r.resource_name.clone())
-            .unwrap_or_default();
+        let resource = self.resource_name();
         if let Ok(mut pods) = self.shared.pods.lock() {
             pods.assign(
                 namespace,
@@ -363,6 +357,16 @@ impl FakeKubelet {
             );
         }
         Ok(response)
+    }
+
+    /// The resource name of the latest registration (empty before any).
+    fn resource_name(&self) -> String {
+        self.shared
+            .registrations
+            .borrow()
+            .last()
+            .map(|r| r.resource_name.clone())
+            .unwrap_or_default()
     }
 
     /// Admits a container asking for `count` of the resource, as the kubelet's device manager does: the
@@ -378,13 +382,7 @@ impl FakeKubelet {
         container: &str,
         count: usize,
     ) -> Result<(Vec<String>, AllocateResponse), Status> {
-        let resource = self
-            .shared
-            .registrations
-            .borrow()
-            .last()
-            .map(|r| r.resource_name.clone())
-            .unwrap_or_default();
+        let resource = self.resource_name();
         let held = self
             .shared
             .pods
