@@ -23,6 +23,11 @@ const CONTROL_DEVICE_NODES: [&str; 4] = [
 /// How Allocate describes the devices to the container runtime, beyond the environment variable.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AllocateOptions {
+    /// Set `NVIDIA_VISIBLE_DEVICES` to the IDs (NVIDIA's `envvar` device list strategy; off when only CDI
+    /// names are wanted).
+    pub envvar: bool,
+    /// Environment variables every container response carries (`NVIDIA_GDS=enabled`, …).
+    pub extra_envs: Vec<(String, String)>,
     /// Put CDI device names (`<cdi_kind>=<id>`) in the response, for runtimes that resolve CDI.
     pub cdi: bool,
     /// CDI kind the names are qualified with, e.g. `nvidia.com/gpu`.
@@ -41,6 +46,8 @@ pub struct AllocateOptions {
 impl Default for AllocateOptions {
     fn default() -> Self {
         AllocateOptions {
+            envvar: true,
+            extra_envs: Vec::new(),
             cdi: false,
             cdi_kind: "nvidia.com/gpu".into(),
             device_specs: false,
@@ -136,9 +143,12 @@ fn container_response(
     node_exists: &impl Fn(&Path) -> bool,
 ) -> ContainerAllocateResponse {
     let mut response = ContainerAllocateResponse::default();
-    response
-        .envs
-        .insert(VISIBLE_DEVICES_ENV.to_string(), ids.join(","));
+    if options.envvar {
+        response
+            .envs
+            .insert(VISIBLE_DEVICES_ENV.to_string(), ids.join(","));
+    }
+    response.envs.extend(options.extra_envs.iter().cloned());
     if options.cdi {
         response.cdi_devices = ids
             .iter()

@@ -15,6 +15,8 @@ use crate::health::monitor::MonitorConfig;
 use crate::health::{HealthConfig, Policy};
 use crate::nvml::NvmlOptions;
 
+pub mod nvidia;
+
 /// Default kubelet device plugin directory.
 pub const DEFAULT_KUBELET_DIR: &str = "/var/lib/kubelet/device-plugins";
 /// Default resource name, the one NVIDIA's plugin serves.
@@ -159,6 +161,86 @@ pub struct Args {
     /// The node's name, for its Events and condition (from the downward API: spec.nodeName)
     #[arg(long, env = "NODE_NAME", value_name = "NAME")]
     pub node_name: Option<String>,
+
+    /// Config file, as NVIDIA's plugin names the flag (either format; see --config)
+    #[arg(
+        long,
+        env = "CONFIG_FILE",
+        value_name = "FILE",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub config_file: Option<PathBuf>,
+
+    /// MIG strategy: none (single and mixed are not supported yet) [default: none]
+    #[arg(
+        long,
+        env = "MIG_STRATEGY",
+        value_name = "STRATEGY",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub mig_strategy: Option<String>,
+
+    /// Same as --device-specs
+    #[arg(long, env = "PASS_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
+    pub pass_device_specs: Option<bool>,
+
+    /// How Allocate names the devices: envvar, cdi-cri, or both, comma-separated [default: envvar]
+    #[arg(
+        long,
+        env = "DEVICE_LIST_STRATEGY",
+        value_name = "LIST",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub device_list_strategy: Option<String>,
+
+    /// Device IDs: uuid (index is not supported yet) [default: uuid]
+    #[arg(
+        long,
+        env = "DEVICE_ID_STRATEGY",
+        value_name = "STRATEGY",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub device_id_strategy: Option<String>,
+
+    /// The driver's root on the host: / (others are not supported yet; use --nvml-lib and --dev-root) [default: /]
+    #[arg(
+        long,
+        env = "NVIDIA_DRIVER_ROOT",
+        value_name = "DIR",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub driver_root: Option<String>,
+
+    /// Allocate adds NVIDIA_GDRCOPY=enabled [default: false]
+    #[arg(long, env = "GDRCOPY_ENABLED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
+    pub gdrcopy_enabled: Option<bool>,
+
+    /// Allocate adds NVIDIA_GDS=enabled [default: false]
+    #[arg(long, env = "GDS_ENABLED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
+    pub gds_enabled: Option<bool>,
+
+    /// Allocate adds NVIDIA_MOFED=enabled [default: false]
+    #[arg(long, env = "MOFED_ENABLED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
+    pub mofed_enabled: Option<bool>,
+
+    /// Device discovery: auto or nvml (tegra is not supported) [default: auto]
+    #[arg(
+        long,
+        env = "DEVICE_DISCOVERY_STRATEGY",
+        value_name = "STRATEGY",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub device_discovery_strategy: Option<String>,
+}
+
+/// A boolean as NVIDIA's plugin (Go's `strconv.ParseBool`) reads one: 1, t, T, TRUE, true, True and the
+/// same for false.
+fn parse_go_bool(value: &str) -> Result<bool, String> {
+    match value {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
+        _ => Err(format!("{value:?} is not a boolean (true or false)")),
+    }
 }
 
 /// The config file: the same settings as the flags, camelCase. Unknown keys are an error, so a typo is
@@ -252,6 +334,8 @@ pub struct Settings {
     pub pod_resources_socket: Option<PathBuf>,
     /// The Kubernetes API side.
     pub cluster: crate::cluster::ClusterConfig,
+    /// Settings read and ignored (keys of NVIDIA's config file it ignores too), one line each, for the log.
+    pub warnings: Vec<String>,
 }
 
 /// A setting that cannot be used.
@@ -288,10 +372,37 @@ pub enum ConfigError {
 impl Settings {
     /// Merges flags/environment over the config file over defaults, and checks the result.
     pub fn resolve(args: Args) -> Result<Self, ConfigError> {
-        let file = match &args.config {
+        let loaded = match args.config.as_ref().or(args.config_file.as_ref()) {
             Some(path) => load_file(path)?,
-            None => FileConfig::default(),
+            None => nvidia::Loaded::default(),
         };
+        let (file, warnings) = (loaded.file, loaded.warnings);
+        let fail_on_init_error_env = match std::env::var("FAIL_ON_INIT_ERROR") {
+            Ok(value) => Some(parse_go_bool(&value).map_err(|why| ConfigError::Invalid {
+                setting: "FAIL_ON_INIT_ERROR",
+                value,
+                why,
+            })?),
+            Err(_) => None,
+        };
+        let nvidia = nvidia::apply(
+            &nvidia::NvidiaSettings {
+                mig_strategy: args.mig_strategy,
+                driver_root: args.driver_root,
+                device_list_strategy: args.device_list_strategy.map(|list| {
+                    list.split(',')
+                        .map(|s| s.trim().to_string())
+                        .filter(|s| !s.is_empty())
+                        .collect()
+                }),
+                device_id_strategy: args.device_id_strategy,
+                gdrcopy: args.gdrcopy_enabled,
+                gds: args.gds_enabled,
+                mofed: args.mofed_enabled,
+                device_discovery_strategy: args.device_discovery_strategy,
+            }
+            .or(loaded.nvidia),
+        )?;
         let resource_name = args
             .resource_name
             .or(file.resource_name)
@@ -331,13 +442,19 @@ impl Settings {
         let defaults = AllocateOptions::default();
         let nvml_defaults = NvmlOptions::default();
         let allocate = AllocateOptions {
-            cdi: args.cdi.or(file.cdi).unwrap_or(defaults.cdi),
+            envvar: nvidia.envvar,
+            cdi: args.cdi.or(file.cdi).unwrap_or(nvidia.cdi),
             cdi_kind: args.cdi_kind.or(file.cdi_kind).unwrap_or(defaults.cdi_kind),
             device_specs: args
                 .device_specs
+                .or(args.pass_device_specs)
                 .or(file.device_specs)
                 .unwrap_or(defaults.device_specs),
-            dev_root: args.dev_root.or(file.dev_root).unwrap_or(defaults.dev_root),
+            dev_root: args
+                .dev_root
+                .or(file.dev_root)
+                .unwrap_or(nvidia.driver_root),
+            extra_envs: nvidia.extra_envs,
             host_root: args
                 .host_root
                 .or(file.host_root)
@@ -392,6 +509,7 @@ impl Settings {
             },
             fail_on_init_error: args
                 .fail_on_init_error
+                .or(fail_on_init_error_env)
                 .or(file.fail_on_init_error)
                 .unwrap_or(true),
             monitor: MonitorConfig {
@@ -439,6 +557,7 @@ impl Settings {
                 node_name: args.node_name.filter(|n| !n.is_empty()),
                 budget: crate::cluster::EventBudget::default(),
             },
+            warnings,
             http_addr: parse_http_addr(
                 args.http_addr
                     .or(file.http_addr)
@@ -474,17 +593,27 @@ fn parse_http_addr(value: &str) -> Result<Option<std::net::SocketAddr>, ConfigEr
     })
 }
 
-fn load_file(path: &Path) -> Result<FileConfig, ConfigError> {
+/// Reads the config file, in our format or NVIDIA's (`version: v1`).
+fn load_file(path: &Path) -> Result<nvidia::Loaded, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
         path: path.to_owned(),
         source,
     })?;
     if text.trim().is_empty() {
-        return Ok(FileConfig::default());
+        return Ok(nvidia::Loaded::default());
     }
-    serde_norway::from_str(&text).map_err(|e| ConfigError::ParseFile {
+    let parse = |e: serde_norway::Error| ConfigError::ParseFile {
         path: path.to_owned(),
         message: e.to_string().replace('\n', " "),
+    };
+    let document: serde_norway::Value = serde_norway::from_str(&text).map_err(parse)?;
+    if nvidia::is_v1(&document) {
+        return nvidia::load(&text, path);
+    }
+    // Ours: parsed from the text again, so that an error names its line.
+    Ok(nvidia::Loaded {
+        file: serde_norway::from_str(&text).map_err(parse)?,
+        ..nvidia::Loaded::default()
     })
 }
 

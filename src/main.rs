@@ -40,6 +40,9 @@ fn main() -> ExitCode {
         }
     };
     init_logging(settings.log_format);
+    for warning in &settings.warnings {
+        tracing::warn!("{warning}");
+    }
     // One thread runs everything async: the plugin's work is small and bursty, and handing a fault from task
     // to task on one thread avoids cross-thread wake-ups on its way to the kubelet. Blocking work (NVML,
     // checkpoint writes) runs on threads of its own.

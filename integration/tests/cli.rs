@@ -161,3 +161,24 @@ fn a_fault_script_without_simulated_gpus_is_refused() {
     let out = run(&["--simulate-events", "/tmp/faults"], &[]);
     assert_one_line_error(&out, &["--simulate-events", "--simulate N"]);
 }
+
+#[test]
+fn nvidias_settings_not_supported_yet_are_refused_by_name_from_flag_env_or_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state_arg(&dir);
+    let base = ["--simulate", "1", "--state-dir", state.as_str()];
+    let out = run(&[&base[..], &["--mig-strategy", "mixed"]].concat(), &[]);
+    assert_one_line_error(&out, &["migStrategy", "mixed", "MIG is not supported yet"]);
+    let out = run(&base, &[("DEVICE_LIST_STRATEGY", "volume-mounts")]);
+    assert_one_line_error(&out, &["deviceListStrategy", "volume-mounts"]);
+    let out = run(&base, &[("FAIL_ON_INIT_ERROR", "perhaps")]);
+    assert_one_line_error(&out, &["FAIL_ON_INIT_ERROR", "perhaps"]);
+    let config = dir.path().join("nvidia.yaml");
+    std::fs::write(
+        &config,
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n",
+    )
+    .unwrap();
+    let out = run(&base, &[("CONFIG_FILE", config.to_str().unwrap())]);
+    assert_one_line_error(&out, &["sharing.timeSlicing", "not supported yet"]);
+}

@@ -1,0 +1,497 @@
+//! NVIDIA's device plugin config file, version `v1`, read as a second format beside ours, with NVIDIA's flags and
+//! environment variables for the same settings. Every file NVIDIA's plugin accepts loads: keys NVIDIA ignores,
+//! keys of its other components (`flags.gfd`) and unknown keys are listed as warnings; a setting that would
+//! change behaviour and that this plugin does not do yet is refused by name, never dropped. Our own `health:`
+//! section may sit in the same file.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+use serde_norway::Value;
+
+use super::{ConfigError, FileConfig};
+use crate::health::HealthConfig;
+
+/// The CDI kind of the names Allocate returns under NVIDIA's `cdi-cri` strategy: the one in the CDI specs
+/// `nvidia-ctk cdi generate` writes (NVIDIA's plugin uses names of a spec it writes itself, which this plugin
+/// does not write).
+pub const CDI_KIND: &str = "nvidia.com/gpu";
+
+/// Top level of a `version: v1` file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct V1 {
+    /// `v1`, checked before.
+    #[allow(dead_code)]
+    version: String,
+    #[serde(default)]
+    flags: Flags,
+    resources: Option<Value>,
+    sharing: Option<Sharing>,
+    imex: Option<Imex>,
+    /// Ours.
+    health: Option<HealthConfig>,
+    #[serde(flatten)]
+    other: BTreeMap<String, Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Flags {
+    mig_strategy: Option<String>,
+    fail_on_init_error: Option<bool>,
+    mps_root: Option<String>,
+    nvidia_driver_root: Option<String>,
+    nvidia_dev_root: Option<String>,
+    gdrcopy_enabled: Option<bool>,
+    gds_enabled: Option<bool>,
+    mofed_enabled: Option<bool>,
+    use_node_feature_api: Option<Value>,
+    device_discovery_strategy: Option<String>,
+    #[serde(default)]
+    plugin: PluginFlags,
+    gfd: Option<Value>,
+    #[serde(flatten)]
+    other: BTreeMap<String, Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PluginFlags {
+    pass_device_specs: Option<bool>,
+    device_list_strategy: Option<StringOrList>,
+    #[serde(rename = "deviceIDStrategy")]
+    device_id_strategy: Option<String>,
+    cdi_annotation_prefix: Option<String>,
+    #[serde(rename = "nvidiaCTKPath")]
+    nvidia_ctk_path: Option<String>,
+    container_driver_root: Option<String>,
+    shared_devices_allocation_policy: Option<String>,
+    #[serde(flatten)]
+    other: BTreeMap<String, Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum StringOrList {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Sharing {
+    time_slicing: Option<Value>,
+    mps: Option<Value>,
+    #[serde(flatten)]
+    other: BTreeMap<String, Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Imex {
+    #[serde(rename = "channelIDs", default)]
+    channel_ids: Vec<Value>,
+    required: Option<bool>,
+    #[serde(flatten)]
+    other: BTreeMap<String, Value>,
+}
+
+/// NVIDIA's settings that are not ours by another name, merged from its flags, environment and file.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NvidiaSettings {
+    /// `migStrategy`.
+    pub mig_strategy: Option<String>,
+    /// `nvidiaDriverRoot`.
+    pub driver_root: Option<String>,
+    /// `deviceListStrategy`, each entry.
+    pub device_list_strategy: Option<Vec<String>>,
+    /// `deviceIDStrategy`.
+    pub device_id_strategy: Option<String>,
+    /// `gdrcopyEnabled`, `gdsEnabled`, `mofedEnabled`.
+    pub gdrcopy: Option<bool>,
+    /// See `gdrcopy`.
+    pub gds: Option<bool>,
+    /// See `gdrcopy`.
+    pub mofed: Option<bool>,
+    /// `deviceDiscoveryStrategy`.
+    pub device_discovery_strategy: Option<String>,
+}
+
+impl NvidiaSettings {
+    /// Each field from `self` where it is set, else from `under`.
+    pub fn or(self, under: NvidiaSettings) -> NvidiaSettings {
+        NvidiaSettings {
+            mig_strategy: self.mig_strategy.or(under.mig_strategy),
+            driver_root: self.driver_root.or(under.driver_root),
+            device_list_strategy: self.device_list_strategy.or(under.device_list_strategy),
+            device_id_strategy: self.device_id_strategy.or(under.device_id_strategy),
+            gdrcopy: self.gdrcopy.or(under.gdrcopy),
+            gds: self.gds.or(under.gds),
+            mofed: self.mofed.or(under.mofed),
+            device_discovery_strategy: self
+                .device_discovery_strategy
+                .or(under.device_discovery_strategy),
+        }
+    }
+}
+
+/// What a `version: v1` file gives: our settings it maps to, NVIDIA's own, and warnings to log.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// Our settings it sets.
+    pub file: FileConfig,
+    /// NVIDIA's settings without a flag of ours.
+    pub nvidia: NvidiaSettings,
+    /// Keys read and ignored, one line each.
+    pub warnings: Vec<String>,
+}
+
+/// Whether a parsed YAML document is NVIDIA's format: it says `version: v1`.
+pub fn is_v1(document: &Value) -> bool {
+    document.get("version").and_then(Value::as_str) == Some("v1")
+}
+
+/// Reads a `version: v1` file's text (errors name the key and line).
+pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
+    let v1: V1 = serde_norway::from_str(text).map_err(|e| ConfigError::ParseFile {
+        path: path.to_owned(),
+        message: e.to_string().replace('\n', " "),
+    })?;
+    let mut warnings = Vec::new();
+    let mut ignored = |key: String, why: &str| warnings.push(format!("config key {key}: {why}"));
+    for key in v1.other.keys() {
+        ignored(
+            key.clone(),
+            "unknown to NVIDIA's v1 format; ignored as NVIDIA's plugin ignores it",
+        );
+    }
+    for key in v1.flags.other.keys() {
+        ignored(
+            format!("flags.{key}"),
+            "unknown; ignored as NVIDIA's plugin ignores it",
+        );
+    }
+    for key in v1.flags.plugin.other.keys() {
+        ignored(
+            format!("flags.plugin.{key}"),
+            "unknown; ignored as NVIDIA's plugin ignores it",
+        );
+    }
+    if v1.flags.gfd.is_some() {
+        ignored("flags.gfd".into(), "GPU feature discovery's; ignored");
+    }
+    if v1.flags.use_node_feature_api.is_some() {
+        ignored(
+            "flags.useNodeFeatureAPI".into(),
+            "GPU feature discovery's; ignored",
+        );
+    }
+    if v1.resources.is_some() {
+        ignored(
+            "resources".into(),
+            "NVIDIA's plugin v0.20 parses and ignores it; so does this one",
+        );
+    }
+    if let Some(path) = &v1.flags.plugin.nvidia_ctk_path {
+        ignored(
+            format!("flags.plugin.nvidiaCTKPath ({path})"),
+            "used to write CDI specs, which this plugin does not write; ignored",
+        );
+    }
+    let invalid = |setting: &'static str, value: String, why: &str| ConfigError::Invalid {
+        setting,
+        value,
+        why: why.into(),
+    };
+    if let Some(sharing) = &v1.sharing {
+        if let Some(key) = sharing.other.keys().next() {
+            return Err(invalid(
+                "config key",
+                format!("sharing.{key}"),
+                "unknown sharing kind (NVIDIA's are timeSlicing and mps)",
+            ));
+        }
+        for (key, value) in [
+            ("timeSlicing", &sharing.time_slicing),
+            ("mps", &sharing.mps),
+        ] {
+            if value.as_ref().is_some_and(|v| !v.is_null()) {
+                return Err(invalid(
+                    "config key",
+                    format!("sharing.{key}"),
+                    "GPU sharing (replicas) is not supported yet; remove it to serve whole GPUs",
+                ));
+            }
+        }
+    }
+    if let Some(imex) = &v1.imex {
+        if !imex.channel_ids.is_empty() || imex.required == Some(true) {
+            return Err(invalid(
+                "config key",
+                "imex".into(),
+                "IMEX channels are not supported; remove the section",
+            ));
+        }
+        for key in imex.other.keys() {
+            ignored(
+                format!("imex.{key}"),
+                "unknown; ignored as NVIDIA's plugin ignores it",
+            );
+        }
+    }
+    let flags = v1.flags;
+    let plugin = flags.plugin;
+    let device_list_strategy = plugin.device_list_strategy.map(|s| match s {
+        StringOrList::One(one) => vec![one],
+        StringOrList::Many(many) => many,
+    });
+    let file = FileConfig {
+        fail_on_init_error: flags.fail_on_init_error,
+        dev_root: flags.nvidia_dev_root.map(PathBuf::from),
+        device_specs: plugin.pass_device_specs,
+        health: v1.health,
+        ..FileConfig::default()
+    };
+    // Settings that only act together with one refused above, or are NVIDIA's defaults: accepted.
+    let _ = (
+        flags.mps_root,
+        plugin.cdi_annotation_prefix,
+        plugin.container_driver_root,
+        plugin.shared_devices_allocation_policy,
+    );
+    Ok(Loaded {
+        file,
+        nvidia: NvidiaSettings {
+            mig_strategy: flags.mig_strategy,
+            driver_root: flags.nvidia_driver_root,
+            device_list_strategy,
+            device_id_strategy: plugin.device_id_strategy,
+            gdrcopy: flags.gdrcopy_enabled,
+            gds: flags.gds_enabled,
+            mofed: flags.mofed_enabled,
+            device_discovery_strategy: flags.device_discovery_strategy,
+        },
+        warnings,
+    })
+}
+
+/// What NVIDIA's settings make this plugin do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    /// Allocate sets `NVIDIA_VISIBLE_DEVICES` (strategy `envvar`).
+    pub envvar: bool,
+    /// Allocate returns CDI names in `cdi_devices` (strategy `cdi-cri`).
+    pub cdi: bool,
+    /// Environment variables every Allocate adds (`NVIDIA_GDRCOPY=enabled`, …).
+    pub extra_envs: Vec<(String, String)>,
+    /// The driver root, where `--dev-root` defaults to.
+    pub driver_root: PathBuf,
+}
+
+/// Checks NVIDIA's settings, refusing by name what this plugin does not do.
+pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
+    let invalid = |setting: &'static str, value: &str, why: &str| ConfigError::Invalid {
+        setting,
+        value: value.into(),
+        why: why.into(),
+    };
+    match settings.mig_strategy.as_deref() {
+        None | Some("none") => {}
+        Some(s @ ("single" | "mixed")) => {
+            return Err(invalid(
+                "migStrategy (--mig-strategy, MIG_STRATEGY)",
+                s,
+                "MIG is not supported yet; use none",
+            ));
+        }
+        Some(s) => {
+            return Err(invalid(
+                "migStrategy (--mig-strategy, MIG_STRATEGY)",
+                s,
+                "must be none, single or mixed",
+            ));
+        }
+    }
+    match settings.device_id_strategy.as_deref() {
+        None | Some("uuid") => {}
+        Some("index") => {
+            return Err(invalid(
+                "deviceIDStrategy (--device-id-strategy, DEVICE_ID_STRATEGY)",
+                "index",
+                "only uuid is supported yet",
+            ));
+        }
+        Some(s) => {
+            return Err(invalid(
+                "deviceIDStrategy (--device-id-strategy, DEVICE_ID_STRATEGY)",
+                s,
+                "must be uuid or index",
+            ));
+        }
+    }
+    match settings.device_discovery_strategy.as_deref() {
+        None | Some("auto" | "nvml") => {}
+        Some(s) => {
+            return Err(invalid(
+                "deviceDiscoveryStrategy (--device-discovery-strategy, DEVICE_DISCOVERY_STRATEGY)",
+                s,
+                "only NVML discovery (auto, nvml) is supported",
+            ));
+        }
+    }
+    let driver_root = match settings.driver_root.as_deref() {
+        None | Some("" | "/") => PathBuf::from("/"),
+        Some(root) => {
+            return Err(invalid(
+                "nvidiaDriverRoot (--driver-root, NVIDIA_DRIVER_ROOT)",
+                root,
+                "a driver root other than / is not supported yet; give --nvml-lib and --dev-root instead",
+            ));
+        }
+    };
+    let (mut envvar, mut cdi) = (true, false);
+    if let Some(list) = &settings.device_list_strategy {
+        (envvar, cdi) = (false, false);
+        if list.is_empty() {
+            return Err(invalid(
+                "deviceListStrategy (--device-list-strategy, DEVICE_LIST_STRATEGY)",
+                "",
+                "must name at least one strategy",
+            ));
+        }
+        for strategy in list {
+            match strategy.as_str() {
+                "envvar" => envvar = true,
+                "cdi-cri" => cdi = true,
+                s @ ("volume-mounts" | "cdi-annotations") => {
+                    return Err(invalid(
+                        "deviceListStrategy (--device-list-strategy, DEVICE_LIST_STRATEGY)",
+                        s,
+                        "not supported yet; envvar and cdi-cri are",
+                    ));
+                }
+                s => {
+                    return Err(invalid(
+                        "deviceListStrategy (--device-list-strategy, DEVICE_LIST_STRATEGY)",
+                        s,
+                        "must be envvar, volume-mounts, cdi-annotations or cdi-cri",
+                    ));
+                }
+            }
+        }
+    }
+    let extra_envs = [
+        (settings.gdrcopy, "NVIDIA_GDRCOPY"),
+        (settings.gds, "NVIDIA_GDS"),
+        (settings.mofed, "NVIDIA_MOFED"),
+    ]
+    .into_iter()
+    .filter(|(on, _)| *on == Some(true))
+    .map(|(_, name)| (name.to_string(), "enabled".to_string()))
+    .collect();
+    Ok(Applied {
+        envvar,
+        cdi,
+        extra_envs,
+        driver_root,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_str(yaml: &str) -> Result<Loaded, ConfigError> {
+        let document: Value = serde_norway::from_str(yaml).map_err(|e| ConfigError::ParseFile {
+            path: "test.yaml".into(),
+            message: e.to_string(),
+        })?;
+        assert!(is_v1(&document));
+        load(yaml, std::path::Path::new("test.yaml"))
+    }
+
+    #[test]
+    fn a_full_file_of_nvidias_flags_maps_to_ours_and_names_what_it_ignores()
+    -> Result<(), ConfigError> {
+        let loaded = load_str(
+            "version: v1\n\
+             flags:\n  migStrategy: none\n  failOnInitError: false\n  nvidiaDriverRoot: /\n  nvidiaDevRoot: /\n  \
+             gdsEnabled: true\n  useNodeFeatureAPI: false\n  \
+             plugin:\n    passDeviceSpecs: true\n    deviceListStrategy: [envvar, cdi-cri]\n    deviceIDStrategy: uuid\n    \
+             cdiAnnotationPrefix: cdi.k8s.io/\n    nvidiaCTKPath: /usr/bin/nvidia-ctk\n    someFutureFlag: 1\n  \
+             gfd:\n    oneshot: false\n\
+             resources:\n  gpus:\n  - pattern: '*'\n    name: gpu\n\
+             health:\n  quietPeriod: 5m\n",
+        )?;
+        assert_eq!(loaded.file.fail_on_init_error, Some(false));
+        assert_eq!(loaded.file.device_specs, Some(true));
+        assert_eq!(loaded.file.dev_root, Some(PathBuf::from("/")));
+        assert!(loaded.file.health.is_some());
+        let applied = apply(&loaded.nvidia)?;
+        assert!(applied.envvar && applied.cdi);
+        assert_eq!(
+            applied.extra_envs,
+            [("NVIDIA_GDS".to_string(), "enabled".to_string())]
+        );
+        let warned = loaded.warnings.join("\n");
+        for key in [
+            "flags.gfd",
+            "flags.useNodeFeatureAPI",
+            "resources",
+            "flags.plugin.someFutureFlag",
+            "flags.plugin.nvidiaCTKPath",
+        ] {
+            assert!(
+                warned.contains(&format!("config key {key}")),
+                "{key} not warned:\n{warned}"
+            );
+        }
+        assert_eq!(loaded.warnings.len(), 5, "{warned}");
+        Ok(())
+    }
+
+    #[test]
+    fn settings_not_done_yet_are_refused_by_name() {
+        let cases = [
+            ("flags:\n  migStrategy: mixed\n", "migStrategy"),
+            (
+                "flags:\n  plugin:\n    deviceListStrategy: volume-mounts\n",
+                "volume-mounts",
+            ),
+            (
+                "flags:\n  plugin:\n    deviceIDStrategy: index\n",
+                "deviceIDStrategy",
+            ),
+            (
+                "flags:\n  nvidiaDriverRoot: /run/nvidia/driver\n",
+                "nvidiaDriverRoot",
+            ),
+            (
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 10\n",
+                "sharing.timeSlicing",
+            ),
+            (
+                "sharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
+                "sharing.mps",
+            ),
+            ("imex:\n  channelIDs: [0]\n", "imex"),
+        ];
+        for (yaml, named) in cases {
+            let result = load_str(&format!("version: v1\n{yaml}"))
+                .and_then(|loaded| apply(&loaded.nvidia).map(|_| ()));
+            let err = result.err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains(named), "{yaml}: {err:?} does not name {named}");
+        }
+    }
+
+    #[test]
+    fn a_bad_value_type_is_an_error_naming_the_key() {
+        let err = load_str("version: v1\nflags:\n  failOnInitError: maybe\n")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("failOnInitError"), "{err}");
+    }
+}
