@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use crate::api::{CdiDevice, ContainerAllocateResponse, DeviceSpec};
+use crate::api::{CdiDevice, ContainerAllocateResponse, DeviceSpec, Mount};
 use crate::devices::{Health, Inventory};
 
 /// Environment variable the NVIDIA container toolkit reads to decide which GPUs a container sees.
@@ -20,12 +20,20 @@ const CONTROL_DEVICE_NODES: [&str; 4] = [
     "/dev/nvidia-modeset",
 ];
 
+/// Where the `volume-mounts` device list strategy mounts one file per device, as NVIDIA's plugin does.
+pub const VOLUME_MOUNTS_DIR: &str = "/var/run/nvidia-container-devices";
+
 /// How Allocate describes the devices to the container runtime, beyond the environment variable.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AllocateOptions {
     /// Set `NVIDIA_VISIBLE_DEVICES` to the IDs (NVIDIA's `envvar` device list strategy; off when only CDI
     /// names are wanted).
     pub envvar: bool,
+    /// NVIDIA's `volume-mounts` device list strategy: `NVIDIA_VISIBLE_DEVICES` names
+    /// [`VOLUME_MOUNTS_DIR`] and each device is a mount of `/dev/null` at `VOLUME_MOUNTS_DIR/<id>`, which the
+    /// NVIDIA container toolkit reads when it accepts device lists as volume mounts only (an unprivileged pod
+    /// cannot then ask for GPUs by setting the variable itself).
+    pub volume_mounts: bool,
     /// Environment variables every container response carries (`NVIDIA_GDS=enabled`, …).
     pub extra_envs: Vec<(String, String)>,
     /// Put CDI device names (`<cdi_kind>=<id>`) in the response, for runtimes that resolve CDI.
@@ -47,6 +55,7 @@ impl Default for AllocateOptions {
     fn default() -> Self {
         AllocateOptions {
             envvar: true,
+            volume_mounts: false,
             extra_envs: Vec::new(),
             cdi: false,
             cdi_kind: "nvidia.com/gpu".into(),
@@ -147,6 +156,20 @@ fn container_response(
         response
             .envs
             .insert(VISIBLE_DEVICES_ENV.to_string(), ids.join(","));
+    }
+    if options.volume_mounts {
+        response.envs.insert(
+            VISIBLE_DEVICES_ENV.to_string(),
+            VOLUME_MOUNTS_DIR.to_string(),
+        );
+        response.mounts = ids
+            .iter()
+            .map(|id| Mount {
+                container_path: format!("{VOLUME_MOUNTS_DIR}/{id}"),
+                host_path: "/dev/null".into(),
+                read_only: false,
+            })
+            .collect();
     }
     response.envs.extend(options.extra_envs.iter().cloned());
     if options.cdi {

@@ -184,7 +184,7 @@ pub struct Args {
     #[arg(long, env = "PASS_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
     pub pass_device_specs: Option<bool>,
 
-    /// How Allocate names the devices: envvar, cdi-cri, or both, comma-separated [default: envvar]
+    /// How Allocate names the devices: envvar, volume-mounts, cdi-cri, comma-separated [default: envvar]
     #[arg(
         long,
         env = "DEVICE_LIST_STRATEGY",
@@ -443,6 +443,7 @@ impl Settings {
         let nvml_defaults = NvmlOptions::default();
         let allocate = AllocateOptions {
             envvar: nvidia.envvar,
+            volume_mounts: nvidia.volume_mounts,
             cdi: args.cdi.or(file.cdi).unwrap_or(nvidia.cdi),
             cdi_kind: args.cdi_kind.or(file.cdi_kind).unwrap_or(defaults.cdi_kind),
             device_specs: args

@@ -105,3 +105,41 @@ async fn nvidias_environment_variables_win_over_its_config_file() -> TestResult 
     assert_eq!(container.cdi_devices.len(), 1);
     Ok(())
 }
+
+#[tokio::test]
+async fn the_volume_mounts_strategy_lists_devices_as_mounts() -> TestResult {
+    let (kubelet, _plugin, _dir) =
+        start(&[("DEVICE_LIST_STRATEGY", OsStr::new("volume-mounts"))]).await?;
+    let ids = [simulated_uuid(0), simulated_uuid(1)];
+    let response = kubelet.allocate(&[&[&ids[0], &ids[1]]]).await?;
+    let container = &response.container_responses[0];
+    assert_eq!(
+        container
+            .envs
+            .get("NVIDIA_VISIBLE_DEVICES")
+            .map(String::as_str),
+        Some("/var/run/nvidia-container-devices")
+    );
+    let mounts: Vec<(&str, &str)> = container
+        .mounts
+        .iter()
+        .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
+        .collect();
+    let want: Vec<(&str, String)> = ids
+        .iter()
+        .map(|id| {
+            (
+                "/dev/null",
+                format!("/var/run/nvidia-container-devices/{id}"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        mounts,
+        want.iter()
+            .map(|(h, c)| (*h, c.as_str()))
+            .collect::<Vec<_>>()
+    );
+    assert!(container.cdi_devices.is_empty());
+    Ok(())
+}

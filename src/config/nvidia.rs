@@ -284,6 +284,8 @@ pub struct Applied {
     pub envvar: bool,
     /// Allocate returns CDI names in `cdi_devices` (strategy `cdi-cri`).
     pub cdi: bool,
+    /// Allocate lists the devices as mounts (strategy `volume-mounts`).
+    pub volume_mounts: bool,
     /// Environment variables every Allocate adds (`NVIDIA_GDRCOPY=enabled`, …).
     pub extra_envs: Vec<(String, String)>,
     /// The driver root, where `--dev-root` defaults to.
@@ -351,7 +353,7 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
             ));
         }
     };
-    let (mut envvar, mut cdi) = (true, false);
+    let (mut envvar, mut cdi, mut volume_mounts) = (true, false, false);
     if let Some(list) = &settings.device_list_strategy {
         (envvar, cdi) = (false, false);
         if list.is_empty() {
@@ -365,11 +367,12 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
             match strategy.as_str() {
                 "envvar" => envvar = true,
                 "cdi-cri" => cdi = true,
-                s @ ("volume-mounts" | "cdi-annotations") => {
+                "volume-mounts" => volume_mounts = true,
+                "cdi-annotations" => {
                     return Err(invalid(
                         "deviceListStrategy (--device-list-strategy, DEVICE_LIST_STRATEGY)",
-                        s,
-                        "not supported yet; envvar and cdi-cri are",
+                        "cdi-annotations",
+                        "not supported yet; envvar, volume-mounts and cdi-cri are",
                     ));
                 }
                 s => {
@@ -394,6 +397,7 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
     Ok(Applied {
         envvar,
         cdi,
+        volume_mounts,
         extra_envs,
         driver_root,
     })
@@ -457,8 +461,8 @@ mod tests {
         let cases = [
             ("flags:\n  migStrategy: mixed\n", "migStrategy"),
             (
-                "flags:\n  plugin:\n    deviceListStrategy: volume-mounts\n",
-                "volume-mounts",
+                "flags:\n  plugin:\n    deviceListStrategy: cdi-annotations\n",
+                "cdi-annotations",
             ),
             (
                 "flags:\n  plugin:\n    deviceIDStrategy: index\n",
