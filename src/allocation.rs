@@ -298,6 +298,14 @@ pub fn preferred(
         size: request.size,
         why: "negative",
     })?;
+    // The size comes from outside: no container can get more devices than exist (and a size near i32::MAX
+    // must not become an allocation of that many).
+    if size > inventory.len() {
+        return Err(AllocationError::BadSize {
+            size: request.size,
+            why: "larger than the number of devices this plugin serves",
+        });
+    }
     let mut chosen: Vec<String> = Vec::with_capacity(size);
     for id in request.must_include {
         if !chosen.contains(id) {
@@ -653,14 +661,19 @@ mod tests {
             preferred(&inv, &request),
             Err(AllocationError::BadSize { .. })
         ));
-        let request = PreferenceRequest {
-            available: &all(),
-            must_include: &[],
-            size: -1,
-        };
-        assert!(matches!(
-            preferred(&inv, &request),
-            Err(AllocationError::BadSize { .. })
-        ));
+        for size in [-1, 9, i32::MAX] {
+            let request = PreferenceRequest {
+                available: &all(),
+                must_include: &[],
+                size,
+            };
+            assert!(
+                matches!(
+                    preferred(&inv, &request),
+                    Err(AllocationError::BadSize { .. })
+                ),
+                "size {size}"
+            );
+        }
     }
 }
