@@ -29,6 +29,8 @@ pub struct AllocateOptions {
     /// Set `NVIDIA_VISIBLE_DEVICES` to the IDs (NVIDIA's `envvar` device list strategy; off when only CDI
     /// names are wanted).
     pub envvar: bool,
+    /// How the kubelet names the devices (UUIDs or indices, replicas).
+    pub naming: crate::naming::Naming,
     /// NVIDIA's `volume-mounts` device list strategy: `NVIDIA_VISIBLE_DEVICES` names
     /// [`VOLUME_MOUNTS_DIR`] and each device is a mount of `/dev/null` at `VOLUME_MOUNTS_DIR/<id>`, which the
     /// NVIDIA container toolkit reads when it accepts device lists as volume mounts only (an unprivileged pod
@@ -55,6 +57,7 @@ impl Default for AllocateOptions {
     fn default() -> Self {
         AllocateOptions {
             envvar: true,
+            naming: crate::naming::Naming::default(),
             volume_mounts: false,
             extra_envs: Vec::new(),
             cdi: false,
@@ -81,6 +84,10 @@ pub enum AllocationError {
     /// The same device twice in one request.
     #[error("device ID {0:?} appears more than once in the request")]
     DuplicateDevice(String),
+    /// A container asks for more than one replica of a shared resource set to refuse that (NVIDIA's
+    /// `failRequestsGreaterThanOne`; the message is NVIDIA's).
+    #[error("invalid request: maximum request size for shared resources is 1; found {0}")]
+    SharedRequestTooLarge(usize),
     /// A device that is Unhealthy now.
     #[error("device {id}: {reason}")]
     UnhealthyDevice {
@@ -112,6 +119,15 @@ pub fn allocate(
     if containers.is_empty() {
         return Err(AllocationError::NoContainers);
     }
+    let translated;
+    let containers = if options.naming.is_plain() {
+        containers
+    } else {
+        translated = to_physical(inventory, &options.naming, containers)?;
+        &translated[..]
+    };
+    // Replicas of one GPU may go to several containers of a pod; whole GPUs may not.
+    let shared = options.naming.replicas > 1;
     let mut seen = HashSet::new();
     for (i, ids) in containers.iter().enumerate() {
         if ids.is_empty() {
@@ -121,7 +137,7 @@ pub fn allocate(
             if inventory.get(id).is_none() {
                 return Err(AllocationError::UnknownDevice(id.clone()));
             }
-            if !seen.insert(id.as_str()) {
+            if !shared && !seen.insert(id.as_str()) {
                 return Err(AllocationError::DuplicateDevice(id.clone()));
             }
         }
@@ -143,6 +159,37 @@ pub fn allocate(
         .iter()
         .map(|ids| container_response(inventory, ids, options, &node_exists))
         .collect())
+}
+
+/// Each container's kubelet IDs as the GPUs' inventory IDs, each GPU once per container: a kubelet ID that
+/// names no GPU, one given twice in the request, or more than one replica where that is refused is an error.
+fn to_physical(
+    inventory: &Inventory,
+    naming: &crate::naming::Naming,
+    containers: &[Vec<String>],
+) -> Result<Vec<Vec<String>>, AllocationError> {
+    let mut seen = HashSet::new();
+    containers
+        .iter()
+        .map(|ids| {
+            if naming.fail_requests_greater_than_one && naming.replicas > 1 && ids.len() > 1 {
+                return Err(AllocationError::SharedRequestTooLarge(ids.len()));
+            }
+            let mut gpus: Vec<String> = Vec::with_capacity(ids.len().min(inventory.len()));
+            for id in ids {
+                if !seen.insert(id.as_str()) {
+                    return Err(AllocationError::DuplicateDevice(id.clone()));
+                }
+                let gpu = naming
+                    .resolve(inventory, id)
+                    .ok_or_else(|| AllocationError::UnknownDevice(id.clone()))?;
+                if !gpus.iter().any(|g| g == gpu) {
+                    gpus.push(gpu.to_string());
+                }
+            }
+            Ok(gpus)
+        })
+        .collect()
 }
 
 fn container_response(
@@ -274,6 +321,85 @@ fn cut_bytes(text: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}...", &text[..end])
+}
+
+/// [`preferred`] in the kubelet's names. With index IDs, the same choice among the GPUs. With replicas, the
+/// replicas are spread over the GPUs (the GPU holding the fewest chosen replicas first, then the list order),
+/// healthy GPUs only, after every `must_include` replica.
+pub fn preferred_named(
+    inventory: &Inventory,
+    naming: &crate::naming::Naming,
+    request: &PreferenceRequest<'_>,
+) -> Result<Vec<String>, AllocationError> {
+    if naming.is_plain() {
+        return preferred(inventory, request);
+    }
+    let bad = |why| AllocationError::BadSize {
+        size: request.size,
+        why,
+    };
+    let size = usize::try_from(request.size).map_err(|_| bad("negative"))?;
+    if size > inventory.len().saturating_mul(naming.replicas.max(1)) {
+        return Err(bad("larger than the number of devices this plugin serves"));
+    }
+    if naming.replicas <= 1 {
+        let gpus = |ids: &[String]| -> Vec<String> {
+            ids.iter()
+                .filter_map(|id| naming.resolve(inventory, id).map(String::from))
+                .collect()
+        };
+        let (available, must_include) = (gpus(request.available), gpus(request.must_include));
+        let chosen = preferred(
+            inventory,
+            &PreferenceRequest {
+                available: &available,
+                must_include: &must_include,
+                size: request.size,
+            },
+        )?;
+        return Ok(chosen
+            .iter()
+            .filter_map(|gpu| naming.kubelet_ids_of(inventory, gpu).into_iter().next())
+            .collect());
+    }
+    let mut chosen: Vec<String> = Vec::with_capacity(size);
+    let mut per_gpu: BTreeMap<&str, usize> = BTreeMap::new();
+    for id in request.must_include {
+        if !chosen.contains(id) {
+            chosen.push(id.clone());
+            if let Some(gpu) = naming.resolve(inventory, id) {
+                *per_gpu.entry(gpu).or_default() += 1;
+            }
+        }
+    }
+    if chosen.len() > size {
+        return Err(bad("smaller than the number of must-include devices"));
+    }
+    let mut candidates: Vec<(&str, usize, &String)> = request
+        .available
+        .iter()
+        .filter(|id| !chosen.contains(id))
+        .filter_map(|id| {
+            let gpu = naming.resolve(inventory, id)?;
+            let device = inventory.get(gpu)?;
+            (device.health == Health::Healthy)
+                .then(|| (gpu, inventory.position(gpu).unwrap_or(0), id))
+        })
+        .collect();
+    while chosen.len() < size {
+        let best = candidates
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, (gpu, position, id))| {
+                (per_gpu.get(gpu).copied().unwrap_or(0), *position, *id)
+            })
+            .map(|(i, _)| i);
+        let Some(best) = best else { break };
+        let (gpu, _, id) = candidates.swap_remove(best);
+        *per_gpu.entry(gpu).or_default() += 1;
+        chosen.push(id.clone());
+    }
+    Ok(chosen)
 }
 
 /// One container's preferred-allocation question, as the kubelet asks it.

@@ -400,14 +400,30 @@ impl Settings {
                 gds: args.gds_enabled,
                 mofed: args.mofed_enabled,
                 device_discovery_strategy: args.device_discovery_strategy,
+                time_slicing: None,
             }
             .or(loaded.nvidia),
         )?;
-        let resource_name = args
+        let mut resource_name = args
             .resource_name
             .or(file.resource_name)
             .unwrap_or_else(|| DEFAULT_RESOURCE_NAME.into());
         check_extended_resource_name(&resource_name)?;
+        if let Some(shared) = &nvidia.time_slicing {
+            if shared.name != resource_name {
+                return Err(ConfigError::Invalid {
+                    setting: "config key",
+                    value: format!("sharing.timeSlicing.resources[0].name: {}", shared.name),
+                    why: format!("this plugin serves {resource_name}; only it can be shared"),
+                });
+            }
+            if let Some(rename) = &shared.rename {
+                resource_name = rename.clone();
+            } else if shared.rename_by_default {
+                resource_name = format!("{resource_name}.shared");
+            }
+            check_extended_resource_name(&resource_name)?;
+        }
         let simulate = args.simulate.or(file.simulate);
         let simulate_events = args.simulate_events.or(file.simulate_events);
         if let (Some(path), None) = (&simulate_events, simulate) {
@@ -443,6 +459,7 @@ impl Settings {
         let nvml_defaults = NvmlOptions::default();
         let allocate = AllocateOptions {
             envvar: nvidia.envvar,
+            naming: nvidia.naming.clone(),
             volume_mounts: nvidia.volume_mounts,
             cdi: args.cdi.or(file.cdi).unwrap_or(nvidia.cdi),
             cdi_kind: args.cdi_kind.or(file.cdi_kind).unwrap_or(defaults.cdi_kind),

@@ -24,6 +24,7 @@ pub mod health;
 pub mod http;
 pub mod kubelet;
 pub mod metrics;
+pub mod naming;
 pub mod nvml;
 pub mod pods;
 pub mod runtime;

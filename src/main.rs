@@ -120,10 +120,14 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     // An unusable --kubeconfig stops the plugin here, before it registers; no API access at all is one line
     // and everything else goes on.
     let api = ApiAccess::resolve(&settings.cluster).await?;
-    let pods = settings
-        .pod_resources_socket
-        .as_ref()
-        .map(|socket| Arc::new(PodResources::new(socket, settings.resource_name.clone())));
+    let pods = settings.pod_resources_socket.as_ref().map(|socket| {
+        Arc::new(
+            PodResources::new(socket, settings.resource_name.clone()).with_naming(
+                settings.allocate.naming.clone(),
+                monitored.inventory.clone(),
+            ),
+        )
+    });
     if let Some(api) = api {
         // The kubelet first: the API client starts once the first registration is accepted, or after a
         // couple of seconds without one. Health changes meanwhile are reported then.

@@ -14,7 +14,9 @@ use tokio::time::Instant;
 
 use crate::api::pod_resources::ListPodResourcesRequest;
 use crate::api::pod_resources::pod_resources_lister_client::PodResourcesListerClient;
+use crate::devices::InventoryWatch;
 use crate::kubelet::uds;
+use crate::naming::Naming;
 
 /// How long one `List` may take, connection included.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -66,6 +68,8 @@ pub struct PodResources {
     cache: Mutex<Option<(Instant, Holders)>>,
     /// Whether the last failure has been logged at warn (cleared by a success).
     warned: AtomicBool,
+    /// How the kubelet names the GPUs, when not by their inventory IDs: holders are keyed by GPU.
+    naming: Option<(Naming, InventoryWatch)>,
 }
 
 impl PodResources {
@@ -76,7 +80,36 @@ impl PodResources {
             resource: resource.into(),
             cache: Mutex::new(None),
             warned: AtomicBool::new(false),
+            naming: None,
         }
+    }
+
+    /// Keys the holders by GPU (inventory ID) when the kubelet knows the GPUs by other IDs (indices,
+    /// replicas): a GPU is held by every container holding one of its replicas.
+    pub fn with_naming(mut self, naming: Naming, inventory: InventoryWatch) -> Self {
+        if !naming.is_plain() {
+            self.naming = Some((naming, inventory));
+        }
+        self
+    }
+
+    fn on_gpus(&self, holders: Holders) -> Holders {
+        let Some((naming, inventory)) = &self.naming else {
+            return holders;
+        };
+        let inventory = inventory.borrow().clone();
+        let mut by_gpu = Holders::new();
+        for (id, list) in holders {
+            let gpu = naming
+                .resolve(&inventory, &id)
+                .map_or(id.clone(), String::from);
+            by_gpu.entry(gpu).or_default().extend(list);
+        }
+        for list in by_gpu.values_mut() {
+            list.sort();
+            list.dedup();
+        }
+        by_gpu
     }
 
     /// Asks the kubelet now.
@@ -107,7 +140,7 @@ impl PodResources {
         if let Some((at, holders)) = cache.as_ref()
             && at.elapsed() <= max_age
         {
-            return Some(holders.clone());
+            return Some(self.on_gpus(holders.clone()));
         }
         match self.list().await {
             Ok(holders) => {
@@ -115,7 +148,7 @@ impl PodResources {
                     tracing::info!(socket = %self.socket.display(), "the kubelet's pod-resources API answers again");
                 }
                 *cache = Some((Instant::now(), holders.clone()));
-                Some(holders)
+                Some(self.on_gpus(holders))
             }
             Err(e) => {
                 if self.warned.swap(true, Ordering::Relaxed) {

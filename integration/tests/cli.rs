@@ -176,9 +176,16 @@ fn nvidias_settings_not_supported_yet_are_refused_by_name_from_flag_env_or_file(
     let config = dir.path().join("nvidia.yaml");
     std::fs::write(
         &config,
-        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n",
+        "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n",
     )
     .unwrap();
     let out = run(&base, &[("CONFIG_FILE", config.to_str().unwrap())]);
-    assert_one_line_error(&out, &["sharing.timeSlicing", "not supported yet"]);
+    assert_one_line_error(&out, &["sharing.mps", "not supported yet"]);
+    std::fs::write(
+        &config,
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: example.com/fpga\n      replicas: 4\n",
+    )
+    .unwrap();
+    let out = run(&base, &[("CONFIG_FILE", config.to_str().unwrap())]);
+    assert_one_line_error(&out, &["example.com/fpga", "only it can be shared"]);
 }

@@ -38,15 +38,33 @@ health:
 async fn start(
     envs: &[(&str, &OsStr)],
 ) -> Result<(FakeKubelet, PluginProcess, tempfile::TempDir), Box<dyn std::error::Error>> {
+    start_with(NVIDIA_FILE, 2, envs).await
+}
+
+/// The plugin on `gpus` simulated GPUs with NVIDIA's config file `file` (fault script: `<dir>/faults`),
+/// registered, its first list received.
+async fn start_with(
+    file: &str,
+    gpus: usize,
+    envs: &[(&str, &OsStr)],
+) -> Result<(FakeKubelet, PluginProcess, tempfile::TempDir), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     let config = dir.path().join("config.yaml");
-    std::fs::write(&config, NVIDIA_FILE)?;
+    std::fs::write(&config, file)?;
+    let faults = dir.path().join("faults");
     let kubelet = FakeKubelet::start(dir.path()).await?;
     let mut all = vec![("CONFIG_FILE", config.as_os_str())];
     all.extend_from_slice(envs);
-    let plugin = PluginProcess::spawn_with_env(dir.path(), &["--simulate", "2"], &all);
+    let (count, faults) = (gpus.to_string(), faults.to_string_lossy().into_owned());
+    let plugin = PluginProcess::spawn_with_env(
+        dir.path(),
+        &["--simulate", &count, "--simulate-events", &faults],
+        &all,
+    );
     kubelet
-        .wait_list("2 GPUs", WAIT, |l| l.allocatable() == 2)
+        .wait_list("the first list", WAIT, |l| {
+            l.messages >= 1 && l.allocatable() > 0
+        })
         .await
         .map_err(|e| format!("{e}\n{}", plugin.log()))?;
     Ok((kubelet, plugin, dir))
@@ -141,5 +159,132 @@ async fn the_volume_mounts_strategy_lists_devices_as_mounts() -> TestResult {
             .collect::<Vec<_>>()
     );
     assert!(container.cdi_devices.is_empty());
+    Ok(())
+}
+
+const TIME_SLICING: &str = "\
+version: v1
+sharing:
+  timeSlicing:
+    renameByDefault: true
+    failRequestsGreaterThanOne: true
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 4
+";
+
+#[tokio::test]
+async fn time_slicing_lists_replicas_and_a_fault_takes_every_replica_of_its_gpu_in_one_list()
+-> TestResult {
+    let (kubelet, plugin, dir) = start_with(TIME_SLICING, 2, &[]).await?;
+    let registered = kubelet.registrations();
+    assert_eq!(
+        registered.last().map(|r| r.resource_name.as_str()),
+        Some("nvidia.com/gpu.shared")
+    );
+    let (gpu0, gpu1) = (simulated_uuid(0), simulated_uuid(1));
+    let listed: Vec<String> = kubelet
+        .list()
+        .devices
+        .iter()
+        .map(|d| d.id.clone())
+        .collect();
+    let want: Vec<String> = [&gpu0, &gpu1]
+        .iter()
+        .flat_map(|g| (0..4).map(move |n| format!("{g}::{n}")))
+        .collect();
+    assert_eq!(listed, want);
+
+    // A replica is its GPU; more than one replica per container is refused with NVIDIA's message.
+    let response = kubelet.allocate(&[&[&format!("{gpu0}::2")]]).await?;
+    assert_eq!(
+        response.container_responses[0]
+            .envs
+            .get("NVIDIA_VISIBLE_DEVICES"),
+        Some(&gpu0)
+    );
+    let refused = kubelet
+        .allocate(&[&[&format!("{gpu0}::0"), &format!("{gpu1}::0")]])
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused
+            .message()
+            .contains("maximum request size for shared resources is 1; found 2"),
+        "{}",
+        refused.message()
+    );
+    // Replicas of one GPU in two containers of a pod are fine.
+    kubelet
+        .allocate(&[&[&format!("{gpu1}::0")], &[&format!("{gpu1}::1")]])
+        .await?;
+
+    // The kubelet's preference: replicas spread over the GPUs.
+    let ids: Vec<&str> = want.iter().map(String::as_str).collect();
+    let preferred = kubelet.preferred_allocation(&ids, &[], 2).await?;
+    let gpus: std::collections::BTreeSet<&str> = preferred
+        .iter()
+        .filter_map(|id| id.split_once("::").map(|(g, _)| g))
+        .collect();
+    assert_eq!(gpus.len(), 2, "{preferred:?}");
+
+    // XID 79 on GPU 0: the first list that shows any of its replicas Unhealthy shows all four, and GPU 1's
+    // four Healthy.
+    let mut lists = kubelet.watch_list();
+    lists.borrow_and_update();
+    support::append(&dir.path().join("faults"), &[format!("xid {gpu0} 79")]);
+    let list = tokio::time::timeout(WAIT, async {
+        loop {
+            lists.changed().await.ok()?;
+            let list = lists.borrow_and_update().clone();
+            if list.devices.iter().any(|d| d.health == "Unhealthy") {
+                return Some(list);
+            }
+        }
+    })
+    .await
+    .ok()
+    .flatten()
+    .ok_or_else(|| format!("no Unhealthy replica\n{}", plugin.log()))?;
+    for device in &list.devices {
+        let on_gpu0 = device.id.starts_with(&format!("{gpu0}::"));
+        assert_eq!(device.health == "Unhealthy", on_gpu0, "{:?}", list.devices);
+    }
+    assert_eq!(list.allocatable(), 4);
+    // A replica of the failed GPU is refused, naming the GPU.
+    let refused = kubelet
+        .allocate(&[&[&format!("{gpu0}::3")]])
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(refused.message().contains(&gpu0), "{}", refused.message());
+    Ok(())
+}
+
+#[tokio::test]
+async fn index_ids_name_gpus_by_position() -> TestResult {
+    let (kubelet, _plugin, _dir) = start_with(
+        "version: v1\n",
+        2,
+        &[("DEVICE_ID_STRATEGY", OsStr::new("index"))],
+    )
+    .await?;
+    let listed: Vec<String> = kubelet
+        .list()
+        .devices
+        .iter()
+        .map(|d| d.id.clone())
+        .collect();
+    assert_eq!(listed, ["0", "1"]);
+    let response = kubelet.allocate(&[&["1"]]).await?;
+    assert_eq!(
+        response.container_responses[0]
+            .envs
+            .get("NVIDIA_VISIBLE_DEVICES"),
+        Some(&simulated_uuid(1))
+    );
+    let unknown = kubelet.allocate(&[&["2"]]).await.unwrap_err();
+    assert_eq!(unknown.code(), tonic::Code::InvalidArgument);
     Ok(())
 }

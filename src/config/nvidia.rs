@@ -82,10 +82,46 @@ enum StringOrList {
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Sharing {
-    time_slicing: Option<Value>,
+    time_slicing: Option<SharingSpec>,
     mps: Option<Value>,
     #[serde(flatten)]
     other: BTreeMap<String, Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SharingSpec {
+    rename_by_default: Option<bool>,
+    fail_requests_greater_than_one: Option<bool>,
+    resources: Option<Vec<ReplicatedResource>>,
+    #[serde(flatten)]
+    other: BTreeMap<String, Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReplicatedResource {
+    name: Option<String>,
+    rename: Option<String>,
+    devices: Option<Value>,
+    replicas: Option<i64>,
+    #[serde(flatten)]
+    other: BTreeMap<String, Value>,
+}
+
+/// Time-slicing as this plugin does it: every GPU of the one resource served, as `replicas` devices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimeSlicing {
+    /// The resource the file shares (must be the one served).
+    pub name: String,
+    /// The name to serve it under instead, if any.
+    pub rename: Option<String>,
+    /// Serve it as `<name>.shared` when it has no rename of its own.
+    pub rename_by_default: bool,
+    /// Devices per GPU, at least 2.
+    pub replicas: usize,
+    /// Refuse a container asking for more than one replica.
+    pub fail_requests_greater_than_one: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -117,6 +153,8 @@ pub struct NvidiaSettings {
     pub mofed: Option<bool>,
     /// `deviceDiscoveryStrategy`.
     pub device_discovery_strategy: Option<String>,
+    /// `sharing.timeSlicing` (file only).
+    pub time_slicing: Option<TimeSlicing>,
 }
 
 impl NvidiaSettings {
@@ -133,6 +171,7 @@ impl NvidiaSettings {
             device_discovery_strategy: self
                 .device_discovery_strategy
                 .or(under.device_discovery_strategy),
+            time_slicing: self.time_slicing.or(under.time_slicing),
         }
     }
 }
@@ -206,26 +245,24 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
         why: why.into(),
     };
     if let Some(sharing) = &v1.sharing {
-        if let Some(key) = sharing.other.keys().next() {
+        for key in sharing.other.keys() {
+            ignored(
+                format!("sharing.{key}"),
+                "unknown sharing kind (NVIDIA's are timeSlicing and mps); ignored as NVIDIA's plugin ignores it",
+            );
+        }
+        if sharing.mps.as_ref().is_some_and(|v| !v.is_null()) {
             return Err(invalid(
                 "config key",
-                format!("sharing.{key}"),
-                "unknown sharing kind (NVIDIA's are timeSlicing and mps)",
+                "sharing.mps".into(),
+                "MPS sharing is not supported yet (time-slicing is); remove it to serve whole GPUs",
             ));
         }
-        for (key, value) in [
-            ("timeSlicing", &sharing.time_slicing),
-            ("mps", &sharing.mps),
-        ] {
-            if value.as_ref().is_some_and(|v| !v.is_null()) {
-                return Err(invalid(
-                    "config key",
-                    format!("sharing.{key}"),
-                    "GPU sharing (replicas) is not supported yet; remove it to serve whole GPUs",
-                ));
-            }
-        }
     }
+    let time_slicing = match v1.sharing.and_then(|s| s.time_slicing) {
+        Some(spec) => Some(time_slicing(spec, &mut ignored)?),
+        None => None,
+    };
     if let Some(imex) = &v1.imex {
         if !imex.channel_ids.is_empty() || imex.required == Some(true) {
             return Err(invalid(
@@ -272,8 +309,88 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
             gds: flags.gds_enabled,
             mofed: flags.mofed_enabled,
             device_discovery_strategy: flags.device_discovery_strategy,
+            time_slicing,
         },
         warnings,
+    })
+}
+
+/// Checks `sharing.timeSlicing` as NVIDIA's plugin does (a named resource, replicas of at least 2), and
+/// refuses what this plugin does not do yet (several resources, a subset of the GPUs).
+fn time_slicing(
+    spec: SharingSpec,
+    ignored: &mut impl FnMut(String, &str),
+) -> Result<TimeSlicing, ConfigError> {
+    let invalid = |value: &str, why: &str| ConfigError::Invalid {
+        setting: "config key",
+        value: value.into(),
+        why: why.into(),
+    };
+    for key in spec.other.keys() {
+        ignored(
+            format!("sharing.timeSlicing.{key}"),
+            "unknown; ignored as NVIDIA's plugin ignores it",
+        );
+    }
+    let mut resources = spec.resources.unwrap_or_default();
+    if resources.is_empty() {
+        return Err(invalid(
+            "sharing.timeSlicing.resources",
+            "no resources specified",
+        ));
+    }
+    if resources.len() > 1 {
+        return Err(invalid(
+            "sharing.timeSlicing.resources",
+            "more than one shared resource is not supported yet",
+        ));
+    }
+    let resource = resources.remove(0);
+    for key in resource.other.keys() {
+        ignored(
+            format!("sharing.timeSlicing.resources[0].{key}"),
+            "unknown; ignored as NVIDIA's plugin ignores it",
+        );
+    }
+    let name = resource.name.filter(|n| !n.is_empty()).ok_or_else(|| {
+        invalid(
+            "sharing.timeSlicing.resources[0].name",
+            "a shared resource needs a name",
+        )
+    })?;
+    /// More replicas than this per GPU is surely a mistake (and a list the kubelet would struggle with).
+    const MAX_REPLICAS: i64 = 1024;
+    let replicas = match resource.replicas {
+        Some(n) if (2..=MAX_REPLICAS).contains(&n) => usize::try_from(n).unwrap_or(2),
+        Some(n) if n > MAX_REPLICAS => {
+            return Err(invalid(
+                "sharing.timeSlicing.resources[0].replicas",
+                &format!("{n} replicas per GPU; at most {MAX_REPLICAS}"),
+            ));
+        }
+        _ => {
+            return Err(invalid(
+                "sharing.timeSlicing.resources[0].replicas",
+                "number of replicas must be >= 2",
+            ));
+        }
+    };
+    match &resource.devices {
+        None | Some(Value::Null) => {}
+        Some(Value::String(all)) if all == "all" => {}
+        Some(_) => {
+            return Err(invalid(
+                "sharing.timeSlicing.resources[0].devices",
+                "sharing a subset of the GPUs is not supported yet; use all (or leave it out)",
+            ));
+        }
+    }
+    Ok(TimeSlicing {
+        name,
+        rename: resource.rename.filter(|r| !r.is_empty()),
+        rename_by_default: spec.rename_by_default.unwrap_or(false),
+        replicas,
+        fail_requests_greater_than_one: spec.fail_requests_greater_than_one.unwrap_or(false),
     })
 }
 
@@ -290,6 +407,10 @@ pub struct Applied {
     pub extra_envs: Vec<(String, String)>,
     /// The driver root, where `--dev-root` defaults to.
     pub driver_root: PathBuf,
+    /// How devices are named to the kubelet.
+    pub naming: crate::naming::Naming,
+    /// Time-slicing, for the resource name.
+    pub time_slicing: Option<TimeSlicing>,
 }
 
 /// Checks NVIDIA's settings, refusing by name what this plugin does not do.
@@ -316,15 +437,9 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
             ));
         }
     }
-    match settings.device_id_strategy.as_deref() {
-        None | Some("uuid") => {}
-        Some("index") => {
-            return Err(invalid(
-                "deviceIDStrategy (--device-id-strategy, DEVICE_ID_STRATEGY)",
-                "index",
-                "only uuid is supported yet",
-            ));
-        }
+    let ids = match settings.device_id_strategy.as_deref() {
+        None | Some("uuid") => crate::naming::IdStrategy::Uuid,
+        Some("index") => crate::naming::IdStrategy::Index,
         Some(s) => {
             return Err(invalid(
                 "deviceIDStrategy (--device-id-strategy, DEVICE_ID_STRATEGY)",
@@ -332,7 +447,7 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
                 "must be uuid or index",
             ));
         }
-    }
+    };
     match settings.device_discovery_strategy.as_deref() {
         None | Some("auto" | "nvml") => {}
         Some(s) => {
@@ -394,12 +509,22 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
     .filter(|(on, _)| *on == Some(true))
     .map(|(_, name)| (name.to_string(), "enabled".to_string()))
     .collect();
+    let naming = crate::naming::Naming {
+        ids,
+        replicas: settings.time_slicing.as_ref().map_or(1, |t| t.replicas),
+        fail_requests_greater_than_one: settings
+            .time_slicing
+            .as_ref()
+            .is_some_and(|t| t.fail_requests_greater_than_one),
+    };
     Ok(Applied {
         envvar,
         cdi,
         volume_mounts,
         extra_envs,
         driver_root,
+        naming,
+        time_slicing: settings.time_slicing.clone(),
     })
 }
 
@@ -465,7 +590,7 @@ mod tests {
                 "cdi-annotations",
             ),
             (
-                "flags:\n  plugin:\n    deviceIDStrategy: index\n",
+                "flags:\n  plugin:\n    deviceIDStrategy: serial\n",
                 "deviceIDStrategy",
             ),
             (
@@ -473,8 +598,20 @@ mod tests {
                 "nvidiaDriverRoot",
             ),
             (
-                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 10\n",
-                "sharing.timeSlicing",
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 1\n",
+                "replicas must be >= 2",
+            ),
+            (
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n      devices: [0]\n",
+                "subset",
+            ),
+            (
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n    - name: nvidia.com/mig-1g.10gb\n      replicas: 2\n",
+                "more than one shared resource",
+            ),
+            (
+                "sharing:\n  timeSlicing:\n    resources: []\n",
+                "no resources",
             ),
             (
                 "sharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",

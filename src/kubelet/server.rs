@@ -20,6 +20,7 @@ use crate::api::{
 };
 use crate::devices::{Inventory, InventoryWatch};
 use crate::metrics::Metrics;
+use crate::naming::Naming;
 
 /// The options this plugin registers with and reports: with `pre_start_check`, the kubelet calls
 /// PreStartContainer before every start of a container holding our devices (see [`allocation::pre_start`]).
@@ -114,14 +115,14 @@ impl PluginService {
     }
 }
 
-/// The ListAndWatch message for one inventory: every device, in stable order.
-pub fn list_response(inventory: &Inventory) -> ListAndWatchResponse {
+/// The ListAndWatch message for one inventory: every device, in stable order, as `naming` names it (a GPU's
+/// replicas one after another, each with the GPU's health).
+pub fn list_response(inventory: &Inventory, naming: &Naming) -> ListAndWatchResponse {
     ListAndWatchResponse {
-        devices: inventory
-            .devices()
-            .iter()
-            .map(|d| Device {
-                id: d.info.id.clone(),
+        devices: naming
+            .listed(inventory)
+            .map(|(id, d)| Device {
+                id,
                 health: d.health.as_api_str().to_string(),
                 topology: d.info.numa_node.map(|id| TopologyInfo {
                     nodes: vec![NumaNode { id }],
@@ -145,6 +146,7 @@ impl From<AllocationError> for Status {
             | AllocationError::NoDevices(_)
             | AllocationError::UnknownDevice(_)
             | AllocationError::DuplicateDevice(_)
+            | AllocationError::SharedRequestTooLarge(_)
             | AllocationError::BadSize { .. } => Status::invalid_argument(e.to_string()),
         }
     }
@@ -173,6 +175,7 @@ impl DevicePlugin for PluginService {
     ) -> Result<Response<ListStream>, Status> {
         let mut last_sent: Option<u64> = None;
         let open = OpenStream::new(&self.streams);
+        let naming = self.options.naming.clone();
         let stream = WatchStream::new(self.inventory.clone())
             .filter_map(move |inventory: Arc<Inventory>| {
                 // The stream owns the guard: it counts as open until tonic drops it.
@@ -180,7 +183,7 @@ impl DevicePlugin for PluginService {
                 let version = inventory.listed_version();
                 let changed = last_sent != Some(version);
                 last_sent = Some(version);
-                std::future::ready(changed.then(|| Ok(list_response(&inventory))))
+                std::future::ready(changed.then(|| Ok(list_response(&inventory, &naming))))
             })
             // If the inventory's sender is ever gone, keep the stream open on the last list: an ended
             // stream makes the kubelet mark every device unhealthy and it never re-opens it.
@@ -204,7 +207,7 @@ impl DevicePlugin for PluginService {
                     must_include: &c.must_include_device_i_ds,
                     size: c.allocation_size,
                 };
-                allocation::preferred(&inventory, &ask)
+                allocation::preferred_named(&inventory, &self.options.naming, &ask)
                     .map(|device_i_ds| ContainerPreferredAllocationResponse { device_i_ds })
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -249,7 +252,21 @@ impl DevicePlugin for PluginService {
     ) -> Result<Response<PreStartContainerResponse>, Status> {
         let ids = request.into_inner().devices_ids;
         let inventory = self.inventory.borrow().clone();
-        match allocation::pre_start(&inventory, &ids) {
+        let naming = &self.options.naming;
+        // The GPUs behind the kubelet's IDs; an ID that names none is kept as it is, and refused by name.
+        let gpus: Vec<String> = if naming.is_plain() {
+            ids.clone()
+        } else {
+            let mut gpus: Vec<String> = Vec::new();
+            for id in &ids {
+                let gpu = naming.resolve(&inventory, id).unwrap_or(id.as_str());
+                if !gpus.iter().any(|g| g == gpu) {
+                    gpus.push(gpu.to_string());
+                }
+            }
+            gpus
+        };
+        match allocation::pre_start(&inventory, &gpus) {
             Ok(()) => {
                 self.count("PreStartContainer", tonic::Code::Ok);
                 Ok(Response::new(PreStartContainerResponse {}))
