@@ -96,7 +96,9 @@ impl ApiNode {
             &[("NODE_NAME", OsStr::new(NODE))],
         );
         kubelet
-            .wait_list("4 GPUs Healthy", WAIT, |l| l.allocatable() == 4)
+            .wait_list("4 GPUs Healthy (each replica, if shared)", WAIT, |l| {
+                l.allocatable() >= 4
+            })
             .await
             .map_err(|e| format!("{e}\n{}", plugin.log()))?;
         Ok(ApiNode {
@@ -626,5 +628,51 @@ async fn a_change_while_the_condition_is_being_retried_is_the_one_written() -> T
         })
     })
     .await?;
+    Ok(())
+}
+
+/// With time-slicing the kubelet knows a GPU by its replicas; a pod holding one replica is told when the GPU
+/// fails, and `/status` names it as a holder of the GPU.
+#[tokio::test]
+async fn a_pod_holding_a_replica_is_told_when_its_gpu_fails() -> TestResult {
+    let node = ApiNode::start(
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
+    )
+    .await?;
+    node.api.add_pod("ml", "infer-0");
+    let replica = format!("{}::1", gpu(3));
+    node.kubelet
+        .allocate_to("ml", "infer-0", "server", &[&replica])
+        .await?;
+    node.inject(&[format!("xid {} 79", gpu(3))]);
+    node.kubelet
+        .wait_list("both replicas of GPU 3 Unhealthy", WAIT, |l| {
+            l.health(&replica) == Some("Unhealthy")
+                && l.health(&format!("{}::0", gpu(3))) == Some("Unhealthy")
+        })
+        .await?;
+    let requests = node
+        .wait("a Warning Event on the pod", |r| {
+            r.iter().any(|r| is_event(r, "ml", "GPUUnhealthy"))
+        })
+        .await?;
+    let event = &requests
+        .iter()
+        .find(|r| is_event(r, "ml", "GPUUnhealthy"))
+        .unwrap()
+        .body;
+    assert_eq!(event["regarding"]["name"], "infer-0");
+    let note = event["note"].as_str().unwrap_or_default();
+    assert!(note.contains(&gpu(3)) && note.contains("XID 79"), "{note}");
+    let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
+    let (_, body) = http::get(&addr, "/status").await?;
+    let status: Value = serde_json::from_slice(&body)?;
+    let device = status["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|d| d["id"] == gpu(3).as_str())
+        .ok_or("GPU 3 not in /status")?;
+    assert_eq!(device["pods"][0]["pod"], "infer-0", "{device}");
     Ok(())
 }
