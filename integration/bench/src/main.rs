@@ -80,6 +80,9 @@ pub(crate) enum Measure {
     /// Fault → kubelet with every surface on (HTTP, pod-resources, Events and the node condition against a
     /// recording API server) and with all of them off, interleaved. This workspace's plugin only.
     Surfaces,
+    /// Time-slicing, 100 replicas per GPU (NVIDIA's config file): start-up, and a GPU fault → the kubelet
+    /// sees every replica Unhealthy. This workspace's plugin only.
+    Replicas,
 }
 
 impl Args {

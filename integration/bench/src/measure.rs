@@ -101,6 +101,101 @@ pub(crate) async fn all(
     if args.runs(Measure::Surfaces) && rig.is_ours() {
         surfaces(rig, devices, counts.faults, report).await?;
     }
+    if args.runs(Measure::Replicas) && rig.is_ours() {
+        replicas(rig, devices, &counts, report).await?;
+    }
+    Ok(())
+}
+
+/// Replicas per GPU in the `replicas` measure.
+const REPLICAS: usize = 100;
+
+/// Time-slicing with NVIDIA's config file, `REPLICAS` per GPU: spawn → the kubelet's first full list of
+/// every replica, and XID 79 on a GPU → the first list showing all of its replicas Unhealthy (they change
+/// together or not at all: the same list carries them).
+async fn replicas(
+    rig: &Rig,
+    devices: usize,
+    counts: &Counts,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let config = rig.work_dir().join("time-slicing.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: {REPLICAS}\n"
+        ),
+    )?;
+    let envs = [("CONFIG_FILE", config.as_os_str())];
+    let listed = devices * REPLICAS;
+    let (mut starts, mut faults) = (Vec::new(), Vec::new());
+    let mut missed = 0;
+    let mut all_together = true;
+    while faults.len() + missed < counts.faults {
+        let n = rig.next_registration().await;
+        let spawned = Instant::now();
+        let plugin = rig.spawn_with(devices, None, &[], &envs)?;
+        rig.wait_registered(n, &plugin).await?;
+        let kubelet = rig.kubelet.lock().await;
+        let first = kubelet
+            .wait_list("every replica listed healthy", WAIT, |l| {
+                l.registration >= n && l.allocatable() == listed
+            })
+            .await
+            .with_context(|| format!("replicas not all listed; plugin log:\n{}", plugin.log()))?;
+        if let Some(at) = first.received_at {
+            starts.push(at.saturating_duration_since(spawned));
+        }
+        for i in 0..devices.min(counts.faults - faults.len() - missed) {
+            let id = uuid(i);
+            let prefix = format!("{id}::");
+            let injected = rig.inject(&[format!("xid {id} 79")])?;
+            let list = kubelet
+                .wait_list("a replica Unhealthy", WAIT, |l| {
+                    l.registration >= n
+                        && l.devices
+                            .iter()
+                            .any(|d| d.id.starts_with(&prefix) && d.health == "Unhealthy")
+                })
+                .await
+                .ok();
+            match list {
+                Some(list) => {
+                    let unhealthy = list
+                        .devices
+                        .iter()
+                        .filter(|d| d.id.starts_with(&prefix) && d.health == "Unhealthy")
+                        .count();
+                    all_together &= unhealthy == REPLICAS;
+                    if let Some(at) = list.received_at {
+                        faults.push(at.saturating_duration_since(injected));
+                    }
+                }
+                None => missed += 1,
+            }
+        }
+        drop(kubelet);
+        plugin.stop().await;
+    }
+    report.latency(
+        &format!("start-up with {devices} GPUs × {REPLICAS} replicas: spawn → first full list"),
+        &starts,
+    );
+    report.latency(
+        &format!(
+            "fault (XID 79) → kubelet sees all {REPLICAS} replicas of the GPU Unhealthy, {listed} devices"
+        ),
+        &faults,
+    );
+    report.check(
+        "replicas: every fault seen, all of a GPU's replicas in the same list",
+        missed == 0 && all_together,
+        format!(
+            "{} of {}, together: {all_together}",
+            faults.len(),
+            counts.faults
+        ),
+    );
     Ok(())
 }
 
