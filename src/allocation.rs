@@ -363,22 +363,24 @@ pub fn preferred_named(
             .collect());
     }
     let mut chosen: Vec<String> = Vec::with_capacity(size);
+    // Every ID once: the kubelet's lists are its own, but their length is not ours to trust.
+    let mut taken: HashSet<&str> = HashSet::new();
     let mut per_gpu: BTreeMap<&str, usize> = BTreeMap::new();
     for id in request.must_include {
-        if !chosen.contains(id) {
+        if taken.insert(id) {
             chosen.push(id.clone());
             if let Some(gpu) = naming.resolve(inventory, id) {
                 *per_gpu.entry(gpu).or_default() += 1;
             }
         }
-    }
-    if chosen.len() > size {
-        return Err(bad("smaller than the number of must-include devices"));
+        if chosen.len() > size {
+            return Err(bad("smaller than the number of must-include devices"));
+        }
     }
     let mut candidates: Vec<(&str, usize, &String)> = request
         .available
         .iter()
-        .filter(|id| !chosen.contains(id))
+        .filter(|id| taken.insert(id))
         .filter_map(|id| {
             let gpu = naming.resolve(inventory, id)?;
             let device = inventory.get(gpu)?;

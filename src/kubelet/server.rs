@@ -257,14 +257,12 @@ impl DevicePlugin for PluginService {
         let gpus: Vec<String> = if naming.is_plain() {
             ids.clone()
         } else {
-            let mut gpus: Vec<String> = Vec::new();
-            for id in &ids {
-                let gpu = naming.resolve(&inventory, id).unwrap_or(id.as_str());
-                if !gpus.iter().any(|g| g == gpu) {
-                    gpus.push(gpu.to_string());
-                }
-            }
-            gpus
+            let mut seen = std::collections::HashSet::new();
+            ids.iter()
+                .map(|id| naming.resolve(&inventory, id).unwrap_or(id.as_str()))
+                .filter(|gpu| seen.insert(*gpu))
+                .map(String::from)
+                .collect()
         };
         match allocation::pre_start(&inventory, &gpus) {
             Ok(()) => {
