@@ -20,6 +20,34 @@ const CONTROL_DEVICE_NODES: [&str; 4] = [
     "/dev/nvidia-modeset",
 ];
 
+/// The MPS control daemon's directories for one resource, as NVIDIA's plugin passes them: its pipe directory
+/// (`<root>/<resource>/pipe` on the host, `/mps/<resource>/pipe` in the container, named by
+/// `CUDA_MPS_PIPE_DIRECTORY`) and its shared memory (`<root>/shm` on the host, the container's `/dev/shm`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MpsDirs {
+    /// The pipe directory in the container.
+    pub pipe: String,
+    /// The pipe directory on the host.
+    pub host_pipe: String,
+    /// The shm directory on the host.
+    pub host_shm: String,
+}
+
+impl MpsDirs {
+    /// The directories for `resource` under the daemon's host root `root`.
+    pub fn new(root: &Path, resource: &str) -> Self {
+        MpsDirs {
+            pipe: format!("/mps/{resource}/pipe"),
+            host_pipe: root
+                .join(resource)
+                .join("pipe")
+                .to_string_lossy()
+                .into_owned(),
+            host_shm: root.join("shm").to_string_lossy().into_owned(),
+        }
+    }
+}
+
 /// Where the `volume-mounts` device list strategy mounts one file per device, as NVIDIA's plugin does.
 pub const VOLUME_MOUNTS_DIR: &str = "/var/run/nvidia-container-devices";
 
@@ -38,6 +66,8 @@ pub struct AllocateOptions {
     pub volume_mounts: bool,
     /// Environment variables every container response carries (`NVIDIA_GDS=enabled`, …).
     pub extra_envs: Vec<(String, String)>,
+    /// With MPS sharing: the MPS control daemon's directories every container gets.
+    pub mps: Option<MpsDirs>,
     /// Put CDI device names (`<cdi_kind>=<id>`) in the response, for runtimes that resolve CDI.
     pub cdi: bool,
     /// CDI kind the names are qualified with, e.g. `nvidia.com/gpu`.
@@ -60,6 +90,7 @@ impl Default for AllocateOptions {
             naming: crate::naming::Naming::default(),
             volume_mounts: false,
             extra_envs: Vec::new(),
+            mps: None,
             cdi: false,
             cdi_kind: "nvidia.com/gpu".into(),
             device_specs: false,
@@ -219,6 +250,21 @@ fn container_response(
             .collect();
     }
     response.envs.extend(options.extra_envs.iter().cloned());
+    if let Some(mps) = &options.mps {
+        response
+            .envs
+            .insert("CUDA_MPS_PIPE_DIRECTORY".into(), mps.pipe.clone());
+        response.mounts.push(Mount {
+            container_path: mps.pipe.clone(),
+            host_path: mps.host_pipe.clone(),
+            read_only: false,
+        });
+        response.mounts.push(Mount {
+            container_path: "/dev/shm".into(),
+            host_path: mps.host_shm.clone(),
+            read_only: false,
+        });
+    }
     if options.cdi {
         response.cdi_devices = ids
             .iter()

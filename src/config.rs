@@ -223,6 +223,15 @@ pub struct Args {
     #[arg(long, env = "MOFED_ENABLED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
     pub mofed_enabled: Option<bool>,
 
+    /// With MPS sharing: the MPS control daemon's root on the host (its pipe and shm directories)
+    #[arg(
+        long,
+        env = "MPS_ROOT",
+        value_name = "DIR",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub mps_root: Option<String>,
+
     /// Device discovery: auto or nvml (tegra is not supported) [default: auto]
     #[arg(
         long,
@@ -400,7 +409,8 @@ impl Settings {
                 gds: args.gds_enabled,
                 mofed: args.mofed_enabled,
                 device_discovery_strategy: args.device_discovery_strategy,
-                time_slicing: None,
+                shared: None,
+                mps_root: args.mps_root,
             }
             .or(loaded.nvidia),
         )?;
@@ -409,7 +419,7 @@ impl Settings {
             .or(file.resource_name)
             .unwrap_or_else(|| DEFAULT_RESOURCE_NAME.into());
         check_extended_resource_name(&resource_name)?;
-        if let Some(shared) = &nvidia.time_slicing {
+        if let Some(shared) = &nvidia.shared {
             if shared.name != resource_name {
                 return Err(ConfigError::Invalid {
                     setting: "config key",
@@ -473,6 +483,10 @@ impl Settings {
                 .or(file.dev_root)
                 .unwrap_or(nvidia.driver_root),
             extra_envs: nvidia.extra_envs,
+            mps: nvidia
+                .mps_root
+                .as_ref()
+                .map(|root| crate::allocation::MpsDirs::new(root, &resource_name)),
             host_root: args
                 .host_root
                 .or(file.host_root)

@@ -180,7 +180,7 @@ fn nvidias_settings_not_supported_yet_are_refused_by_name_from_flag_env_or_file(
     )
     .unwrap();
     let out = run(&base, &[("CONFIG_FILE", config.to_str().unwrap())]);
-    assert_one_line_error(&out, &["sharing.mps", "not supported yet"]);
+    assert_one_line_error(&out, &["mpsRoot", "MPS control daemon"]);
     std::fs::write(
         &config,
         "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: example.com/fpga\n      replicas: 4\n",

@@ -288,3 +288,53 @@ async fn index_ids_name_gpus_by_position() -> TestResult {
     assert_eq!(unknown.code(), tonic::Code::InvalidArgument);
     Ok(())
 }
+
+/// MPS: replicas as with time-slicing, one per container unless the file says otherwise, and every container
+/// gets the MPS control daemon's pipe directory and shared memory as NVIDIA's plugin passes them.
+#[tokio::test]
+async fn mps_passes_the_control_daemons_directories_and_one_replica_per_container() -> TestResult {
+    let file = "\
+version: v1
+flags:
+  mpsRoot: /run/nvidia/mps
+sharing:
+  mps:
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 3
+";
+    let (kubelet, _plugin, _dir) = start_with(file, 2, &[]).await?;
+    assert_eq!(kubelet.list().devices.len(), 6);
+    let gpu = simulated_uuid(1);
+    let response = kubelet.allocate(&[&[&format!("{gpu}::2")]]).await?;
+    let container = &response.container_responses[0];
+    assert_eq!(container.envs.get("NVIDIA_VISIBLE_DEVICES"), Some(&gpu));
+    assert_eq!(
+        container
+            .envs
+            .get("CUDA_MPS_PIPE_DIRECTORY")
+            .map(String::as_str),
+        Some("/mps/nvidia.com/gpu/pipe")
+    );
+    let mounts: Vec<(&str, &str)> = container
+        .mounts
+        .iter()
+        .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
+        .collect();
+    assert_eq!(
+        mounts,
+        [
+            (
+                "/run/nvidia/mps/nvidia.com/gpu/pipe",
+                "/mps/nvidia.com/gpu/pipe"
+            ),
+            ("/run/nvidia/mps/shm", "/dev/shm"),
+        ]
+    );
+    let two = kubelet
+        .allocate(&[&[&format!("{gpu}::0"), &format!("{gpu}::1")]])
+        .await
+        .unwrap_err();
+    assert_eq!(two.code(), tonic::Code::InvalidArgument);
+    Ok(())
+}

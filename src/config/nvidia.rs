@@ -28,7 +28,7 @@ struct V1 {
     #[serde(default)]
     flags: Flags,
     resources: Option<Value>,
-    sharing: Option<Sharing>,
+    sharing: Option<SharingSection>,
     imex: Option<Imex>,
     /// Ours.
     health: Option<HealthConfig>,
@@ -81,9 +81,9 @@ enum StringOrList {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct Sharing {
+struct SharingSection {
     time_slicing: Option<SharingSpec>,
-    mps: Option<Value>,
+    mps: Option<SharingSpec>,
     #[serde(flatten)]
     other: BTreeMap<String, Value>,
 }
@@ -109,9 +109,20 @@ struct ReplicatedResource {
     other: BTreeMap<String, Value>,
 }
 
-/// Time-slicing as this plugin does it: every GPU of the one resource served, as `replicas` devices.
+/// How replicas share a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShareKind {
+    /// `sharing.timeSlicing`.
+    TimeSlicing,
+    /// `sharing.mps`: the containers talk to NVIDIA's MPS control daemon for the resource.
+    Mps,
+}
+
+/// Sharing as this plugin does it: every GPU of the one resource served, as `replicas` devices.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TimeSlicing {
+pub struct Shared {
+    /// Time-slicing or MPS.
+    pub kind: ShareKind,
     /// The resource the file shares (must be the one served).
     pub name: String,
     /// The name to serve it under instead, if any.
@@ -153,8 +164,10 @@ pub struct NvidiaSettings {
     pub mofed: Option<bool>,
     /// `deviceDiscoveryStrategy`.
     pub device_discovery_strategy: Option<String>,
-    /// `sharing.timeSlicing` (file only).
-    pub time_slicing: Option<TimeSlicing>,
+    /// `sharing.timeSlicing` or `sharing.mps` (file only).
+    pub shared: Option<Shared>,
+    /// `mpsRoot`: where NVIDIA's MPS control daemon keeps its pipe and shm directories on the host.
+    pub mps_root: Option<String>,
 }
 
 impl NvidiaSettings {
@@ -171,7 +184,8 @@ impl NvidiaSettings {
             device_discovery_strategy: self
                 .device_discovery_strategy
                 .or(under.device_discovery_strategy),
-            time_slicing: self.time_slicing.or(under.time_slicing),
+            shared: self.shared.or(under.shared),
+            mps_root: self.mps_root.or(under.mps_root),
         }
     }
 }
@@ -251,17 +265,18 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
                 "unknown sharing kind (NVIDIA's are timeSlicing and mps); ignored as NVIDIA's plugin ignores it",
             );
         }
-        if sharing.mps.as_ref().is_some_and(|v| !v.is_null()) {
+    }
+    let shared = match v1.sharing.map(|s| (s.time_slicing, s.mps)) {
+        Some((Some(_), Some(_))) => {
             return Err(invalid(
                 "config key",
-                "sharing.mps".into(),
-                "MPS sharing is not supported yet (time-slicing is); remove it to serve whole GPUs",
+                "sharing".into(),
+                "at most one of timeSlicing and mps may be used",
             ));
         }
-    }
-    let time_slicing = match v1.sharing.and_then(|s| s.time_slicing) {
-        Some(spec) => Some(time_slicing(spec, &mut ignored)?),
-        None => None,
+        Some((Some(spec), None)) => Some(sharing(ShareKind::TimeSlicing, spec, &mut ignored)?),
+        Some((None, Some(spec))) => Some(sharing(ShareKind::Mps, spec, &mut ignored)?),
+        _ => None,
     };
     if let Some(imex) = &v1.imex {
         if !imex.channel_ids.is_empty() || imex.required == Some(true) {
@@ -293,7 +308,6 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
     };
     // Settings that only act together with one refused above, or are NVIDIA's defaults: accepted.
     let _ = (
-        flags.mps_root,
         plugin.cdi_annotation_prefix,
         plugin.container_driver_root,
         plugin.shared_devices_allocation_policy,
@@ -309,68 +323,69 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
             gds: flags.gds_enabled,
             mofed: flags.mofed_enabled,
             device_discovery_strategy: flags.device_discovery_strategy,
-            time_slicing,
+            shared,
+            mps_root: flags.mps_root,
         },
         warnings,
     })
 }
 
-/// Checks `sharing.timeSlicing` as NVIDIA's plugin does (a named resource, replicas of at least 2), and
-/// refuses what this plugin does not do yet (several resources, a subset of the GPUs).
-fn time_slicing(
+/// Checks `sharing.timeSlicing` or `sharing.mps` as NVIDIA's plugin does (a named resource, replicas of at
+/// least 2), and refuses what this plugin does not do yet (several resources, a subset of the GPUs).
+fn sharing(
+    kind: ShareKind,
     spec: SharingSpec,
     ignored: &mut impl FnMut(String, &str),
-) -> Result<TimeSlicing, ConfigError> {
-    let invalid = |value: &str, why: &str| ConfigError::Invalid {
+) -> Result<Shared, ConfigError> {
+    let section = match kind {
+        ShareKind::TimeSlicing => "sharing.timeSlicing",
+        ShareKind::Mps => "sharing.mps",
+    };
+    let invalid = |key: &str, why: &str| ConfigError::Invalid {
         setting: "config key",
-        value: value.into(),
+        value: format!("{section}{key}"),
         why: why.into(),
     };
     for key in spec.other.keys() {
         ignored(
-            format!("sharing.timeSlicing.{key}"),
+            format!("{section}.{key}"),
             "unknown; ignored as NVIDIA's plugin ignores it",
         );
     }
     let mut resources = spec.resources.unwrap_or_default();
     if resources.is_empty() {
-        return Err(invalid(
-            "sharing.timeSlicing.resources",
-            "no resources specified",
-        ));
+        return Err(invalid(".resources", "no resources specified"));
     }
     if resources.len() > 1 {
         return Err(invalid(
-            "sharing.timeSlicing.resources",
+            ".resources",
             "more than one shared resource is not supported yet",
         ));
     }
     let resource = resources.remove(0);
     for key in resource.other.keys() {
         ignored(
-            format!("sharing.timeSlicing.resources[0].{key}"),
+            format!("{section}.resources[0].{key}"),
             "unknown; ignored as NVIDIA's plugin ignores it",
         );
     }
-    let name = resource.name.filter(|n| !n.is_empty()).ok_or_else(|| {
-        invalid(
-            "sharing.timeSlicing.resources[0].name",
-            "a shared resource needs a name",
-        )
-    })?;
+    let name = resource
+        .name
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| invalid(".resources[0].name", "a shared resource needs a name"))?;
     /// More replicas than this per GPU is surely a mistake (and a list the kubelet would struggle with).
     const MAX_REPLICAS: i64 = 1024;
     let replicas = match resource.replicas {
         Some(n) if (2..=MAX_REPLICAS).contains(&n) => usize::try_from(n).unwrap_or(2),
         Some(n) if n > MAX_REPLICAS => {
             return Err(invalid(
-                "sharing.timeSlicing.resources[0].replicas",
+                ".resources[0].replicas",
                 &format!("{n} replicas per GPU; at most {MAX_REPLICAS}"),
             ));
         }
         _ => {
             return Err(invalid(
-                "sharing.timeSlicing.resources[0].replicas",
+                ".resources[0].replicas",
                 "number of replicas must be >= 2",
             ));
         }
@@ -380,17 +395,21 @@ fn time_slicing(
         Some(Value::String(all)) if all == "all" => {}
         Some(_) => {
             return Err(invalid(
-                "sharing.timeSlicing.resources[0].devices",
+                ".resources[0].devices",
                 "sharing a subset of the GPUs is not supported yet; use all (or leave it out)",
             ));
         }
     }
-    Ok(TimeSlicing {
+    Ok(Shared {
+        kind,
         name,
         rename: resource.rename.filter(|r| !r.is_empty()),
         rename_by_default: spec.rename_by_default.unwrap_or(false),
         replicas,
-        fail_requests_greater_than_one: spec.fail_requests_greater_than_one.unwrap_or(false),
+        // MPS refuses more than one replica per container unless told otherwise; time-slicing allows it.
+        fail_requests_greater_than_one: spec
+            .fail_requests_greater_than_one
+            .unwrap_or(kind == ShareKind::Mps),
     })
 }
 
@@ -409,8 +428,10 @@ pub struct Applied {
     pub driver_root: PathBuf,
     /// How devices are named to the kubelet.
     pub naming: crate::naming::Naming,
-    /// Time-slicing, for the resource name.
-    pub time_slicing: Option<TimeSlicing>,
+    /// Sharing, for the resource name and MPS.
+    pub shared: Option<Shared>,
+    /// The MPS root on the host, with `sharing.mps`.
+    pub mps_root: Option<PathBuf>,
 }
 
 /// Checks NVIDIA's settings, refusing by name what this plugin does not do.
@@ -511,11 +532,31 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
     .collect();
     let naming = crate::naming::Naming {
         ids,
-        replicas: settings.time_slicing.as_ref().map_or(1, |t| t.replicas),
+        replicas: settings.shared.as_ref().map_or(1, |t| t.replicas),
         fail_requests_greater_than_one: settings
-            .time_slicing
+            .shared
             .as_ref()
             .is_some_and(|t| t.fail_requests_greater_than_one),
+    };
+    let mps_root = match (&settings.shared, settings.mps_root.as_deref()) {
+        (Some(shared), root) if shared.kind == ShareKind::Mps => match root {
+            Some(root) if root.starts_with('/') => Some(PathBuf::from(root)),
+            Some(root) => {
+                return Err(invalid(
+                    "mpsRoot (--mps-root, MPS_ROOT)",
+                    root,
+                    "must be an absolute path",
+                ));
+            }
+            None => {
+                return Err(invalid(
+                    "mpsRoot (--mps-root, MPS_ROOT)",
+                    "",
+                    "sharing.mps needs the MPS control daemon's root on the host (e.g. /run/nvidia/mps)",
+                ));
+            }
+        },
+        _ => None,
     };
     Ok(Applied {
         envvar,
@@ -524,7 +565,8 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
         extra_envs,
         driver_root,
         naming,
-        time_slicing: settings.time_slicing.clone(),
+        shared: settings.shared.clone(),
+        mps_root,
     })
 }
 
@@ -615,7 +657,11 @@ mod tests {
             ),
             (
                 "sharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
-                "sharing.mps",
+                "mpsRoot",
+            ),
+            (
+                "sharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
+                "at most one of timeSlicing and mps",
             ),
             ("imex:\n  channelIDs: [0]\n", "imex"),
         ];
