@@ -232,6 +232,15 @@ pub struct Args {
     )]
     pub mps_root: Option<String>,
 
+    /// How replicas are chosen: distributed (spread over the GPUs; packed is not supported) [default: distributed]
+    #[arg(
+        long,
+        env = "SHARED_DEVICES_ALLOCATION_POLICY",
+        value_name = "POLICY",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub shared_devices_allocation_policy: Option<String>,
+
     /// Device discovery: auto or nvml (tegra is not supported) [default: auto]
     #[arg(
         long,
@@ -411,6 +420,7 @@ impl Settings {
                 device_discovery_strategy: args.device_discovery_strategy,
                 shared: None,
                 mps_root: args.mps_root,
+                shared_devices_allocation_policy: args.shared_devices_allocation_policy,
             }
             .or(loaded.nvidia),
         )?;

@@ -168,6 +168,8 @@ pub struct NvidiaSettings {
     pub shared: Option<Shared>,
     /// `mpsRoot`: where NVIDIA's MPS control daemon keeps its pipe and shm directories on the host.
     pub mps_root: Option<String>,
+    /// `sharedDevicesAllocationPolicy`.
+    pub shared_devices_allocation_policy: Option<String>,
 }
 
 impl NvidiaSettings {
@@ -186,6 +188,9 @@ impl NvidiaSettings {
                 .or(under.device_discovery_strategy),
             shared: self.shared.or(under.shared),
             mps_root: self.mps_root.or(under.mps_root),
+            shared_devices_allocation_policy: self
+                .shared_devices_allocation_policy
+                .or(under.shared_devices_allocation_policy),
         }
     }
 }
@@ -307,11 +312,7 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
         ..FileConfig::default()
     };
     // Settings that only act together with one refused above, or are NVIDIA's defaults: accepted.
-    let _ = (
-        plugin.cdi_annotation_prefix,
-        plugin.container_driver_root,
-        plugin.shared_devices_allocation_policy,
-    );
+    let _ = (plugin.cdi_annotation_prefix, plugin.container_driver_root);
     Ok(Loaded {
         file,
         nvidia: NvidiaSettings {
@@ -325,6 +326,7 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
             device_discovery_strategy: flags.device_discovery_strategy,
             shared,
             mps_root: flags.mps_root,
+            shared_devices_allocation_policy: plugin.shared_devices_allocation_policy,
         },
         warnings,
     })
@@ -476,6 +478,16 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
                 "deviceDiscoveryStrategy (--device-discovery-strategy, DEVICE_DISCOVERY_STRATEGY)",
                 s,
                 "only NVML discovery (auto, nvml) is supported",
+            ));
+        }
+    }
+    match settings.shared_devices_allocation_policy.as_deref() {
+        None | Some("distributed") => {}
+        Some(s) => {
+            return Err(invalid(
+                "sharedDevicesAllocationPolicy (--shared-devices-allocation-policy, SHARED_DEVICES_ALLOCATION_POLICY)",
+                s,
+                "only distributed (replicas spread over the GPUs) is supported",
             ));
         }
     }
@@ -664,6 +676,10 @@ mod tests {
                 "at most one of timeSlicing and mps",
             ),
             ("imex:\n  channelIDs: [0]\n", "imex"),
+            (
+                "flags:\n  plugin:\n    sharedDevicesAllocationPolicy: packed\n",
+                "sharedDevicesAllocationPolicy",
+            ),
         ];
         for (yaml, named) in cases {
             let result = load_str(&format!("version: v1\n{yaml}"))
