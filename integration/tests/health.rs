@@ -223,7 +223,84 @@ async fn a_corrupt_checkpoint_means_a_fresh_start_with_a_warning() -> TestResult
     node.stop_plugin().await?;
     let text = std::fs::read_to_string(&checkpoint)?;
     assert!(text.contains(&gpu(1)), "{text}");
+    // The damaged file was kept aside, not overwritten: what it held is still there to look at.
+    let aside: Vec<_> = std::fs::read_dir(node.dir.path().join("state"))?
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("health-checkpoint.json.unreadable-")
+        })
+        .collect();
+    assert_eq!(aside.len(), 1, "{log}");
+    assert_eq!(
+        std::fs::read(aside[0].path())?,
+        b"{\"version\": 1, \"devices\": {\"GPU-"
+    );
     Ok(())
+}
+
+/// A checkpoint from a newer version (after a rollback) is kept aside too, and a time past year 9999 in a
+/// checkpoint (a damaged or hand-edited file) is read as the end of 9999, not a crash at every start.
+#[tokio::test]
+async fn a_newer_checkpoint_is_kept_and_a_far_future_time_does_not_crash() -> TestResult {
+    let mut node = NvmlNode::start(None, &[]).await?;
+    node.inject(&[format!("xid {} 79", gpu(2))]);
+    node.wait_unhealthy(&gpu(2)).await?;
+    node.stop_plugin().await?;
+    let checkpoint = node.dir.path().join("state/health-checkpoint.json");
+    let saved = std::fs::read_to_string(&checkpoint)?;
+    let (far, set) = with_times(&saved, 99_999_999_999_999_999);
+    assert!(set >= 3, "{saved}");
+    std::fs::write(&checkpoint, &far)?;
+    let first = node.start_plugin().await?;
+    assert_eq!(
+        first.health(&gpu(2)),
+        Some("Unhealthy"),
+        "{}",
+        node.plugin.log()
+    );
+    node.stop_plugin().await?;
+    let mut value: serde_json::Value = serde_json::from_str(&saved)?;
+    value["version"] = 2.into();
+    let newer = value.to_string();
+    std::fs::write(&checkpoint, &newer)?;
+    let first = node.start_plugin().await?;
+    assert_eq!(first.allocatable(), 4);
+    let kept = std::fs::read_dir(node.dir.path().join("state"))?
+        .filter_map(Result::ok)
+        .find(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("health-checkpoint.json.unreadable-")
+        })
+        .ok_or("the newer checkpoint was not kept aside")?;
+    assert_eq!(std::fs::read_to_string(kept.path())?, newer);
+    Ok(())
+}
+
+/// Every `…Ms` time in a checkpoint's JSON set to `ms`; returns the new JSON and how many were set.
+fn with_times(json: &str, ms: u64) -> (String, usize) {
+    fn walk(value: &mut serde_json::Value, ms: u64, set: &mut usize) {
+        match value {
+            serde_json::Value::Object(map) => {
+                for (key, v) in map.iter_mut() {
+                    if key.ends_with("Ms") && v.is_u64() {
+                        *v = ms.into();
+                        *set += 1;
+                    } else {
+                        walk(v, ms, set);
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(|v| walk(v, ms, set)),
+            _ => {}
+        }
+    }
+    let mut value: serde_json::Value = serde_json::from_str(json).expect("checkpoint JSON");
+    let mut set = 0;
+    walk(&mut value, ms, &mut set);
+    (value.to_string(), set)
 }
 
 #[test]

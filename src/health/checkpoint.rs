@@ -74,8 +74,12 @@ fn to_ms(t: SystemTime) -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// The last millisecond of year 9999: times are written as RFC 3339, which ends there.
+const LATEST_MS: u64 = 253_402_300_799_999;
+
+/// A recorded time; one past year 9999 (a damaged or hand-edited file) is taken as the end of 9999.
 fn from_ms(ms: u64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(ms)
+    UNIX_EPOCH + Duration::from_millis(ms.min(LATEST_MS))
 }
 
 impl Checkpoint {
@@ -221,6 +225,20 @@ impl Store {
             });
         }
         Ok(Some(checkpoint))
+    }
+
+    /// Moves a checkpoint that cannot be used out of the way, to `<name>.unreadable-<unix seconds>` beside
+    /// it, so that the next save does not overwrite what it recorded (a newer version's file after a
+    /// rollback, a damaged one to look at). Returns where it went.
+    pub fn set_aside(&self) -> std::io::Result<PathBuf> {
+        let secs = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let mut name = self.path.file_name().unwrap_or_default().to_os_string();
+        name.push(format!(".unreadable-{secs}"));
+        let aside = self.path.with_file_name(name);
+        std::fs::rename(&self.path, &aside)?;
+        Ok(aside)
     }
 
     /// Replaces the checkpoint atomically: a crash of the plugin leaves the old file or the new one, never

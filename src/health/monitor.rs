@@ -163,7 +163,24 @@ fn restore(
         Ok(Some(saved)) => saved,
         Ok(None) => return,
         Err(e) => {
-            tracing::warn!(error = %e, "ignoring the health checkpoint; starting with every GPU Healthy");
+            // Kept aside, not overwritten by the next save: a rollback from a newer version, or a damaged
+            // file, loses nothing for good.
+            if !matches!(e, checkpoint::CheckpointError::Corrupt { .. }) {
+                tracing::warn!(error = %e, "ignoring the health checkpoint; starting with every GPU Healthy");
+                return;
+            }
+            match store.set_aside() {
+                Ok(aside) => tracing::warn!(
+                    error = %e,
+                    kept = %aside.display(),
+                    "ignoring the health checkpoint (kept aside); starting with every GPU Healthy"
+                ),
+                Err(rename) => tracing::warn!(
+                    error = %e,
+                    rename = %rename,
+                    "ignoring the health checkpoint, which cannot be moved aside either; starting with every GPU Healthy"
+                ),
+            }
             return;
         }
     };
