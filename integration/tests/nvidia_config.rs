@@ -35,6 +35,15 @@ health:
   quietPeriod: 5m
 ";
 
+/// A container response's mounts as (host path, container path).
+fn mounts_of(container: &gpu_device_plugin::api::ContainerAllocateResponse) -> Vec<(&str, &str)> {
+    container
+        .mounts
+        .iter()
+        .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
+        .collect()
+}
+
 async fn start(
     envs: &[(&str, &OsStr)],
 ) -> Result<(FakeKubelet, PluginProcess, tempfile::TempDir), Box<dyn std::error::Error>> {
@@ -138,11 +147,7 @@ async fn the_volume_mounts_strategy_lists_devices_as_mounts() -> TestResult {
             .map(String::as_str),
         Some("/var/run/nvidia-container-devices")
     );
-    let mounts: Vec<(&str, &str)> = container
-        .mounts
-        .iter()
-        .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
-        .collect();
+    let mounts = mounts_of(container);
     let want: Vec<(&str, String)> = ids
         .iter()
         .map(|id| {
@@ -316,11 +321,7 @@ sharing:
             .map(String::as_str),
         Some("/mps/nvidia.com/gpu/pipe")
     );
-    let mounts: Vec<(&str, &str)> = container
-        .mounts
-        .iter()
-        .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
-        .collect();
+    let mounts = mounts_of(container);
     assert_eq!(
         mounts,
         [
