@@ -450,6 +450,26 @@ pub fn preferred_named(
     Ok(chosen)
 }
 
+/// [`pre_start`] in the kubelet's names: each GPU behind the IDs once; an ID that names none is kept as it
+/// is, and refused by name.
+pub fn pre_start_named(
+    inventory: &Inventory,
+    naming: &crate::naming::Naming,
+    ids: &[String],
+) -> Result<(), PreStartError> {
+    if naming.is_plain() {
+        return pre_start(inventory, ids);
+    }
+    let mut seen = HashSet::new();
+    let gpus: Vec<String> = ids
+        .iter()
+        .map(|id| naming.resolve(inventory, id).unwrap_or(id.as_str()))
+        .filter(|gpu| seen.insert(*gpu))
+        .map(String::from)
+        .collect();
+    pre_start(inventory, &gpus)
+}
+
 /// One container's preferred-allocation question, as the kubelet asks it.
 #[derive(Debug, Clone, Default)]
 pub struct PreferenceRequest<'a> {

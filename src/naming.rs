@@ -52,6 +52,18 @@ impl Naming {
         }
     }
 
+    /// The kubelet's IDs of one GPU from its base ID: the base itself, or one per replica.
+    fn ids_from(&self, base: String) -> impl Iterator<Item = String> {
+        let replicas = self.replicas.max(1);
+        (0..replicas).map(move |n| {
+            if replicas == 1 {
+                base.clone()
+            } else {
+                format!("{base}{REPLICA_SEPARATOR}{n}")
+            }
+        })
+    }
+
     /// The kubelet's IDs for every device, in list order, each with its device: `replicas` per device.
     pub fn listed<'a>(
         &'a self,
@@ -62,16 +74,8 @@ impl Naming {
             .iter()
             .enumerate()
             .flat_map(move |(position, device)| {
-                let base = self.base(position, device);
-                let replicas = self.replicas.max(1);
-                (0..replicas).map(move |n| {
-                    let id = if replicas == 1 {
-                        base.clone()
-                    } else {
-                        format!("{base}{REPLICA_SEPARATOR}{n}")
-                    };
-                    (id, device)
-                })
+                self.ids_from(self.base(position, device))
+                    .map(move |id| (id, device))
             })
     }
 
@@ -105,13 +109,7 @@ impl Naming {
         let Some(position) = inventory.position(id) else {
             return Vec::new();
         };
-        let device = &inventory.devices()[position];
-        let base = self.base(position, device);
-        if self.replicas <= 1 {
-            return vec![base];
-        }
-        (0..self.replicas)
-            .map(|n| format!("{base}{REPLICA_SEPARATOR}{n}"))
+        self.ids_from(self.base(position, &inventory.devices()[position]))
             .collect()
     }
 }

@@ -105,10 +105,7 @@ impl PodResources {
                 .map_or(id.clone(), String::from);
             by_gpu.entry(gpu).or_default().extend(list);
         }
-        for list in by_gpu.values_mut() {
-            list.sort();
-            list.dedup();
-        }
+        tidy(&mut by_gpu);
         by_gpu
     }
 
@@ -181,11 +178,16 @@ fn holders_of(resource: &str, pods: Vec<crate::api::pod_resources::PodResources>
             }
         }
     }
+    tidy(&mut holders);
+    holders
+}
+
+/// Each device's holders sorted, each once.
+fn tidy(holders: &mut Holders) {
     for list in holders.values_mut() {
         list.sort();
         list.dedup();
     }
-    holders
 }
 
 #[cfg(test)]

@@ -503,7 +503,7 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
     };
     let (mut envvar, mut cdi, mut volume_mounts) = (true, false, false);
     if let Some(list) = &settings.device_list_strategy {
-        (envvar, cdi) = (false, false);
+        envvar = false;
         if list.is_empty() {
             return Err(invalid(
                 "deviceListStrategy (--device-list-strategy, DEVICE_LIST_STRATEGY)",

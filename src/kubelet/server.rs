@@ -252,19 +252,7 @@ impl DevicePlugin for PluginService {
     ) -> Result<Response<PreStartContainerResponse>, Status> {
         let ids = request.into_inner().devices_ids;
         let inventory = self.inventory.borrow().clone();
-        let naming = &self.options.naming;
-        // The GPUs behind the kubelet's IDs; an ID that names none is kept as it is, and refused by name.
-        let gpus: Vec<String> = if naming.is_plain() {
-            ids.clone()
-        } else {
-            let mut seen = std::collections::HashSet::new();
-            ids.iter()
-                .map(|id| naming.resolve(&inventory, id).unwrap_or(id.as_str()))
-                .filter(|gpu| seen.insert(*gpu))
-                .map(String::from)
-                .collect()
-        };
-        match allocation::pre_start(&inventory, &gpus) {
+        match allocation::pre_start_named(&inventory, &self.options.naming, &ids) {
             Ok(()) => {
                 self.count("PreStartContainer", tonic::Code::Ok);
                 Ok(Response::new(PreStartContainerResponse {}))
