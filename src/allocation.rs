@@ -591,6 +591,7 @@ mod tests {
             id: format!("g{i}"),
             numa_node: Some(i / 4),
             device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
+            ..DeviceInfo::default()
         }))
     }
 

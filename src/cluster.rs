@@ -770,7 +770,7 @@ mod tests {
         Inventory::new((0..n).map(|i| DeviceInfo {
             id: format!("GPU-{i}"),
             numa_node: None,
-            device_nodes: Vec::new(),
+            ..DeviceInfo::default()
         }))
     }
 

@@ -536,6 +536,7 @@ impl Settings {
             simulate_events,
             socket_name,
             nvml: NvmlOptions {
+                mig_strategy: nvidia.mig_strategy,
                 library: args
                     .nvml_lib
                     .or(file.nvml_lib)

@@ -5,6 +5,7 @@
 //! → `watch` of [`Inventory`] → gRPC streams. A slow reader of the `watch` sees the latest inventory, never a
 //! backlog.
 
+pub mod mig;
 pub mod script;
 pub mod simulated;
 
@@ -20,7 +21,10 @@ use tokio::sync::{mpsc, watch};
 use crate::health::Observation;
 
 /// What the plugin knows about one device apart from its health; fixed for as long as the device is present.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// A device is what the kubelet allocates: a whole GPU, or one MIG device of a GPU in MIG mode. A MIG device
+/// names its GPU (`mig.parent`), which is how a fault on the GPU reaches every MIG device of it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeviceInfo {
     /// The ID the kubelet sees and Allocate receives; for GPUs, the GPU UUID (as NVIDIA's plugin does, so
     /// existing tooling that reads `NVIDIA_VISIBLE_DEVICES` keeps working).
@@ -31,6 +35,11 @@ pub struct DeviceInfo {
     /// Device nodes a container needs for this device, as absolute paths in the container (e.g.
     /// `/dev/nvidia0`). Handed out as device specs when that is enabled and the node exists under the dev root.
     pub device_nodes: Vec<PathBuf>,
+    /// The device's index as NVIDIA's plugin names it with `deviceIDStrategy: index`: `3` for GPU 3, `3:1`
+    /// for MIG device 1 of GPU 3. `None` where the source has no such index; the list position stands in.
+    pub index: Option<String>,
+    /// Set for a MIG device: its GPU and profile.
+    pub mig: Option<mig::MigInfo>,
 }
 
 /// Health as the kubelet understands it: only Healthy devices are allocatable.
@@ -180,6 +189,35 @@ impl Inventory {
         true
     }
 
+    /// The devices `keep` selects, in the same order, with their health and reasons. The result keeps
+    /// `previous`'s listed version when the kubelet would see the same list in both (same devices, same
+    /// health), so that a change elsewhere in the inventory is not re-sent to this subset's streams.
+    pub fn subset(
+        &self,
+        keep: impl Fn(&DeviceInfo) -> bool,
+        previous: Option<&Inventory>,
+    ) -> Inventory {
+        let mut subset = Inventory::default();
+        for device in self.devices.iter().filter(|d| keep(&d.info)) {
+            subset
+                .index
+                .insert(device.info.id.clone(), subset.devices.len());
+            subset.devices.push(device.clone());
+        }
+        let same_list = previous.is_some_and(|p| {
+            p.devices.len() == subset.devices.len()
+                && p.devices
+                    .iter()
+                    .zip(&subset.devices)
+                    .all(|(a, b)| a.info == b.info && a.health == b.health)
+        });
+        match previous {
+            Some(p) if same_list => subset.listed = p.listed,
+            _ => subset.listed_changed(),
+        }
+        subset
+    }
+
     /// Removes a device; returns whether it was present.
     pub fn remove(&mut self, id: &str) -> bool {
         let Some(i) = self.index.remove(id) else {
@@ -319,6 +357,34 @@ impl Heartbeat {
 /// Shared, cheaply cloned view of the current inventory.
 pub type InventoryWatch = watch::Receiver<Arc<Inventory>>;
 
+/// A view of `inventory` holding only the devices `keep` selects (one resource's, when the plugin serves
+/// several), kept current by a task of its own until `inventory`'s sender is gone. A change to other devices
+/// leaves the view as it is, unless it changes a reason, which the view then carries without a new version.
+pub fn subset_watch(
+    mut inventory: InventoryWatch,
+    keep: impl Fn(&DeviceInfo) -> bool + Send + 'static,
+) -> InventoryWatch {
+    let first = Arc::new(inventory.borrow_and_update().subset(&keep, None));
+    let (tx, rx) = watch::channel(first);
+    tokio::spawn(async move {
+        while inventory.changed().await.is_ok() {
+            let whole = inventory.borrow_and_update().clone();
+            tx.send_if_modified(|current| {
+                let next = whole.subset(&keep, Some(current));
+                if next == **current {
+                    return false;
+                }
+                *current = Arc::new(next);
+                true
+            });
+            if tx.is_closed() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -326,8 +392,7 @@ mod tests {
     fn gpu(id: &str) -> DeviceInfo {
         DeviceInfo {
             id: id.to_string(),
-            numa_node: None,
-            device_nodes: vec![],
+            ..DeviceInfo::default()
         }
     }
 

@@ -41,8 +41,10 @@ const BIND_RETRY: Duration = Duration::from_secs(5);
 pub struct Context {
     /// The monitor, for device details and as the liveness signal of the event loop.
     pub devices: StatusQueries,
-    /// The link with the kubelet.
-    pub kubelet: watch::Receiver<KubeletStatus>,
+    /// The link with the kubelet, per resource served (the first is the main one).
+    pub kubelet: Vec<watch::Receiver<KubeletStatus>>,
+    /// The resource of each device.
+    pub resources: crate::devices::mig::ResourceNaming,
     /// The policy in force.
     pub policy: PolicySummary,
     /// The heartbeat of the thread waiting for the GPUs' events, where there is one.
@@ -65,7 +67,10 @@ const PODS_MAX_AGE: Duration = Duration::from_secs(5);
 /// [`crate::kubelet::OTHERS_START_AT_LATEST`] without one, so that their start-up work never delays the plugin's own.
 pub fn spawn(addr: SocketAddr, context: Context, shutdown: CancellationToken) {
     tokio::spawn(async move {
-        let registered = crate::kubelet::registered_or_late(context.kubelet.clone()).await;
+        let registered = match context.kubelet.first() {
+            Some(first) => crate::kubelet::registered_or_late(first.clone()).await,
+            None => false,
+        };
         tracing::debug!(registered, "starting the HTTP surfaces");
         let mut warned = false;
         let listener = loop {
@@ -144,22 +149,26 @@ async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Byte
             ),
         },
         "/readyz" => {
-            let kubelet = context.kubelet.borrow().clone();
-            if kubelet.registered && kubelet.streams_open > 0 {
-                text(StatusCode::OK, "ready\n".into())
-            } else if kubelet.registered {
-                text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "registered, but the kubelet holds no ListAndWatch stream yet\n".into(),
-                )
-            } else {
-                text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!(
-                        "not registered with the kubelet at {}\n",
-                        kubelet.kubelet_socket
-                    ),
-                )
+            // Ready when the kubelet holds every resource: one that is not registered is capacity missing.
+            let not_ready = context.kubelet.iter().find_map(|k| {
+                let kubelet = k.borrow().clone();
+                if kubelet.registered && kubelet.streams_open > 0 {
+                    None
+                } else if kubelet.registered {
+                    Some(format!(
+                        "{}: registered, but the kubelet holds no ListAndWatch stream yet\n",
+                        kubelet.resource
+                    ))
+                } else {
+                    Some(format!(
+                        "{}: not registered with the kubelet at {}\n",
+                        kubelet.resource, kubelet.kubelet_socket
+                    ))
+                }
+            });
+            match not_ready {
+                None => text(StatusCode::OK, "ready\n".into()),
+                Some(why) => text(StatusCode::SERVICE_UNAVAILABLE, why),
             }
         }
         "/status" => match report(context).await {
@@ -201,12 +210,19 @@ async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Byte
 
 /// The status report now, or `None` if the monitor does not answer within [`MONITOR_ANSWER`].
 async fn report(context: &Context) -> Option<Report> {
-    let devices = tokio::time::timeout(MONITOR_ANSWER, context.devices.devices())
+    let mut devices = tokio::time::timeout(MONITOR_ANSWER, context.devices.devices())
         .await
         .ok()??;
+    for device in &mut devices {
+        device.resource = context
+            .resources
+            .of(device.mig.as_ref().map(|m| m.profile.as_str()));
+    }
+    let mut kubelet = context.kubelet.iter().map(|k| k.borrow().clone());
     Some(Report {
         devices,
-        kubelet: context.kubelet.borrow().clone(),
+        kubelet: kubelet.next().unwrap_or_default(),
+        other_resources: kubelet.collect(),
         policy: context.policy.clone(),
     })
 }

@@ -6,14 +6,17 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
 
+use futures_util::StreamExt as _;
 use gpu_device_plugin::cluster::ApiAccess;
 use gpu_device_plugin::config::{self, LogFormat, Settings};
-use gpu_device_plugin::devices::DeviceSource;
+use gpu_device_plugin::devices::mig::ResourceNaming;
 use gpu_device_plugin::devices::simulated::SimulatedGpus;
+use gpu_device_plugin::devices::{self, DeviceSource, Inventory};
 use gpu_device_plugin::health::monitor;
 use gpu_device_plugin::http;
 use gpu_device_plugin::kubelet::{self, PluginConfig};
 use gpu_device_plugin::metrics::Metrics;
+use gpu_device_plugin::naming::Naming;
 use gpu_device_plugin::nvml::{NvmlGpus, UnmonitoredGpus};
 use gpu_device_plugin::pods::PodResources;
 use std::sync::Arc;
@@ -82,13 +85,8 @@ fn init_logging(format: LogFormat) {
 
 async fn run(settings: Settings) -> anyhow::Result<()> {
     config::prepare_state_dir(&settings.state_dir)?;
-    let mut plugin = PluginConfig::new(&settings.kubelet_dir, settings.resource_name.clone());
-    plugin.socket_name = settings.socket_name.clone();
-    plugin.allocate = settings.allocate.clone();
-    plugin.pre_start_check = settings.pre_start_check;
-    // Settle the socket name now, so that a bad directory is reported before anything starts.
-    let socket = kubelet::socket_path_for(&plugin)?;
-    plugin.socket_name = socket.file_name().map(|n| n.to_string_lossy().into_owned());
+    // Settle the directory now, so that a bad one is reported before anything starts.
+    kubelet::socket_path_for(&plugin_config(&settings, &settings.resource_name))?;
 
     let source: Box<dyn DeviceSource> = match settings.simulate {
         Some(count) => {
@@ -111,27 +109,69 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
         },
     };
     let metrics = Arc::new(Metrics::new());
-    plugin.metrics = Some(metrics.clone());
     let mut monitor_config = settings.monitor.clone();
     monitor_config.metrics = Some(metrics.clone());
     let monitored = monitor::spawn_monitored(source, monitor_config)
         .context("cannot start the device source")?;
 
+    // One registration per resource: whole GPUs, and under migStrategy mixed each MIG profile.
+    let resources = ResourceNaming {
+        strategy: settings.nvml.mig_strategy,
+        base: settings.resource_name.clone(),
+    };
+    let names = served_resources(&resources, &monitored.inventory.borrow());
+    let several = names.len() > 1;
+    let mut plugins = Vec::new();
+    for name in &names {
+        let mut plugin = plugin_config(&settings, name);
+        if several && *name != settings.resource_name {
+            // Only whole GPUs are shared or renamed; a MIG resource keeps plain IDs of the same strategy.
+            plugin.allocate.naming = Naming {
+                ids: settings.allocate.naming.ids,
+                ..Naming::default()
+            };
+            plugin.allocate.mps = None;
+            plugin.socket_name = settings
+                .socket_name
+                .as_ref()
+                .map(|n| socket_name_for(n, name));
+        }
+        let socket = kubelet::socket_path_for(&plugin)?;
+        plugin.socket_name = socket.file_name().map(|n| n.to_string_lossy().into_owned());
+        plugin.metrics = Some(metrics.clone());
+        let inventory = if several {
+            let (resources, name) = (resources.clone(), name.clone());
+            devices::subset_watch(monitored.inventory.clone(), move |info| {
+                resources.of_device(info) == name
+            })
+        } else {
+            monitored.inventory.clone()
+        };
+        plugins.push((plugin, inventory));
+    }
+    let links: Vec<_> = plugins.iter().map(|(p, _)| p.status.subscribe()).collect();
+
     // An unusable --kubeconfig stops the plugin here, before it registers; no API access at all is one line
     // and everything else goes on.
     let api = ApiAccess::resolve(&settings.cluster).await?;
     let pods = settings.pod_resources_socket.as_ref().map(|socket| {
-        Arc::new(
-            PodResources::new(socket, settings.resource_name.clone()).with_naming(
-                settings.allocate.naming.clone(),
+        let mut pods = PodResources::new(socket, names[0].clone()).with_naming(
+            plugins[0].0.allocate.naming.clone(),
+            monitored.inventory.clone(),
+        );
+        for (plugin, _) in &plugins[1..] {
+            pods = pods.with_resource(
+                plugin.resource_name.clone(),
+                plugin.allocate.naming.clone(),
                 monitored.inventory.clone(),
-            ),
-        )
+            );
+        }
+        Arc::new(pods)
     });
     if let Some(api) = api {
         // The kubelet first: the API client starts once the first registration is accepted, or after a
         // couple of seconds without one. Health changes meanwhile are reported then.
-        let kubelet = plugin.status.subscribe();
+        let kubelet = links[0].clone();
         let registered = async move {
             let _either = kubelet::registered_or_late(kubelet).await;
         };
@@ -153,7 +193,8 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     if let Some(addr) = settings.http_addr {
         let context = http::Context {
             devices: monitored.status.clone(),
-            kubelet: plugin.status.subscribe(),
+            kubelet: links,
+            resources,
             policy: settings.monitor.policy.summary(),
             event_thread: monitored.heartbeat.clone(),
             stuck_after: settings.stuck_after,
@@ -163,7 +204,19 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
         http::spawn(addr, context, shutdown.clone());
     }
     let status = monitored.status.clone();
-    kubelet::run(plugin, monitored.inventory, shutdown).await?;
+    // Every resource is served until shutdown; one that cannot be served stops them all (the DaemonSet
+    // restarts the pod), as a node half-served would hide the other half's capacity without a word.
+    let mut served: futures_util::stream::FuturesUnordered<_> = plugins
+        .into_iter()
+        .map(|(plugin, inventory)| kubelet::run(plugin, inventory, shutdown.clone()))
+        .collect();
+    let mut failed = None;
+    while let Some(result) = served.next().await {
+        if let Err(e) = result {
+            shutdown.cancel();
+            failed.get_or_insert(e);
+        }
+    }
     // The checkpoint holds what the kubelet was last told before the process goes: a write still queued when
     // the runtime stops would never run.
     if tokio::time::timeout(FLUSH_AT_EXIT, status.flush())
@@ -174,8 +227,44 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
             "the health checkpoint was not written within {FLUSH_AT_EXIT:?} of shutdown"
         );
     }
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The kubelet side's settings for `resource`.
+fn plugin_config(settings: &Settings, resource: &str) -> PluginConfig {
+    let mut plugin = PluginConfig::new(&settings.kubelet_dir, resource);
+    plugin.socket_name = settings.socket_name.clone();
+    plugin.allocate = settings.allocate.clone();
+    plugin.pre_start_check = settings.pre_start_check;
+    plugin
+}
+
+/// The resources to register, whole GPUs' first: each resource some device is served under, or the GPU
+/// resource alone on a node with no devices (it registers with an empty list, as before the GPUs appear).
+fn served_resources(resources: &ResourceNaming, inventory: &Inventory) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for device in inventory.devices() {
+        let name = resources.of_device(&device.info);
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    if names.is_empty() {
+        names.push(resources.base.clone());
+    }
+    names.sort_by_key(|n| *n != resources.base);
+    names
+}
+
+/// `--socket-name` for another resource of the process: `<stem>-<resource without domain>.sock`.
+fn socket_name_for(name: &str, resource: &str) -> String {
+    let stem = name.strip_suffix(".sock").unwrap_or(name);
+    let short = resource.rsplit('/').next().unwrap_or(resource);
+    format!("{stem}-{short}.sock")
 }
 
 /// SIGTERM (the kubelet stopping the pod) and SIGINT (Ctrl-C) both start a clean shutdown.

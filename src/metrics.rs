@@ -262,7 +262,11 @@ impl Metrics {
         self.devices_with_condition.clear();
         for d in &report.devices {
             let labels = DeviceLabels {
-                resource: report.kubelet.resource.clone(),
+                resource: if d.resource.is_empty() {
+                    report.kubelet.resource.clone()
+                } else {
+                    d.resource.clone()
+                },
                 device: d.id.clone(),
                 index: d.index.to_string(),
             };
@@ -277,10 +281,12 @@ impl Metrics {
                     .inc();
             }
         }
+        let links = || std::iter::once(&report.kubelet).chain(&report.other_resources);
+        // Registered: every resource the process serves is; streams: all of them together.
         self.kubelet_registered
-            .set(i64::from(report.kubelet.registered));
+            .set(i64::from(links().all(|k| k.registered)));
         self.streams
-            .set(i64::try_from(report.kubelet.streams_open).unwrap_or(i64::MAX));
+            .set(i64::try_from(links().map(|k| k.streams_open).sum::<usize>()).unwrap_or(i64::MAX));
         let mut out = String::new();
         if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
             tracing::warn!(error = %e, "cannot encode the metrics");

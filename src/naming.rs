@@ -11,7 +11,8 @@ pub enum IdStrategy {
     /// The GPU UUID.
     #[default]
     Uuid,
-    /// The GPU's index (its position in the device list).
+    /// The device's index as NVIDIA's plugin gives it: the GPU's NVML index, `<gpu>:<n>` for a MIG device
+    /// (its position in the device list where the source knows no index).
     Index,
 }
 
@@ -48,7 +49,11 @@ impl Naming {
     fn base(&self, position: usize, device: &DeviceState) -> String {
         match self.ids {
             IdStrategy::Uuid => device.info.id.clone(),
-            IdStrategy::Index => position.to_string(),
+            IdStrategy::Index => device
+                .info
+                .index
+                .clone()
+                .unwrap_or_else(|| position.to_string()),
         }
     }
 
@@ -94,11 +99,12 @@ impl Naming {
         let device = match self.ids {
             IdStrategy::Uuid => inventory.get(base)?,
             IdStrategy::Index => {
-                let position: usize = base.parse().ok()?;
-                if position.to_string() != base {
-                    return None;
-                }
-                inventory.devices().get(position)?
+                inventory
+                    .devices()
+                    .iter()
+                    .enumerate()
+                    .find(|(position, device)| self.base(*position, device) == base)?
+                    .1
             }
         };
         Some(device.info.id.as_str())
@@ -123,7 +129,7 @@ mod tests {
         Inventory::new((0..2).map(|i| DeviceInfo {
             id: format!("GPU-{i}"),
             numa_node: None,
-            device_nodes: Vec::new(),
+            ..DeviceInfo::default()
         }))
     }
 
@@ -167,6 +173,15 @@ mod tests {
         };
         let ids: Vec<String> = naming.listed(&inv).map(|(id, _)| id).collect();
         assert_eq!(ids, ["0", "1"]);
+        let mig = Inventory::new((0..2).map(|i| DeviceInfo {
+            id: format!("MIG-{i}"),
+            index: Some(format!("3:{i}")),
+            ..DeviceInfo::default()
+        }));
+        let ids: Vec<String> = naming.listed(&mig).map(|(id, _)| id).collect();
+        assert_eq!(ids, ["3:0", "3:1"], "a MIG device is <gpu>:<n>");
+        assert_eq!(naming.resolve(&mig, "3:1"), Some("MIG-1"));
+        assert_eq!(naming.resolve(&mig, "0"), None);
         assert_eq!(naming.resolve(&inv, "1"), Some("GPU-1"));
         for bad in ["2", "01", "GPU-1", "-1", ""] {
             assert_eq!(naming.resolve(&inv, bad), None, "{bad:?}");

@@ -60,16 +60,18 @@ pub enum PodsError {
     Timeout,
 }
 
-/// A client of the kubelet's pod-resources API for one extended resource.
+/// A client of the kubelet's pod-resources API for the extended resources this process serves.
 #[derive(Debug)]
 pub struct PodResources {
     socket: PathBuf,
-    resource: String,
-    cache: Mutex<Option<(Instant, Holders)>>,
+    /// Each resource, with how the kubelet names its devices when not by their inventory IDs.
+    resources: Vec<(String, Option<Naming>)>,
+    /// The inventory the names resolve against, when any resource needs it.
+    inventory: Option<InventoryWatch>,
+    /// The last answer, per resource.
+    cache: Mutex<Option<(Instant, Vec<Holders>)>>,
     /// Whether the last failure has been logged at warn (cleared by a success).
     warned: AtomicBool,
-    /// How the kubelet names the GPUs, when not by their inventory IDs: holders are keyed by GPU.
-    naming: Option<(Naming, InventoryWatch)>,
 }
 
 impl PodResources {
@@ -77,40 +79,64 @@ impl PodResources {
     pub fn new(socket: impl Into<PathBuf>, resource: impl Into<String>) -> Self {
         PodResources {
             socket: socket.into(),
-            resource: resource.into(),
+            resources: vec![(resource.into(), None)],
+            inventory: None,
             cache: Mutex::new(None),
             warned: AtomicBool::new(false),
-            naming: None,
         }
     }
 
-    /// Keys the holders by GPU (inventory ID) when the kubelet knows the GPUs by other IDs (indices,
-    /// replicas): a GPU is held by every container holding one of its replicas.
+    /// Keys the first resource's holders by device (inventory ID) when the kubelet knows the devices by
+    /// other IDs (indices, replicas): a GPU is held by every container holding one of its replicas.
     pub fn with_naming(mut self, naming: Naming, inventory: InventoryWatch) -> Self {
         if !naming.is_plain() {
-            self.naming = Some((naming, inventory));
+            if let Some(first) = self.resources.first_mut() {
+                first.1 = Some(naming);
+            }
+            self.inventory = Some(inventory);
         }
         self
     }
 
-    fn on_gpus(&self, holders: Holders) -> Holders {
-        let Some((naming, inventory)) = &self.naming else {
-            return holders;
-        };
-        let inventory = inventory.borrow().clone();
-        let mut by_gpu = Holders::new();
-        for (id, list) in holders {
-            let gpu = naming
-                .resolve(&inventory, &id)
-                .map_or(id.clone(), String::from);
-            by_gpu.entry(gpu).or_default().extend(list);
+    /// Also follows `resource` (another resource of this process, named as `naming` says).
+    pub fn with_resource(
+        mut self,
+        resource: impl Into<String>,
+        naming: Naming,
+        inventory: InventoryWatch,
+    ) -> Self {
+        let naming = (!naming.is_plain()).then_some(naming);
+        if naming.is_some() {
+            self.inventory = Some(inventory);
         }
-        tidy(&mut by_gpu);
-        by_gpu
+        self.resources.push((resource.into(), naming));
+        self
     }
 
-    /// Asks the kubelet now.
-    pub async fn list(&self) -> Result<Holders, PodsError> {
+    /// Every resource's holders, keyed by inventory ID.
+    fn on_devices(&self, per_resource: &[Holders]) -> Holders {
+        let inventory = self.inventory.as_ref().map(|i| i.borrow().clone());
+        let mut by_device = Holders::new();
+        for ((_, naming), holders) in self.resources.iter().zip(per_resource) {
+            for (id, list) in holders {
+                let device = match (naming, &inventory) {
+                    (Some(naming), Some(inventory)) => naming
+                        .resolve(inventory, id)
+                        .map_or(id.clone(), String::from),
+                    _ => id.clone(),
+                };
+                by_device
+                    .entry(device)
+                    .or_default()
+                    .extend(list.iter().cloned());
+            }
+        }
+        tidy(&mut by_device);
+        by_device
+    }
+
+    /// Asks the kubelet now: each resource's holders, by the IDs the kubelet uses.
+    pub async fn list(&self) -> Result<Vec<Holders>, PodsError> {
         let call = async {
             let channel =
                 uds::connect(&self.socket)
@@ -123,7 +149,11 @@ impl PodResources {
                 .list(ListPodResourcesRequest {})
                 .await?
                 .into_inner();
-            Ok(holders_of(&self.resource, response.pod_resources))
+            Ok(self
+                .resources
+                .iter()
+                .map(|(resource, _)| holders_of(resource, &response.pod_resources))
+                .collect())
         };
         tokio::time::timeout(CALL_TIMEOUT, call)
             .await
@@ -137,15 +167,16 @@ impl PodResources {
         if let Some((at, holders)) = cache.as_ref()
             && at.elapsed() <= max_age
         {
-            return Some(self.on_gpus(holders.clone()));
+            return Some(self.on_devices(holders));
         }
         match self.list().await {
             Ok(holders) => {
                 if self.warned.swap(false, Ordering::Relaxed) {
                     tracing::info!(socket = %self.socket.display(), "the kubelet's pod-resources API answers again");
                 }
-                *cache = Some((Instant::now(), holders.clone()));
-                Some(self.on_gpus(holders))
+                let by_device = self.on_devices(&holders);
+                *cache = Some((Instant::now(), holders));
+                Some(by_device)
             }
             Err(e) => {
                 if self.warned.swap(true, Ordering::Relaxed) {
@@ -160,16 +191,16 @@ impl PodResources {
 }
 
 /// Picks our resource's devices out of a `List` answer.
-fn holders_of(resource: &str, pods: Vec<crate::api::pod_resources::PodResources>) -> Holders {
+fn holders_of(resource: &str, pods: &[crate::api::pod_resources::PodResources]) -> Holders {
     let mut holders = Holders::new();
     for pod in pods {
-        for container in pod.containers {
-            for devices in container.devices {
+        for container in &pod.containers {
+            for devices in &container.devices {
                 if devices.resource_name != resource {
                     continue;
                 }
-                for id in devices.device_ids {
-                    holders.entry(id).or_default().push(Holder {
+                for id in &devices.device_ids {
+                    holders.entry(id.clone()).or_default().push(Holder {
                         namespace: pod.namespace.clone(),
                         pod: pod.name.clone(),
                         container: container.name.clone(),
@@ -227,7 +258,7 @@ mod tests {
                 containers: vec![container("server", &[("nvidia.com/gpu", &["GPU-b"])])],
             },
         ];
-        let holders = holders_of("nvidia.com/gpu", pods);
+        let holders = holders_of("nvidia.com/gpu", &pods);
         let names = |id: &str| -> Vec<String> {
             holders
                 .get(id)

@@ -10,8 +10,12 @@ use serde::{Deserialize, Serialize};
 pub struct Report {
     /// Every device, in the order the kubelet gets them.
     pub devices: Vec<DeviceStatus>,
-    /// Where the plugin stands with the kubelet.
+    /// Where the plugin stands with the kubelet (its first resource, `nvidia.com/gpu` where it serves it).
     pub kubelet: KubeletStatus,
+    /// The other resources this process serves (MIG profiles under `migStrategy: mixed`), one registration
+    /// each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub other_resources: Vec<KubeletStatus>,
     /// The health policy in force.
     pub policy: PolicySummary,
 }
@@ -24,6 +28,12 @@ pub struct DeviceStatus {
     pub id: String,
     /// Position in the device list (NVML's index order for NVML's GPUs).
     pub index: usize,
+    /// The extended resource the device is served under.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub resource: String,
+    /// For a MIG device: its profile and GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<MigStatus>,
     /// `Healthy` or `Unhealthy`.
     pub health: String,
     /// NUMA node, where known.
@@ -38,6 +48,16 @@ pub struct DeviceStatus {
     /// the kubelet cannot say).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<crate::pods::Holder>,
+}
+
+/// What a MIG device is part of.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigStatus {
+    /// The GPU's UUID.
+    pub parent: String,
+    /// The MIG profile, e.g. `1g.10gb`.
+    pub profile: String,
 }
 
 /// One active condition of a device.
@@ -168,13 +188,28 @@ impl Report {
             out.push_str(&line(&cells));
         }
         let k = &self.kubelet;
+        let others: String = self
+            .other_resources
+            .iter()
+            .map(|o| {
+                format!(
+                    "; {}: {}",
+                    o.resource,
+                    if o.registered {
+                        "registered"
+                    } else {
+                        "NOT registered"
+                    }
+                )
+            })
+            .collect();
         let unhealthy = self
             .devices
             .iter()
             .filter(|d| d.health != "Healthy")
             .count();
         out.push_str(&format!(
-            "\n{} devices, {} Unhealthy; kubelet: {} ({} as {}, {} stream{} open, {} registration{})\n",
+            "\n{} devices, {} Unhealthy; kubelet: {} ({} as {}, {} stream{} open, {} registration{}){}\n",
             self.devices.len(),
             unhealthy,
             if k.registered {
@@ -188,6 +223,7 @@ impl Report {
             if k.streams_open == 1 { "" } else { "s" },
             k.registrations,
             if k.registrations == 1 { "" } else { "s" },
+            others,
         ));
         for d in &self.devices {
             if let Some(message) = &d.message {
@@ -242,8 +278,32 @@ mod tests {
                 registrations: 1,
                 ..KubeletStatus::default()
             },
+            other_resources: Vec::new(),
             policy: PolicySummary::default(),
         }
+    }
+
+    #[test]
+    fn the_table_names_every_other_resource_and_whether_it_is_registered() {
+        let mut report = report();
+        report.other_resources = vec![
+            KubeletStatus {
+                resource: "nvidia.com/mig-1g.10gb".into(),
+                registered: true,
+                ..KubeletStatus::default()
+            },
+            KubeletStatus {
+                resource: "nvidia.com/mig-3g.40gb".into(),
+                ..KubeletStatus::default()
+            },
+        ];
+        let table = report.table();
+        assert!(
+            table.contains(
+                "1 registration); nvidia.com/mig-1g.10gb: registered; nvidia.com/mig-3g.40gb: NOT registered\n"
+            ),
+            "{table}"
+        );
     }
 
     #[test]

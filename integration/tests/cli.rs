@@ -167,8 +167,8 @@ fn nvidias_settings_not_supported_yet_are_refused_by_name_from_flag_env_or_file(
     let dir = tempfile::tempdir().unwrap();
     let state = state_arg(&dir);
     let base = ["--simulate", "1", "--state-dir", state.as_str()];
-    let out = run(&[&base[..], &["--mig-strategy", "mixed"]].concat(), &[]);
-    assert_one_line_error(&out, &["migStrategy", "mixed", "MIG is not supported yet"]);
+    let out = run(&[&base[..], &["--mig-strategy", "many"]].concat(), &[]);
+    assert_one_line_error(&out, &["migStrategy", "many", "none, single or mixed"]);
     let out = run(&base, &[("DEVICE_LIST_STRATEGY", "cdi-annotations")]);
     assert_one_line_error(&out, &["deviceListStrategy", "cdi-annotations"]);
     let out = run(&base, &[("FAIL_ON_INIT_ERROR", "perhaps")]);

@@ -440,7 +440,7 @@ fn gpus(n: usize) -> Inventory {
     Inventory::new((0..n).map(|i| DeviceInfo {
         id: format!("GPU-{i}"),
         numa_node: None,
-        device_nodes: Vec::new(),
+        ..DeviceInfo::default()
     }))
 }
 

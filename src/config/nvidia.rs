@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use crate::devices::mig::MigStrategy;
 use serde::Deserialize;
 use serde_norway::Value;
 
@@ -434,6 +435,8 @@ pub struct Applied {
     pub shared: Option<Shared>,
     /// The MPS root on the host, with `sharing.mps`.
     pub mps_root: Option<PathBuf>,
+    /// How GPUs in MIG mode are served.
+    pub mig_strategy: MigStrategy,
 }
 
 /// Checks NVIDIA's settings, refusing by name what this plugin does not do.
@@ -443,23 +446,16 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
         value: value.into(),
         why: why.into(),
     };
-    match settings.mig_strategy.as_deref() {
-        None | Some("none") => {}
-        Some(s @ ("single" | "mixed")) => {
-            return Err(invalid(
-                "migStrategy (--mig-strategy, MIG_STRATEGY)",
-                s,
-                "MIG is not supported yet; use none",
-            ));
-        }
-        Some(s) => {
-            return Err(invalid(
+    let mig_strategy = match settings.mig_strategy.as_deref() {
+        None => MigStrategy::None,
+        Some(s) => MigStrategy::parse(s).ok_or_else(|| {
+            invalid(
                 "migStrategy (--mig-strategy, MIG_STRATEGY)",
                 s,
                 "must be none, single or mixed",
-            ));
-        }
-    }
+            )
+        })?,
+    };
     let ids = match settings.device_id_strategy.as_deref() {
         None | Some("uuid") => crate::naming::IdStrategy::Uuid,
         Some("index") => crate::naming::IdStrategy::Index,
@@ -579,6 +575,7 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
         naming,
         shared: settings.shared.clone(),
         mps_root,
+        mig_strategy,
     })
 }
 
@@ -638,7 +635,7 @@ mod tests {
     #[test]
     fn settings_not_done_yet_are_refused_by_name() {
         let cases = [
-            ("flags:\n  migStrategy: mixed\n", "migStrategy"),
+            ("flags:\n  migStrategy: many\n", "migStrategy"),
             (
                 "flags:\n  plugin:\n    deviceListStrategy: cdi-annotations\n",
                 "cdi-annotations",

@@ -38,6 +38,8 @@ impl SimulatedGpus {
                 id: simulated_uuid(i),
                 numa_node: i64::try_from(i / GPUS_PER_NUMA_NODE).ok(),
                 device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
+                index: Some(i.to_string()),
+                mig: None,
             })
             .collect();
         let (tx, control) = mpsc::channel(64);

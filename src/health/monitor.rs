@@ -213,8 +213,23 @@ fn restore(
                 "restored device health from the checkpoint"
             );
         }
-        inventory.set_health(id, outcome.new, outcome.message);
+        let message = in_context(inventory, id, outcome.message);
+        inventory.set_health(id, outcome.new, message);
     }
+}
+
+/// A device's message as every surface shows it: a MIG device's names its profile and GPU, so that an
+/// operator reading an Event or a pod's refusal knows which slice of which GPU it is about.
+fn in_context(inventory: &Inventory, id: &str, message: Option<String>) -> Option<String> {
+    let message = message?;
+    let Some(mig) = inventory.get(id).and_then(|d| d.info.mig.as_ref()) else {
+        return Some(message);
+    };
+    let (health, rest) = message.split_once(": ").unwrap_or(("", message.as_str()));
+    Some(super::message::truncate(&format!(
+        "{health}: MIG device {} of GPU {}: {rest}",
+        mig.profile, mig.parent
+    )))
 }
 
 /// A change the kubelet has been sent, still to be logged and checkpointed.
@@ -326,6 +341,11 @@ impl Monitor {
                     index,
                     health: d.health.as_api_str().into(),
                     numa_node: d.info.numa_node,
+                    mig: d.info.mig.as_ref().map(|m| crate::status::MigStatus {
+                        parent: m.parent.clone(),
+                        profile: m.profile.clone(),
+                    }),
+                    resource: String::new(),
                     message: d.reason.clone().or_else(|| self.engine.message(&d.info.id)),
                     conditions,
                     pods: Vec::new(),
@@ -363,7 +383,8 @@ impl Monitor {
                 if outcome.probe_now {
                     self.probe(vec![id.clone()]);
                 }
-                let (health, message) = (outcome.new, outcome.message.clone());
+                let health = outcome.new;
+                let message = in_context(&self.inventory.borrow(), &id, outcome.message.clone());
                 // Most events (a harmless XID, a probe that changes nothing) leave the inventory as it is:
                 // check before copying it.
                 if self

@@ -280,7 +280,7 @@ mod tests {
         Inventory::new((0..n).map(|i| DeviceInfo {
             id: format!("g{i}"),
             numa_node: None,
-            device_nodes: vec![],
+            ..DeviceInfo::default()
         }))
     }
 

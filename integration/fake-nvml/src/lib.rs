@@ -19,7 +19,7 @@ mod stubs;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::time::Duration;
 
-use state::{DeviceRef, Pending, SetRef};
+use state::{DeviceRef, Handle, Pending, SetRef};
 
 /// `nvmlReturn_t`.
 pub type nvmlReturn_t = c_uint;
@@ -159,6 +159,16 @@ fn with_device(handle: nvmlDevice_t, f: impl FnOnce(&DeviceRef) -> nvmlReturn_t)
     }
 }
 
+/// Runs `f` on a live GPU or MIG device (a MIG device is lost with its GPU), or returns the error NVML
+/// would.
+fn with_handle(handle: nvmlDevice_t, f: impl FnOnce(Handle) -> nvmlReturn_t) -> nvmlReturn_t {
+    match state::handle(handle) {
+        Err(rc) => rc,
+        Ok(h) if h.gpu().is_lost() => code::GPU_IS_LOST,
+        Ok(h) => f(h),
+    }
+}
+
 // ---- library -------------------------------------------------------------------------------------------
 
 #[unsafe(no_mangle)]
@@ -265,7 +275,10 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     uuid: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
-    with_device(device, |d| unsafe { put_str(uuid, length, &d.spec.uuid) })
+    with_handle(device, |h| match h {
+        Handle::Gpu(d) => unsafe { put_str(uuid, length, &d.spec.uuid) },
+        Handle::Mig(_, m) => unsafe { put_str(uuid, length, &m.spec.uuid) },
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -274,7 +287,16 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     name: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
-    with_device(device, |d| unsafe { put_str(name, length, &d.spec.name) })
+    with_handle(device, |h| match h {
+        Handle::Gpu(d) => unsafe { put_str(name, length, &d.spec.name) },
+        Handle::Mig(d, m) => unsafe {
+            put_str(
+                name,
+                length,
+                &format!("{} MIG {}", d.spec.name, m.spec.profile.name),
+            )
+        },
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -318,13 +340,20 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
     })
 }
 
+fn memory_bytes(h: Handle) -> u64 {
+    match h {
+        Handle::Gpu(d) => d.spec.memory_mib * 1024 * 1024,
+        Handle::Mig(_, m) => m.spec.profile.memory_mb * 1024 * 1024,
+    }
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_t,
 ) -> nvmlReturn_t {
-    with_device(device, |d| {
-        let total = d.spec.memory_mib * 1024 * 1024;
+    with_handle(device, |h| {
+        let total = memory_bytes(h);
         unsafe {
             put(
                 memory,
@@ -343,8 +372,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
-    with_device(device, |d| {
-        let total = d.spec.memory_mib * 1024 * 1024;
+    with_handle(device, |h| {
+        let total = memory_bytes(h);
         let version = if memory.is_null() {
             0
         } else {
@@ -404,20 +433,26 @@ pub unsafe extern "C" fn nvmlDeviceGetBrand(
     with_device(device, |_| unsafe { put(brand, BRAND_NVIDIA) })
 }
 
+/// `NVML_DEVICE_MIG_ENABLE`.
+const MIG_ENABLE: c_uint = 1;
+/// MIG devices a GPU of this kind can hold.
+const MAX_MIG_DEVICES: c_uint = 7;
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMigMode(
     device: nvmlDevice_t,
     current: *mut c_uint,
     pending: *mut c_uint,
 ) -> nvmlReturn_t {
-    // MIG capable, MIG disabled: the whole GPU is one device.
-    with_device(device, |_| {
+    // Every fake GPU is MIG capable; MIG mode is on where the device list gives it MIG devices.
+    with_device(device, |d| {
         if current.is_null() || pending.is_null() {
             return code::INVALID_ARGUMENT;
         }
+        let mode = if d.spec.mig.is_some() { MIG_ENABLE } else { 0 };
         unsafe {
-            current.write(0);
-            pending.write(0);
+            current.write(mode);
+            pending.write(mode);
         }
         code::SUCCESS
     })
@@ -428,7 +463,9 @@ pub unsafe extern "C" fn nvmlDeviceIsMigDeviceHandle(
     device: nvmlDevice_t,
     is_mig: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_device(device, |_| unsafe { put(is_mig, 0) })
+    with_handle(device, |h| unsafe {
+        put(is_mig, c_uint::from(matches!(h, Handle::Mig(..))))
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -436,7 +473,238 @@ pub unsafe extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
     device: nvmlDevice_t,
     count: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_device(device, |_| unsafe { put(count, 7) })
+    with_device(device, |_| unsafe { put(count, MAX_MIG_DEVICES) })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
+    device: nvmlDevice_t,
+    index: c_uint,
+    mig: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    with_device(device, |d| {
+        if d.spec.mig.is_none() || index >= MAX_MIG_DEVICES {
+            return code::INVALID_ARGUMENT;
+        }
+        match d.migs.get(index as usize) {
+            Some(m) => unsafe { put(mig, m.handle()) },
+            None => code::NOT_FOUND,
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(
+    mig: nvmlDevice_t,
+    parent: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    with_handle(mig, |h| match h {
+        Handle::Mig(d, _) => unsafe { put(parent, d.handle()) },
+        Handle::Gpu(_) => code::INVALID_ARGUMENT,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceId(
+    device: nvmlDevice_t,
+    id: *mut c_uint,
+) -> nvmlReturn_t {
+    with_handle(device, |h| match h {
+        Handle::Mig(_, m) => unsafe { put(id, m.spec.gpu_instance) },
+        Handle::Gpu(_) => code::NOT_SUPPORTED,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeInstanceId(
+    device: nvmlDevice_t,
+    id: *mut c_uint,
+) -> nvmlReturn_t {
+    with_handle(device, |h| match h {
+        Handle::Mig(_, m) => unsafe { put(id, m.spec.compute_instance) },
+        Handle::Gpu(_) => code::NOT_SUPPORTED,
+    })
+}
+
+/// `nvmlDeviceAttributes_t`.
+#[repr(C)]
+pub struct nvmlDeviceAttributes_t {
+    pub multiprocessorCount: c_uint,
+    pub sharedCopyEngineCount: c_uint,
+    pub sharedDecoderCount: c_uint,
+    pub sharedEncoderCount: c_uint,
+    pub sharedJpegCount: c_uint,
+    pub sharedOfaCount: c_uint,
+    pub gpuInstanceSliceCount: c_uint,
+    pub computeInstanceSliceCount: c_uint,
+    pub memorySizeMB: c_ulonglong,
+}
+
+/// Streaming multiprocessors per compute slice, and in the whole GPU.
+const SMS_PER_SLICE: c_uint = 16;
+const SMS: c_uint = 132;
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
+    device: nvmlDevice_t,
+    attributes: *mut nvmlDeviceAttributes_t,
+) -> nvmlReturn_t {
+    with_handle(device, |h| {
+        let (sms, gi, ci, mb) = match h {
+            Handle::Gpu(d) => (SMS, 7, 7, d.spec.memory_mib),
+            Handle::Mig(_, m) => (
+                m.spec.compute_slices * SMS_PER_SLICE,
+                m.spec.profile.slices,
+                m.spec.compute_slices,
+                m.spec.profile.memory_mb,
+            ),
+        };
+        unsafe {
+            put(
+                attributes,
+                nvmlDeviceAttributes_t {
+                    multiprocessorCount: sms,
+                    sharedCopyEngineCount: gi,
+                    sharedDecoderCount: gi,
+                    sharedEncoderCount: 0,
+                    sharedJpegCount: gi,
+                    sharedOfaCount: 0,
+                    gpuInstanceSliceCount: gi,
+                    computeInstanceSliceCount: ci,
+                    memorySizeMB: mb,
+                },
+            )
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetAttributes(
+    device: nvmlDevice_t,
+    attributes: *mut nvmlDeviceAttributes_t,
+) -> nvmlReturn_t {
+    unsafe { nvmlDeviceGetAttributes_v2(device, attributes) }
+}
+
+/// `nvmlGpuInstanceProfileInfo_t`.
+#[repr(C)]
+pub struct nvmlGpuInstanceProfileInfo_t {
+    pub id: c_uint,
+    pub isP2pSupported: c_uint,
+    pub sliceCount: c_uint,
+    pub instanceCount: c_uint,
+    pub multiprocessorCount: c_uint,
+    pub copyEngineCount: c_uint,
+    pub decoderCount: c_uint,
+    pub encoderCount: c_uint,
+    pub jpegCount: c_uint,
+    pub ofaCount: c_uint,
+    pub memorySizeMB: c_ulonglong,
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
+    device: nvmlDevice_t,
+    profile: c_uint,
+    info: *mut nvmlGpuInstanceProfileInfo_t,
+) -> nvmlReturn_t {
+    with_device(device, |_| {
+        let Some(p) = config::PROFILES.iter().find(|p| p.id == profile) else {
+            // Profiles this GPU does not have, as on the real one.
+            return code::NOT_SUPPORTED;
+        };
+        unsafe {
+            put(
+                info,
+                nvmlGpuInstanceProfileInfo_t {
+                    id: p.id,
+                    isP2pSupported: 0,
+                    sliceCount: p.slices,
+                    instanceCount: 7 / p.slices,
+                    multiprocessorCount: p.slices * SMS_PER_SLICE,
+                    copyEngineCount: p.slices,
+                    decoderCount: p.slices,
+                    encoderCount: 0,
+                    jpegCount: p.slices,
+                    ofaCount: 0,
+                    memorySizeMB: p.memory_mb,
+                },
+            )
+        }
+    })
+}
+
+/// `nvmlGpuInstance_t`: an opaque token, here (parent index + 1) << 8 | GPU instance ID, never dereferenced.
+pub type nvmlGpuInstance_t = *mut c_void;
+
+/// `nvmlGpuInstancePlacement_t`.
+#[repr(C)]
+pub struct nvmlGpuInstancePlacement_t {
+    pub start: c_uint,
+    pub size: c_uint,
+}
+
+/// `nvmlGpuInstanceInfo_t`.
+#[repr(C)]
+pub struct nvmlGpuInstanceInfo_t {
+    pub device: nvmlDevice_t,
+    pub id: c_uint,
+    pub profileId: c_uint,
+    pub placement: nvmlGpuInstancePlacement_t,
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(
+    device: nvmlDevice_t,
+    id: c_uint,
+    instance: *mut nvmlGpuInstance_t,
+) -> nvmlReturn_t {
+    with_device(device, |d| {
+        if d.spec.mig.is_none() {
+            return code::INVALID_ARGUMENT;
+        }
+        if !d.migs.iter().any(|m| m.spec.gpu_instance == id) || id > 0xff {
+            return code::NOT_FOUND;
+        }
+        let token = ((d.index + 1) << 8) | id as usize;
+        unsafe { put(instance, std::ptr::without_provenance_mut(token)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(
+    instance: nvmlGpuInstance_t,
+    info: *mut nvmlGpuInstanceInfo_t,
+) -> nvmlReturn_t {
+    let token = instance as usize;
+    let (gpu, id) = ((token >> 8).wrapping_sub(1), (token & 0xff) as c_uint);
+    let devices = match state::devices() {
+        Ok(devices) => devices,
+        Err(rc) => return rc,
+    };
+    let Some(d) = devices.get(gpu) else {
+        return code::INVALID_ARGUMENT;
+    };
+    let Some(m) = d.migs.iter().find(|m| m.spec.gpu_instance == id) else {
+        return code::INVALID_ARGUMENT;
+    };
+    if d.is_lost() {
+        return code::GPU_IS_LOST;
+    }
+    unsafe {
+        put(
+            info,
+            nvmlGpuInstanceInfo_t {
+                device: d.handle(),
+                id,
+                profileId: m.spec.profile.id,
+                placement: nvmlGpuInstancePlacement_t {
+                    start: 0,
+                    size: m.spec.profile.slices,
+                },
+            },
+        )
+    }
 }
 
 /// `NVML_TOPOLOGY_INTERNAL`, `_NODE`, `_SYSTEM`.
@@ -580,6 +848,8 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
             device,
             event_type,
             event_data,
+            gpu_instance,
+            compute_instance,
         }) => {
             let handle = state::devices()
                 .ok()
@@ -594,9 +864,9 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
                         device: handle,
                         eventType: event_type,
                         eventData: event_data,
-                        // Not a MIG event: NVML reports all-ones instance IDs.
-                        gpuInstanceId: c_uint::MAX,
-                        computeInstanceId: c_uint::MAX,
+                        // All ones when the event is not attributed to a MIG device's instances.
+                        gpuInstanceId: gpu_instance,
+                        computeInstanceId: compute_instance,
                     },
                 )
             }

@@ -17,15 +17,44 @@ use std::time::{Duration, Instant};
 use gpu_device_plugin::devices::script::{self, Command, Line, Tail};
 use inotify::{Inotify, WatchMask};
 
-use crate::config::{self, DeviceSpec};
+use crate::config::{self, DeviceSpec, MigSpec};
 use crate::{code, event_type, nvmlDevice_t, nvmlEventSet_t, nvmlReturn_t};
 
 /// One fake GPU.
 pub struct Device {
     pub index: usize,
     pub spec: DeviceSpec,
+    /// Its MIG devices, in the order NVML lists them (empty with MIG mode off).
+    pub migs: Vec<MigDevice>,
     lost: AtomicBool,
     recovery_action: AtomicU32,
+}
+
+/// One MIG device; its handle is the address of this record, as a GPU's is.
+pub struct MigDevice {
+    pub spec: MigSpec,
+}
+
+impl MigDevice {
+    pub fn handle(&'static self) -> nvmlDevice_t {
+        std::ptr::from_ref(self).cast_mut().cast()
+    }
+}
+
+/// What a device handle names.
+#[derive(Clone, Copy)]
+pub enum Handle {
+    Gpu(DeviceRef),
+    Mig(DeviceRef, &'static MigDevice),
+}
+
+impl Handle {
+    /// The physical GPU: itself, or a MIG device's parent.
+    pub fn gpu(self) -> DeviceRef {
+        match self {
+            Handle::Gpu(gpu) | Handle::Mig(gpu, _) => gpu,
+        }
+    }
 }
 
 pub type DeviceRef = &'static Device;
@@ -54,6 +83,12 @@ fn load_devices() -> &'static Result<&'static [Device], String> {
             .enumerate()
             .map(|(index, spec)| Device {
                 index,
+                migs: spec
+                    .mig
+                    .iter()
+                    .flatten()
+                    .map(|m| MigDevice { spec: m.clone() })
+                    .collect(),
                 spec,
                 lost: AtomicBool::new(false),
                 recovery_action: AtomicU32::new(0),
@@ -147,6 +182,26 @@ pub fn device(handle: nvmlDevice_t) -> Result<DeviceRef, nvmlReturn_t> {
         .ok_or(code::INVALID_ARGUMENT)?;
     catch_up();
     Ok(device)
+}
+
+/// The GPU or MIG device behind a handle, checked to be one of ours, with the fault script taken in.
+pub fn handle(handle: nvmlDevice_t) -> Result<Handle, nvmlReturn_t> {
+    let devices = devices()?;
+    let found = devices
+        .iter()
+        .find(|d| d.handle() == handle)
+        .map(Handle::Gpu)
+        .or_else(|| {
+            devices.iter().find_map(|d| {
+                d.migs
+                    .iter()
+                    .find(|m| m.handle() == handle)
+                    .map(|m| Handle::Mig(d, m))
+            })
+        })
+        .ok_or(code::INVALID_ARGUMENT)?;
+    catch_up();
+    Ok(found)
 }
 
 // ---- the fault script ------------------------------------------------------------------------------
@@ -250,6 +305,9 @@ pub enum Pending {
         device: usize,
         event_type: u64,
         event_data: u64,
+        /// GPU and compute instance the event is attributed to; `u32::MAX` when it is not.
+        gpu_instance: u32,
+        compute_instance: u32,
     },
     Lost,
 }
@@ -397,15 +455,30 @@ fn on_line(devices: &'static [Device], line: Line<'_>) {
             return;
         }
     };
-    let Some(device) = devices.iter().find(|d| d.spec.uuid == command.uuid()) else {
-        eprintln!("fake-nvml: skipped {text:?}: no GPU with that UUID");
+    // A command may name a MIG device: its XIDs are attributed to its instances, on its parent GPU.
+    let target = devices.iter().find_map(|d| {
+        if d.spec.uuid == command.uuid() {
+            return Some((d, None));
+        }
+        d.migs
+            .iter()
+            .find(|m| m.spec.uuid == command.uuid())
+            .map(|m| (d, Some(m)))
+    });
+    let Some((device, mig)) = target else {
+        eprintln!("fake-nvml: skipped {text:?}: no GPU or MIG device with that UUID");
         return;
     };
     let index = device.index;
+    let (gpu_instance, compute_instance) = mig.map_or((u32::MAX, u32::MAX), |m| {
+        (m.spec.gpu_instance, m.spec.compute_instance)
+    });
     let event = |event_type, event_data| Pending::Event {
         device: index,
         event_type,
         event_data,
+        gpu_instance,
+        compute_instance,
     };
     // Lines already in the file set state (a lost GPU stays lost); only appended lines raise events.
     match command {
@@ -419,10 +492,17 @@ fn on_line(devices: &'static [Device], line: Line<'_>) {
         Command::Action { action, .. } => {
             device.recovery_action.store(action, Ordering::SeqCst);
             if appended {
+                // The recovery action is the GPU's: XID 154 is never attributed to an instance.
                 deliver(
                     index,
                     event_type::XID_CRITICAL,
-                    event(event_type::XID_CRITICAL, 154),
+                    Pending::Event {
+                        device: index,
+                        event_type: event_type::XID_CRITICAL,
+                        event_data: 154,
+                        gpu_instance: u32::MAX,
+                        compute_instance: u32::MAX,
+                    },
                 );
             }
         }

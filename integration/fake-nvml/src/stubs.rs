@@ -41,8 +41,6 @@ not_supported! {
     nvmlDeviceGetAdaptiveClockInfoStatus
     nvmlDeviceGetAddressingMode
     nvmlDeviceGetApplicationsClock
-    nvmlDeviceGetAttributes
-    nvmlDeviceGetAttributes_v2
     nvmlDeviceGetAutoBoostedClocksEnabled
     nvmlDeviceGetBAR1MemoryInfo
     nvmlDeviceGetBoardId
@@ -55,7 +53,6 @@ not_supported! {
     nvmlDeviceGetClock
     nvmlDeviceGetClockInfo
     nvmlDeviceGetClockOffsets
-    nvmlDeviceGetComputeInstanceId
     nvmlDeviceGetComputeMode
     nvmlDeviceGetComputeRunningProcesses
     nvmlDeviceGetComputeRunningProcesses_v2
@@ -78,7 +75,6 @@ not_supported! {
     nvmlDeviceGetDefaultApplicationsClock
     nvmlDeviceGetDefaultEccMode
     nvmlDeviceGetDetailedEccErrors
-    nvmlDeviceGetDeviceHandleFromMigDeviceHandle
     nvmlDeviceGetDisplayActive
     nvmlDeviceGetDisplayMode
     nvmlDeviceGetDramEncryptionMode
@@ -101,11 +97,8 @@ not_supported! {
     nvmlDeviceGetGpcClkVfOffset
     nvmlDeviceGetGpuFabricInfo
     nvmlDeviceGetGpuFabricInfoV
-    nvmlDeviceGetGpuInstanceById
-    nvmlDeviceGetGpuInstanceId
     nvmlDeviceGetGpuInstancePossiblePlacements
     nvmlDeviceGetGpuInstancePossiblePlacements_v2
-    nvmlDeviceGetGpuInstanceProfileInfo
     nvmlDeviceGetGpuInstanceProfileInfoByIdV
     nvmlDeviceGetGpuInstanceProfileInfoV
     nvmlDeviceGetGpuInstanceRemainingCapacity
@@ -146,7 +139,6 @@ not_supported! {
     nvmlDeviceGetMemoryAffinity
     nvmlDeviceGetMemoryBusWidth
     nvmlDeviceGetMemoryErrorCounter
-    nvmlDeviceGetMigDeviceHandleByIndex
     nvmlDeviceGetMinMaxClockOfPState
     nvmlDeviceGetMinMaxFanSpeed
     nvmlDeviceGetModuleId
@@ -308,7 +300,6 @@ not_supported! {
     nvmlGpuInstanceGetComputeInstanceRemainingCapacity
     nvmlGpuInstanceGetComputeInstances
     nvmlGpuInstanceGetCreatableVgpus
-    nvmlGpuInstanceGetInfo
     nvmlGpuInstanceGetVgpuHeterogeneousMode
     nvmlGpuInstanceGetVgpuSchedulerLog
     nvmlGpuInstanceGetVgpuSchedulerState

@@ -5,6 +5,13 @@
 //! masked by what the GPU supports (registering an unsupported type fails and frees the whole set). When
 //! NVML cannot be loaded at all, [`UnmonitoredGpus`] can serve the GPUs the driver lists in procfs, marked
 //! `unmonitored`, instead.
+//!
+//! With a MIG strategy, a GPU in MIG mode is served as its MIG devices. Events are still registered on the
+//! GPU; an XID attributed to a GPU and compute instance reaches that MIG device only, and anything else on
+//! the GPU (an unattributed XID, XID 79, a double-bit ECC error, the GPU lost, its recovery action) every MIG
+//! device of it.
+
+mod raw;
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -14,12 +21,12 @@ use std::time::{Duration, SystemTime};
 
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::device::SampleValue;
-use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::structs::device::FieldId;
 use nvml_wrapper::{Device, EventSet, Nvml};
 use tokio::sync::mpsc;
 
+use crate::devices::mig::{self, GpuLayout, MigAttributes, MigInfo, MigStrategy, ProfileFacts};
 use crate::devices::{DeviceEvent, DeviceInfo, DeviceSource, Heartbeat, SourceError};
 use crate::health::{Observation, ProbeResult};
 
@@ -49,8 +56,10 @@ pub struct NvmlOptions {
     pub library: PathBuf,
     /// Root of sysfs, for each GPU's NUMA node (`<root>/bus/pci/devices/<bus id>/numa_node`).
     pub sysfs_root: PathBuf,
-    /// Root of procfs, for the driver's GPU list when NVML cannot be loaded.
+    /// Root of procfs, for the driver's GPU list when NVML cannot be loaded and its MIG capability minors.
     pub proc_root: PathBuf,
+    /// Whether GPUs in MIG mode are served whole or as their MIG devices.
+    pub mig_strategy: MigStrategy,
 }
 
 impl Default for NvmlOptions {
@@ -59,6 +68,7 @@ impl Default for NvmlOptions {
             library: PathBuf::from(DEFAULT_LIBRARY),
             sysfs_root: PathBuf::from("/sys"),
             proc_root: PathBuf::from("/proc"),
+            mig_strategy: MigStrategy::None,
         }
     }
 }
@@ -86,12 +96,51 @@ pub enum NvmlInitError {
     },
 }
 
+/// One physical GPU, whose events the event thread watches, and the devices the kubelet sees of it.
+#[derive(Debug, Clone, Default)]
+struct Watched {
+    /// NVML index.
+    index: u32,
+    /// The served devices on it: the GPU itself, or its MIG devices.
+    devices: Vec<String>,
+    /// Its MIG devices by GPU and compute instance ID, to attribute an event.
+    instances: HashMap<(u32, u32), String>,
+}
+
+impl Watched {
+    /// The devices an observation on this GPU reaches: an XID attributed to one of its MIG devices reaches
+    /// that one (unless it is about the whole GPU); everything else reaches every device on the GPU.
+    fn targets(&self, observation: &Observation, instance: Option<(u32, u32)>) -> &[String] {
+        let whole_gpu = matches!(
+            observation,
+            Observation::Xid(79 | 154) | Observation::DoubleBitEcc | Observation::GpuLost
+        );
+        match instance {
+            Some(instance) if !whole_gpu && !self.instances.is_empty() => {
+                match self.instances.get(&instance) {
+                    Some(id) => std::slice::from_ref(id),
+                    None => {
+                        tracing::warn!(
+                            gpu_instance = instance.0,
+                            compute_instance = instance.1,
+                            "NVML event for a MIG instance this plugin does not serve; counted against every MIG \
+                             device of its GPU"
+                        );
+                        &self.devices
+                    }
+                }
+            }
+            _ => &self.devices,
+        }
+    }
+}
+
 /// GPUs from NVML.
 pub struct NvmlGpus {
     nvml: Nvml,
     options: NvmlOptions,
-    /// NVML index and ID of each GPU, in discovery order.
-    gpus: Vec<(u32, String)>,
+    /// Each GPU, in discovery order.
+    gpus: Vec<Watched>,
     /// GPUs that could not be read at discovery (no UUID): reported lost as soon as the source starts.
     lost_at_start: Vec<String>,
     /// Beaten by the event thread each time round its loop (at least every [`WAIT_TIMEOUT_MS`]).
@@ -131,30 +180,84 @@ impl DeviceSource for NvmlGpus {
             .nvml
             .device_count()
             .map_err(|e| SourceError::Discovery(format!("NVML cannot count GPUs: {e}")))?;
+        let strategy = self.options.mig_strategy;
+        let minors = match strategy {
+            MigStrategy::None => HashMap::new(),
+            _ => mig::read_mig_minors(&self.options.proc_root),
+        };
         let mut found = Vec::new();
+        let mut layout = Vec::new();
         self.gpus.clear();
         for index in 0..count {
             let gpu = self
                 .nvml
                 .device_by_index(index)
                 .and_then(|d| Ok((d.uuid()?, d)));
-            let info = match gpu {
-                Ok((uuid, device)) => describe(&device, uuid, &self.options.sysfs_root),
+            let (uuid, device) = match gpu {
+                Ok(found) => found,
                 Err(e) => {
                     // The GPU is counted but does not answer: keep it visible, as lost, rather than shrink
                     // capacity silently. Without its UUID it can only be named by index.
                     let id = format!("GPU-unreadable-index-{index}");
                     tracing::error!(index, error = %e, device = %id, "GPU does not answer NVML at discovery");
                     self.lost_at_start.push(id.clone());
-                    DeviceInfo {
+                    self.gpus.push(Watched {
+                        index,
+                        devices: vec![id.clone()],
+                        ..Watched::default()
+                    });
+                    found.push(DeviceInfo {
                         id,
-                        numa_node: None,
-                        device_nodes: vec![],
-                    }
+                        index: Some(index.to_string()),
+                        ..DeviceInfo::default()
+                    });
+                    continue;
                 }
             };
-            self.gpus.push((index, info.id.clone()));
-            found.push(info);
+            let info = describe(&device, uuid.clone(), &self.options.sysfs_root, index);
+            let mig_enabled = strategy != MigStrategy::None
+                && device.mig_mode().is_ok_and(|m| m.current == MIG_ENABLED);
+            if !mig_enabled {
+                layout.push(GpuLayout {
+                    id: uuid.clone(),
+                    mig_enabled: false,
+                    migs: Vec::new(),
+                });
+                self.gpus.push(Watched {
+                    index,
+                    devices: vec![uuid],
+                    ..Watched::default()
+                });
+                found.push(info);
+                continue;
+            }
+            let migs = mig_devices(&self.nvml, &device, index, &info, &minors);
+            let mut watched = Watched {
+                index,
+                ..Watched::default()
+            };
+            let mut kinds = Vec::new();
+            for (mig_info, attributes) in migs {
+                if let Some(m) = &mig_info.mig {
+                    watched
+                        .instances
+                        .insert((m.gpu_instance, m.compute_instance), mig_info.id.clone());
+                    kinds.push((m.profile.clone(), attributes));
+                }
+                watched.devices.push(mig_info.id.clone());
+                found.push(mig_info);
+            }
+            layout.push(GpuLayout {
+                id: uuid,
+                mig_enabled: true,
+                migs: kinds,
+            });
+            self.gpus.push(watched);
+        }
+        let warnings = mig::check_layout(strategy, &layout)
+            .map_err(|e| SourceError::Discovery(e.to_string()))?;
+        for warning in warnings {
+            tracing::warn!("{warning}");
         }
         Ok(found)
     }
@@ -213,7 +316,95 @@ impl DeviceSource for NvmlGpus {
     }
 }
 
-fn describe(device: &Device<'_>, uuid: String, sysfs_root: &Path) -> DeviceInfo {
+/// `NVML_DEVICE_MIG_ENABLE`.
+const MIG_ENABLED: u32 = 1;
+
+/// `NVML_GPU_INSTANCE_PROFILE_COUNT`: GPU instance profiles are looked up by index below this.
+const GPU_INSTANCE_PROFILES: u32 = 17;
+
+/// The MIG devices of GPU `index` (MIG mode on), each with the attributes `single` compares. A MIG device
+/// that does not answer is left out with an error logged: serving it would hand pods a device that cannot
+/// be named or watched.
+fn mig_devices(
+    nvml: &Nvml,
+    gpu: &Device<'_>,
+    index: u32,
+    gpu_info: &DeviceInfo,
+    minors: &HashMap<String, u32>,
+) -> Vec<(DeviceInfo, MigAttributes)> {
+    let slots = gpu.mig_device_count().unwrap_or(0);
+    let gpu_memory = gpu.memory_info().map(|m| m.total).unwrap_or(0);
+    let gpu_minor = gpu.minor_number().ok();
+    let mut found = Vec::new();
+    for slot in 0..slots {
+        let device = match gpu.mig_device_by_index(slot) {
+            Ok(device) => device,
+            Err(NvmlError::NotFound) => continue,
+            Err(e) => {
+                tracing::error!(gpu = %gpu_info.id, slot, error = %e, "MIG device does not answer NVML; not served");
+                continue;
+            }
+        };
+        let read = || -> Result<(String, nvml_wrapper::struct_wrappers::device::DeviceAttributes, u32, u32), NvmlError> {
+            Ok((
+                device.uuid()?,
+                device.attributes()?,
+                raw::gpu_instance_id(nvml, &device)?,
+                raw::compute_instance_id(nvml, &device)?,
+            ))
+        };
+        let (uuid, attributes, gpu_instance, compute_instance) = match read() {
+            Ok(read) => read,
+            Err(e) => {
+                tracing::error!(gpu = %gpu_info.id, slot, error = %e, "MIG device cannot be read through NVML; not served");
+                continue;
+            }
+        };
+        // The GPU instance's profile index names attributes such as media extensions (`+me`).
+        let gi_profile = raw::gpu_instance_profile_id(nvml, gpu, gpu_instance)
+            .ok()
+            .and_then(|id| {
+                (0..GPU_INSTANCE_PROFILES).find(|&i| gpu.profile_info(i).is_ok_and(|p| p.id == id))
+            });
+        let profile = mig::profile_name(&ProfileFacts {
+            gi_profile,
+            gpu_slices: attributes.gpu_instance_slice_count,
+            compute_slices: attributes.compute_instance_slice_count,
+            memory_mb: attributes.memory_size_mb,
+            gpu_memory_bytes: gpu_memory,
+        });
+        let mig = MigInfo {
+            parent: gpu_info.id.clone(),
+            profile,
+            gpu_instance,
+            compute_instance,
+        };
+        let (device_nodes, missing) = mig::device_nodes(minors, gpu_minor, &mig);
+        if !missing.is_empty() {
+            tracing::warn!(device = %uuid, missing = ?missing, "MIG capability device nodes not found in the driver's \
+                mig-minors (is the host's /proc mounted at --proc-root?); device specs will lack them");
+        }
+        tracing::info!(device = %uuid, gpu = %gpu_info.id, profile = %mig.profile, gpu_instance, compute_instance, "found MIG device");
+        found.push((
+            DeviceInfo {
+                id: uuid,
+                numa_node: gpu_info.numa_node,
+                device_nodes,
+                index: Some(format!("{index}:{slot}")),
+                mig: Some(mig.clone()),
+            },
+            MigAttributes {
+                multiprocessors: attributes.multiprocessor_count,
+                gpu_slices: attributes.gpu_instance_slice_count,
+                compute_slices: attributes.compute_instance_slice_count,
+                memory_mb: attributes.memory_size_mb,
+            },
+        ));
+    }
+    found
+}
+
+fn describe(device: &Device<'_>, uuid: String, sysfs_root: &Path, index: u32) -> DeviceInfo {
     let minor = device.minor_number();
     let numa_node = device
         .pci_info()
@@ -227,6 +418,8 @@ fn describe(device: &Device<'_>, uuid: String, sysfs_root: &Path) -> DeviceInfo 
         device_nodes: minor
             .map(|m| vec![PathBuf::from(format!("/dev/nvidia{m}"))])
             .unwrap_or_default(),
+        index: Some(index.to_string()),
+        mig: None,
     }
 }
 
@@ -279,19 +472,24 @@ fn observe(events: &mpsc::Sender<DeviceEvent>, id: &str, observation: Observatio
 pub const RECOVERY_ACTION_FIELD: u32 = 230;
 
 /// Answers probe requests until the plugin stops: does each GPU answer, and what recovery action does the
-/// driver report for it.
+/// driver report for it. A MIG device is probed through its GPU, once for all of them in one request.
 fn answer_probes(
     nvml: &Nvml,
-    gpus: &[(u32, String)],
+    gpus: &[Watched],
     events: &mpsc::Sender<DeviceEvent>,
     mut probes: mpsc::Receiver<Vec<String>>,
 ) {
     while let Some(ids) = probes.blocking_recv() {
+        let mut answers: HashMap<u32, ProbeResult> = HashMap::new();
         for id in ids {
-            let Some((index, _)) = gpus.iter().find(|(_, known)| *known == id) else {
+            let Some(gpu) = gpus.iter().find(|g| g.devices.contains(&id)) else {
                 continue;
             };
-            if !observe(events, &id, Observation::Probe(probe(nvml, *index))) {
+            let answer = answers
+                .entry(gpu.index)
+                .or_insert_with(|| probe(nvml, gpu.index))
+                .clone();
+            if !observe(events, &id, Observation::Probe(answer)) {
                 return;
             }
         }
@@ -330,7 +528,7 @@ fn recovery_action(device: &Device<'_>) -> Option<u32> {
 /// events until the plugin stops (the event channel closes).
 fn watch_events(
     nvml: &Nvml,
-    gpus: &[(u32, String)],
+    gpus: &[Watched],
     events: &mpsc::Sender<DeviceEvent>,
     registered: std::sync::mpsc::SyncSender<()>,
     heartbeat: &Heartbeat,
@@ -342,7 +540,7 @@ fn watch_events(
         Err(e) => {
             let why = format!("NVML cannot create an event set: {e}");
             tracing::error!(error = %e, "health events cannot be watched on any GPU");
-            for (_, id) in gpus {
+            for id in gpus.iter().flat_map(|g| &g.devices) {
                 observe(events, id, Observation::Unmonitored(why.clone()));
             }
             return;
@@ -352,38 +550,43 @@ fn watch_events(
         tracing::warn!("no GPU can report health events; nothing to watch");
         return;
     };
-    let ids: HashMap<u32, &str> = gpus.iter().map(|(i, id)| (*i, id.as_str())).collect();
-    let mut lost: Vec<&str> = Vec::new();
+    let by_index: HashMap<u32, &Watched> = gpus.iter().map(|g| (g.index, g)).collect();
+    let mut lost: Vec<u32> = Vec::new();
     let mut unexpected = 0u32;
     tracing::info!(gpus = watched.len(), "watching NVML health events");
     while !events.is_closed() {
         heartbeat.beat();
-        match set.wait(WAIT_TIMEOUT_MS) {
-            Ok(data) => {
+        match raw::wait(nvml, &set, WAIT_TIMEOUT_MS) {
+            Ok(event) => {
                 unexpected = 0;
-                let id = data.device.index().ok().and_then(|i| ids.get(&i).copied());
-                let Some(id) = id else {
+                let Some(gpu) = event.gpu_index.and_then(|i| by_index.get(&i)) else {
                     tracing::warn!("NVML event for a GPU that cannot be identified; ignored");
                     continue;
                 };
-                for observation in observations(data.event_type, data.event_data) {
-                    if !observe(events, id, observation) {
-                        return;
+                let instance = (event.gpu_instance != u32::MAX)
+                    .then_some((event.gpu_instance, event.compute_instance));
+                for observation in observations(event.event_type, event.data) {
+                    for id in gpu.targets(&observation, instance) {
+                        if !observe(events, id, observation.clone()) {
+                            return;
+                        }
                     }
                 }
             }
             Err(NvmlError::Timeout) => unexpected = 0,
             Err(NvmlError::GpuLost) => {
                 // The event does not say which GPU: ask each one.
-                for (index, id) in gpus {
-                    if lost.contains(&id.as_str()) {
+                for gpu in gpus {
+                    if lost.contains(&gpu.index) {
                         continue;
                     }
-                    let answers = nvml.device_by_index(*index).and_then(|d| d.uuid());
+                    let answers = nvml.device_by_index(gpu.index).and_then(|d| d.uuid());
                     if let Err(NvmlError::GpuLost) = answers {
-                        lost.push(id);
-                        tracing::error!(device = %id, "GPU is lost");
-                        observe(events, id, Observation::GpuLost);
+                        lost.push(gpu.index);
+                        for id in &gpu.devices {
+                            tracing::error!(device = %id, "GPU is lost");
+                            observe(events, id, Observation::GpuLost);
+                        }
                     }
                 }
             }
@@ -401,39 +604,40 @@ fn watch_events(
 }
 
 /// Creates the event set and registers every GPU for the events it supports. A GPU whose registration fails
-/// is reported `unmonitored`; as a failed registration frees the whole set, the set is then created again
-/// and the GPUs registered so far registered again.
+/// is reported `unmonitored` (every device on it); as a failed registration frees the whole set, the set is
+/// then created again and the GPUs registered so far registered again.
 fn register_all<'n>(
     nvml: &'n Nvml,
-    gpus: &[(u32, String)],
+    gpus: &[Watched],
     events: &mpsc::Sender<DeviceEvent>,
 ) -> Result<(Option<EventSet<'n>>, Vec<u32>), NvmlError> {
     let mut set = nvml.create_event_set()?;
     let mut registered: Vec<(u32, EventTypes)> = Vec::new();
-    for (index, id) in gpus {
-        let (device, mask) = match watchable_events(nvml, *index) {
+    let unmonitored = |gpu: &Watched, why: String| {
+        for id in &gpu.devices {
+            observe(events, id, Observation::Unmonitored(why.clone()));
+        }
+    };
+    for gpu in gpus {
+        let (device, mask) = match watchable_events(nvml, gpu.index) {
             Ok(found) => found,
             Err(why) => {
-                observe(events, id, Observation::Unmonitored(why));
+                unmonitored(gpu, why);
                 continue;
             }
         };
         if mask != wanted_events() {
-            tracing::info!(device = %id, watched = ?mask, "GPU supports only some health events");
+            tracing::info!(gpu = gpu.index, watched = ?mask, "GPU supports only some health events");
         }
         match device.register_events(mask, set) {
             Ok(kept) => {
                 set = kept;
-                registered.push((*index, mask));
+                registered.push((gpu.index, mask));
             }
             Err(e) => {
-                observe(
-                    events,
-                    id,
-                    Observation::Unmonitored(format!(
-                        "NVML refused the event registration: {}",
-                        e.error
-                    )),
+                unmonitored(
+                    gpu,
+                    format!("NVML refused the event registration: {}", e.error),
                 );
                 set = nvml.create_event_set()?;
                 for (index, mask) in &registered {
@@ -464,16 +668,14 @@ fn watchable_events(nvml: &Nvml, index: u32) -> Result<(Device<'_>, EventTypes),
     Ok((device, mask))
 }
 
-/// The observations one NVML event carries.
-fn observations(event_type: EventTypes, data: Option<XidError>) -> Vec<Observation> {
+/// The observations one NVML event carries (`event_type` bits, `data` the XID of an XID event).
+fn observations(event_type: u64, data: u64) -> Vec<Observation> {
+    let event_type = EventTypes::from_bits_truncate(event_type);
     let mut found = Vec::new();
     if event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
-        // NVML reports 999 when it could not tell the XID; an unknown XID counts as one needing a reset.
-        let xid = match data {
-            Some(XidError::Value(xid)) => xid,
-            Some(XidError::Unknown) | None => 999,
-        };
-        found.push(Observation::Xid(xid));
+        // NVML reports 999 when it could not tell the XID; the policy treats an unknown XID as one needing
+        // a reset.
+        found.push(Observation::Xid(data));
     }
     if event_type.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
         found.push(Observation::DoubleBitEcc);
@@ -534,6 +736,7 @@ fn parse_information(text: &str) -> Option<DeviceInfo> {
         device_nodes: minor
             .map(|m| vec![PathBuf::from(format!("/dev/nvidia{m}"))])
             .unwrap_or_default(),
+        ..DeviceInfo::default()
     })
 }
 
@@ -602,18 +805,42 @@ mod tests {
     }
 
     #[test]
-    fn an_xid_event_without_a_value_counts_as_unknown() {
+    fn an_event_carries_the_observations_of_its_type_bits() {
+        let xid = EventTypes::CRITICAL_XID_ERROR.bits();
+        assert_eq!(observations(xid, 79), vec![Observation::Xid(79)]);
+        assert_eq!(observations(xid, 999), vec![Observation::Xid(999)]);
         assert_eq!(
-            observations(EventTypes::CRITICAL_XID_ERROR, Some(XidError::Value(79))),
-            vec![Observation::Xid(79)]
-        );
-        assert_eq!(
-            observations(EventTypes::CRITICAL_XID_ERROR, Some(XidError::Unknown)),
-            vec![Observation::Xid(999)]
-        );
-        assert_eq!(
-            observations(EventTypes::DOUBLE_BIT_ECC_ERROR, None),
+            observations(EventTypes::DOUBLE_BIT_ECC_ERROR.bits(), 0),
             vec![Observation::DoubleBitEcc]
+        );
+    }
+
+    fn mig_gpu() -> Watched {
+        Watched {
+            index: 0,
+            devices: vec!["MIG-a".into(), "MIG-b".into()],
+            instances: HashMap::from([((1, 0), "MIG-a".into()), ((2, 0), "MIG-b".into())]),
+        }
+    }
+
+    #[test]
+    fn an_attributed_xid_reaches_its_mig_device_and_a_gpu_fault_reaches_all() {
+        let gpu = mig_gpu();
+        assert_eq!(gpu.targets(&Observation::Xid(48), Some((2, 0))), ["MIG-b"]);
+        assert_eq!(gpu.targets(&Observation::Xid(48), None), ["MIG-a", "MIG-b"]);
+        assert_eq!(
+            gpu.targets(&Observation::Xid(79), Some((2, 0))),
+            ["MIG-a", "MIG-b"],
+            "XID 79 is the whole GPU's, wherever NVML attributes it"
+        );
+        assert_eq!(
+            gpu.targets(&Observation::DoubleBitEcc, Some((1, 0))),
+            ["MIG-a", "MIG-b"]
+        );
+        assert_eq!(
+            gpu.targets(&Observation::Xid(48), Some((9, 0))),
+            ["MIG-a", "MIG-b"],
+            "an instance not served counts against the whole GPU"
         );
     }
 }
