@@ -22,6 +22,7 @@ pub mod apiserver;
 mod authority;
 mod pod_resources;
 
+use std::collections::HashMap;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -175,15 +176,21 @@ struct Clients {
     /// Every client whose connection is open, oldest first. With the legacy device manager this includes
     /// clients replaced by a newer registration: the kubelet never closes them.
     live: Vec<Client>,
-    /// The registration the resource uses (its client is in `live`), if any.
-    current: Option<usize>,
+    /// The registration each resource uses (its client is in `live`).
+    current: HashMap<String, usize>,
 }
 
 struct Shared {
     dir: PathBuf,
     manager: DeviceManager,
     registrations: watch::Sender<Vec<Registered>>,
+    /// The ListAndWatch state of the first resource ever registered (the one a plugin with one resource
+    /// serves), which the methods without a resource argument read.
     lists: watch::Sender<ListState>,
+    /// Which resource `lists` follows; `None` before the first registration.
+    primary: Mutex<Option<String>>,
+    /// The state of every other resource, as the device manager keeps one per resource.
+    other_lists: Mutex<HashMap<String, watch::Sender<ListState>>>,
     clients: Mutex<Clients>,
     /// While true, `Register` waits after accepting a plugin, before answering (see
     /// [`FakeKubelet::hold_registrations`]).
@@ -223,6 +230,8 @@ impl FakeKubelet {
             manager,
             registrations: watch::Sender::new(Vec::new()),
             lists: watch::Sender::new(ListState::default()),
+            primary: Mutex::new(None),
+            other_lists: Mutex::default(),
             clients: Mutex::new(Clients::default()),
             hold: watch::Sender::new(false),
             alive: Mutex::new(CancellationToken::new()),
@@ -359,13 +368,14 @@ impl FakeKubelet {
         Ok(response)
     }
 
-    /// The resource name of the latest registration (empty before any).
+    /// The resource the methods without a resource argument act on: the first one registered (empty before
+    /// any).
     fn resource_name(&self) -> String {
         self.shared
-            .registrations
-            .borrow()
-            .last()
-            .map(|r| r.resource_name.clone())
+            .primary
+            .lock()
+            .ok()
+            .and_then(|p| p.clone())
             .unwrap_or_default()
     }
 
@@ -569,6 +579,39 @@ impl FakeKubelet {
         self.shared.lists.borrow().clone()
     }
 
+    /// The latest ListAndWatch state of `resource` (default before it registered).
+    pub fn list_of(&self, resource: &str) -> ListState {
+        self.shared.lists_of(resource).borrow().clone()
+    }
+
+    /// Waits until `resource`'s ListAndWatch state satisfies `pred`; returns that state.
+    pub async fn wait_list_of(
+        &self,
+        resource: &str,
+        what: &str,
+        timeout: Duration,
+        pred: impl FnMut(&ListState) -> bool,
+    ) -> Result<ListState, FakeKubeletError> {
+        let mut rx = self.shared.lists_of(resource).subscribe();
+        let waited = tokio::time::timeout(timeout, rx.wait_for(pred)).await;
+        match waited {
+            Ok(Ok(state)) => Ok(state.clone()),
+            _ => Err(FakeKubeletError::Timeout(timeout, what.to_string())),
+        }
+    }
+
+    /// Calls Allocate on the plugin registered for `resource`, one container per entry of `containers`.
+    pub async fn allocate_on(
+        &self,
+        resource: &str,
+        containers: &[&[&str]],
+    ) -> Result<AllocateResponse, Status> {
+        let client = self
+            .current_of(resource, |c| c.client.clone())
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        allocate_with(client, containers).await
+    }
+
     /// Waits until the ListAndWatch state satisfies `pred`; returns that state.
     pub async fn wait_list(
         &self,
@@ -589,12 +632,23 @@ impl FakeKubelet {
     }
 
     fn current<T>(&self, f: impl FnOnce(&Client) -> T) -> Result<T, FakeKubeletError> {
+        self.current_of(&self.resource_name(), f)
+    }
+
+    fn current_of<T>(
+        &self,
+        resource: &str,
+        f: impl FnOnce(&Client) -> T,
+    ) -> Result<T, FakeKubeletError> {
         let clients = self
             .shared
             .clients
             .lock()
             .map_err(|_| FakeKubeletError::NotRegistered)?;
-        let current = clients.current.ok_or(FakeKubeletError::NotRegistered)?;
+        let current = *clients
+            .current
+            .get(resource)
+            .ok_or(FakeKubeletError::NotRegistered)?;
         clients
             .live
             .iter()
@@ -624,26 +678,10 @@ impl FakeKubelet {
     /// Calls Allocate on the registered plugin, one container per entry of `containers`. A reply without one
     /// response per container is turned into an `INTERNAL` error, as the kubelet rejects it.
     pub async fn allocate(&self, containers: &[&[&str]]) -> Result<AllocateResponse, Status> {
-        let mut client = self
+        let client = self
             .client()
             .map_err(|e| Status::unavailable(e.to_string()))?;
-        let request = AllocateRequest {
-            container_requests: containers
-                .iter()
-                .map(|ids| ContainerAllocateRequest {
-                    devices_ids: ids.iter().map(|s| s.to_string()).collect(),
-                })
-                .collect(),
-        };
-        let response = client.allocate(request).await?.into_inner();
-        if response.container_responses.len() != containers.len() {
-            return Err(Status::internal(format!(
-                "plugin returned {} container responses for {} containers",
-                response.container_responses.len(),
-                containers.len()
-            )));
-        }
-        Ok(response)
+        allocate_with(client, containers).await
     }
 
     /// Calls GetPreferredAllocation on the registered plugin for one container.
@@ -731,6 +769,55 @@ impl Registration for RegistrationService {
     }
 }
 
+/// Allocate on `client`, one container per entry of `containers`. A reply without one response per container is
+/// turned into an `INTERNAL` error, as the kubelet rejects it.
+async fn allocate_with(
+    mut client: DevicePluginClient<Channel>,
+    containers: &[&[&str]],
+) -> Result<AllocateResponse, Status> {
+    let request = AllocateRequest {
+        container_requests: containers
+            .iter()
+            .map(|ids| ContainerAllocateRequest {
+                devices_ids: ids.iter().map(|s| s.to_string()).collect(),
+            })
+            .collect(),
+    };
+    let response = client.allocate(request).await?.into_inner();
+    if response.container_responses.len() != containers.len() {
+        return Err(Status::internal(format!(
+            "plugin returned {} container responses for {} containers",
+            response.container_responses.len(),
+            containers.len()
+        )));
+    }
+    Ok(response)
+}
+
+impl Shared {
+    /// The ListAndWatch state of `resource`: `lists` for the first resource registered, a state of its own
+    /// for any other.
+    fn lists_of(&self, resource: &str) -> watch::Sender<ListState> {
+        if let Ok(mut primary) = self.primary.lock() {
+            match primary.as_deref() {
+                None => {
+                    *primary = Some(resource.to_string());
+                    return self.lists.clone();
+                }
+                Some(p) if p == resource => return self.lists.clone(),
+                Some(_) => {}
+            }
+        }
+        match self.other_lists.lock() {
+            Ok(mut others) => others
+                .entry(resource.to_string())
+                .or_insert_with(|| watch::Sender::new(ListState::default()))
+                .clone(),
+            Err(_) => watch::Sender::new(ListState::default()),
+        }
+    }
+}
+
 async fn accept(
     shared: Arc<Shared>,
     request: RegisterRequest,
@@ -811,7 +898,8 @@ fn record(
     });
     // The newest registration is the one the resource uses from now on; nothing known about the devices
     // changes until its first list arrives.
-    shared.lists.send_modify(|s| {
+    let lists = shared.lists_of(&request.resource_name);
+    lists.send_modify(|s| {
         s.registration = registration;
         s.messages = 0;
         s.ended = None;
@@ -824,6 +912,7 @@ fn record(
             AbortOnDropHandle::new(tokio::spawn(read_list_and_watch(
                 client.clone(),
                 shared.clone(),
+                request.resource_name.clone(),
                 registration,
             )))
         });
@@ -837,20 +926,25 @@ fn record(
     };
     // Neither device manager closes the client a new registration replaces.
     clients.live.push(new);
-    clients.current = Some(registration);
+    clients
+        .current
+        .insert(request.resource_name.clone(), registration);
     Ok(())
 }
 
 async fn read_list_and_watch(
     mut client: DevicePluginClient<Channel>,
     shared: Arc<Shared>,
+    resource: String,
     registration: usize,
 ) {
+    let lists = shared.lists_of(&resource);
     let mut stream = match client.list_and_watch(Empty {}).await {
         Ok(response) => response.into_inner(),
         Err(status) => {
             return stream_ended(
                 &shared,
+                &resource,
                 registration,
                 Err(format!("ListAndWatch failed to open: {status}")),
             );
@@ -865,9 +959,9 @@ async fn read_list_and_watch(
                     DeviceManager::MultiClient => shared
                         .clients
                         .lock()
-                        .is_ok_and(|c| c.current == Some(registration)),
+                        .is_ok_and(|c| c.current.get(&resource) == Some(&registration)),
                 };
-                shared.lists.send_modify(|s| {
+                lists.send_modify(|s| {
                     s.total_messages += 1;
                     if !counts {
                         return;
@@ -882,10 +976,11 @@ async fn read_list_and_watch(
                     s.disconnected = false;
                 })
             }
-            Ok(None) => return stream_ended(&shared, registration, Ok(())),
+            Ok(None) => return stream_ended(&shared, &resource, registration, Ok(())),
             Err(status) => {
                 return stream_ended(
                     &shared,
+                    &resource,
                     registration,
                     Err(format!("ListAndWatch ended with an error: {status}")),
                 );
@@ -896,7 +991,8 @@ async fn read_list_and_watch(
 
 /// What the device manager does when the stream of `registration` ends: the client's run is over, and then
 /// it disconnects a client, which one depending on the device manager.
-fn stream_ended(shared: &Shared, registration: usize, how: Result<(), String>) {
+fn stream_ended(shared: &Shared, resource: &str, registration: usize, how: Result<(), String>) {
+    let lists = shared.lists_of(resource);
     let Ok(mut clients) = shared.clients.lock() else {
         return;
     };
@@ -912,15 +1008,19 @@ fn stream_ended(shared: &Shared, registration: usize, how: Result<(), String>) {
     let disconnect = match shared.manager {
         // `runClient` looks the client up by resource name after the stream ends: the current one, whoever
         // it is.
-        DeviceManager::Legacy => clients.current,
-        DeviceManager::MultiClient => clients.current.filter(|&c| c == registration),
+        DeviceManager::Legacy => clients.current.get(resource).copied(),
+        DeviceManager::MultiClient => clients
+            .current
+            .get(resource)
+            .copied()
+            .filter(|&c| c == registration),
     };
     if let Some(current) = disconnect {
-        clients.current = None;
+        clients.current.remove(resource);
         if let Some(i) = clients.live.iter().position(|c| c.registration == current) {
             gone.push(clients.live.remove(i));
         }
-        shared.lists.send_modify(|s| {
+        lists.send_modify(|s| {
             for device in &mut s.devices {
                 device.health = "Unhealthy".into();
             }
@@ -936,7 +1036,7 @@ fn stream_ended(shared: &Shared, registration: usize, how: Result<(), String>) {
         });
     }
     if let Err(error) = how {
-        shared.lists.send_modify(|s| s.errors.push(error));
+        lists.send_modify(|s| s.errors.push(error));
     }
     drop(clients);
     drop(gone);
