@@ -1,0 +1,330 @@
+//! MIG on the real NVML code path: the fake libnvidia-ml with GPUs in MIG mode, the real binary, the fake
+//! kubelet holding one state per resource. Resources and IDs per strategy, health per MIG device.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
+mod support;
+
+use std::ffi::OsStr;
+
+use support::{NvmlNode, PluginProcess, TestResult, WAIT, fake_nvml_gpu as gpu, fake_nvml_lib};
+
+/// MIG device `n` of fake GPU `g`, as the fake names them when the device list gives no UUID.
+fn mig(g: usize, n: usize) -> String {
+    format!("MIG-fa4e0000-{g:04x}-4000-8000-{n:012x}")
+}
+
+const MIG_1G: &str = "nvidia.com/mig-1g.10gb";
+const MIG_2G: &str = "nvidia.com/mig-2g.20gb";
+
+/// GPU 0 in MIG mode with two 1g.10gb and one 2g.20gb; GPU 1 whole.
+fn two_profiles_on_gpu0() -> String {
+    format!(
+        r#"{{"devices":[
+            {{"uuid":"{}","mig":[{{"profile":"1g.10gb"}},{{"profile":"1g.10gb"}},{{"profile":"2g.20gb"}}]}},
+            {{"uuid":"{}"}}]}}"#,
+        gpu(0),
+        gpu(1)
+    )
+}
+
+/// The driver's capability minors for GPU 0's instances (GPU instance IDs 1..3, compute instance 0).
+fn write_mig_minors(dir: &std::path::Path) {
+    let caps = dir.join("proc/driver/nvidia-caps");
+    std::fs::create_dir_all(&caps).unwrap();
+    std::fs::write(
+        caps.join("mig-minors"),
+        "config 1\nmonitor 2\ngpu0/gi1/access 12\ngpu0/gi1/ci0/access 13\ngpu0/gi2/access 21\n\
+         gpu0/gi2/ci0/access 22\ngpu0/gi3/access 30\ngpu0/gi3/ci0/access 31\n",
+    )
+    .unwrap();
+}
+
+async fn mixed_node(extra: &[&str]) -> Result<NvmlNode, Box<dyn std::error::Error>> {
+    let mut args = vec!["--mig-strategy", "mixed"];
+    args.extend_from_slice(extra);
+    let node = NvmlNode::start(Some(&two_profiles_on_gpu0()), &args).await?;
+    node.kubelet.wait_registrations(3, WAIT).await?;
+    for resource in [MIG_1G, MIG_2G] {
+        node.kubelet
+            .wait_list_of(resource, resource, WAIT, |l| !l.devices.is_empty())
+            .await?;
+    }
+    Ok(node)
+}
+
+fn ids(list: &fake_kubelet::ListState) -> Vec<String> {
+    list.devices.iter().map(|d| d.id.clone()).collect()
+}
+
+#[tokio::test]
+async fn mixed_serves_each_mig_profile_as_a_resource_and_whole_gpus_as_gpus() -> TestResult {
+    let node = mixed_node(&[]).await?;
+    let mut resources: Vec<String> = node
+        .kubelet
+        .registrations()
+        .iter()
+        .map(|r| r.resource_name.clone())
+        .collect();
+    resources.sort();
+    assert_eq!(resources, ["nvidia.com/gpu", MIG_1G, MIG_2G]);
+    let endpoints: std::collections::BTreeSet<String> = node
+        .kubelet
+        .registrations()
+        .iter()
+        .map(|r| r.endpoint.clone())
+        .collect();
+    assert_eq!(endpoints.len(), 3, "one socket per resource");
+    assert_eq!(ids(&node.kubelet.list_of("nvidia.com/gpu")), [gpu(1)]);
+    assert_eq!(ids(&node.kubelet.list_of(MIG_1G)), [mig(0, 0), mig(0, 1)]);
+    assert_eq!(ids(&node.kubelet.list_of(MIG_2G)), [mig(0, 2)]);
+
+    let response = node.kubelet.allocate_on(MIG_1G, &[&[&mig(0, 1)]]).await?;
+    let envs = &response.container_responses[0].envs;
+    assert_eq!(
+        envs.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str),
+        Some(mig(0, 1).as_str())
+    );
+    // A resource serves only its own devices.
+    let err = node
+        .kubelet
+        .allocate_on(MIG_2G, &[&[&mig(0, 0)]])
+        .await
+        .expect_err("a 1g.10gb device through the 2g.20gb resource");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_attributed_xid_marks_its_mig_device_only_and_xid_79_every_mig_device_of_the_gpu()
+-> TestResult {
+    let node = mixed_node(&[]).await?;
+    node.inject(&[format!("xid {} 48", mig(0, 1))]);
+    let list = node
+        .kubelet
+        .wait_list_of(MIG_1G, "MIG 0/1 Unhealthy", WAIT, |l| {
+            l.health(&mig(0, 1)) == Some("Unhealthy")
+        })
+        .await?;
+    assert_eq!(list.health(&mig(0, 0)), Some("Healthy"));
+    assert_eq!(
+        node.kubelet.list_of(MIG_2G).health(&mig(0, 2)),
+        Some("Healthy")
+    );
+    let refusal = node
+        .kubelet
+        .allocate_on(MIG_1G, &[&[&mig(0, 1)]])
+        .await
+        .expect_err("an Unhealthy MIG device");
+    assert!(
+        refusal.message().contains("XID 48")
+            && refusal.message().contains("MIG device 1g.10gb")
+            && refusal.message().contains(&gpu(0)),
+        "the refusal names the profile and the GPU: {}",
+        refusal.message()
+    );
+
+    node.inject(&[format!("xid {} 79", gpu(0))]);
+    node.kubelet
+        .wait_list_of(MIG_1G, "both 1g.10gb Unhealthy", WAIT, |l| {
+            l.allocatable() == 0
+        })
+        .await?;
+    node.kubelet
+        .wait_list_of(MIG_2G, "the 2g.20gb Unhealthy", WAIT, |l| {
+            l.allocatable() == 0
+        })
+        .await?;
+    assert_eq!(
+        node.kubelet.list_of("nvidia.com/gpu").health(&gpu(1)),
+        Some("Healthy"),
+        "the other GPU is untouched"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_unattributed_xid_on_a_mig_gpu_marks_every_mig_device_of_it() -> TestResult {
+    let node = mixed_node(&[]).await?;
+    node.inject(&[format!("xid {} 48", gpu(0))]);
+    node.kubelet
+        .wait_list_of(MIG_2G, "the 2g.20gb Unhealthy", WAIT, |l| {
+            l.allocatable() == 0
+        })
+        .await?;
+    node.kubelet
+        .wait_list_of(MIG_1G, "both 1g.10gb Unhealthy", WAIT, |l| {
+            l.allocatable() == 0
+        })
+        .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn mig_devices_get_their_gpu_and_capability_nodes_and_index_ids() -> TestResult {
+    let dev = tempfile::tempdir()?;
+    for node in [
+        "dev/nvidia0",
+        "dev/nvidiactl",
+        "dev/nvidia-caps/nvidia-cap21",
+        "dev/nvidia-caps/nvidia-cap22",
+    ] {
+        let path = dev.path().join(node);
+        std::fs::create_dir_all(path.parent().unwrap())?;
+        std::fs::write(path, "")?;
+    }
+    let dev_root = dev.path().to_str().unwrap().to_string();
+    let config = two_profiles_on_gpu0();
+    let kubelet_dir_root = tempfile::tempdir()?;
+    write_mig_minors(kubelet_dir_root.path());
+    let proc_root = kubelet_dir_root.path().join("proc");
+    let node = NvmlNode::start(
+        Some(&config),
+        &[
+            "--mig-strategy",
+            "mixed",
+            "--pass-device-specs",
+            "--dev-root",
+            &dev_root,
+            "--proc-root",
+            proc_root.to_str().unwrap(),
+            "--device-id-strategy",
+            "index",
+        ],
+    )
+    .await?;
+    let list = node
+        .kubelet
+        .wait_list_of(MIG_1G, "1g.10gb listed", WAIT, |l| l.devices.len() == 2)
+        .await?;
+    assert_eq!(ids(&list), ["0:0", "0:1"]);
+    assert_eq!(
+        ids(&node.kubelet.list_of("nvidia.com/gpu")),
+        ["1"],
+        "a whole GPU keeps its NVML index"
+    );
+    let response = node.kubelet.allocate_on(MIG_1G, &[&["0:1"]]).await?;
+    let container = &response.container_responses[0];
+    let mut specs: Vec<&str> = container
+        .devices
+        .iter()
+        .map(|d| d.container_path.as_str())
+        .collect();
+    specs.sort();
+    assert_eq!(
+        specs,
+        [
+            "/dev/nvidia-caps/nvidia-cap21",
+            "/dev/nvidia-caps/nvidia-cap22",
+            "/dev/nvidia0",
+            "/dev/nvidiactl"
+        ]
+    );
+    assert_eq!(
+        container
+            .envs
+            .get("NVIDIA_VISIBLE_DEVICES")
+            .map(String::as_str),
+        Some(mig(0, 1).as_str()),
+        "the runtime gets the MIG UUID"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn single_serves_one_kind_of_mig_device_as_gpus() -> TestResult {
+    let config = format!(
+        r#"{{"devices":[
+            {{"uuid":"{}","mig":[{{"profile":"3g.40gb"}},{{"profile":"3g.40gb"}}]}},
+            {{"uuid":"{}","mig":[{{"profile":"3g.40gb"}},{{"profile":"3g.40gb"}}]}}]}}"#,
+        gpu(0),
+        gpu(1)
+    );
+    let node = NvmlNode::start(Some(&config), &["--mig-strategy", "single"]).await?;
+    let list = node
+        .kubelet
+        .wait_list("four MIG devices as nvidia.com/gpu", WAIT, |l| {
+            l.devices.len() == 4
+        })
+        .await?;
+    assert_eq!(ids(&list), [mig(0, 0), mig(0, 1), mig(1, 0), mig(1, 1)]);
+    let resources: Vec<String> = node
+        .kubelet
+        .registrations()
+        .iter()
+        .map(|r| r.resource_name.clone())
+        .collect();
+    assert_eq!(resources, ["nvidia.com/gpu"]);
+    node.inject(&[format!("xid {} 48", mig(1, 0))]);
+    let list = node.wait_unhealthy(&mig(1, 0)).await?;
+    assert_eq!(list.allocatable(), 3);
+    Ok(())
+}
+
+/// Runs the plugin on the fake GPUs of `config` and expects it to refuse to start; returns its log.
+async fn refused_start(config: &str, strategy: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet_dir = dir.path().join("device-plugins");
+    std::fs::create_dir(&kubelet_dir).unwrap();
+    let gpus = dir.path().join("gpus.json");
+    std::fs::write(&gpus, config).unwrap();
+    let lib = fake_nvml_lib();
+    let mut plugin = PluginProcess::spawn_with_env(
+        &kubelet_dir,
+        &[
+            "--nvml-lib",
+            lib.to_str().unwrap(),
+            "--mig-strategy",
+            strategy,
+        ],
+        &[("FAKE_NVML_CONFIG", OsStr::new(&gpus))],
+    );
+    let status = plugin.wait_exit(WAIT).await;
+    let log = plugin.log();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "expected a failed start: {status:?}\n{log}"
+    );
+    assert!(!log.contains("panicked"), "{log}");
+    log
+}
+
+#[tokio::test]
+async fn single_refuses_two_kinds_of_mig_device_or_mixed_mig_modes_by_name() {
+    let two_kinds = format!(
+        r#"{{"devices":[{{"uuid":"{}","mig":[{{"profile":"1g.10gb"}}]}},{{"uuid":"{}","mig":[{{"profile":"2g.20gb"}}]}}]}}"#,
+        gpu(0),
+        gpu(1)
+    );
+    let log = refused_start(&two_kinds, "single").await;
+    let last = log.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("one kind of MIG device")
+            && last.contains("1g.10gb")
+            && last.contains("2g.20gb")
+            && last.contains(&gpu(1)),
+        "{log}"
+    );
+    let modes = format!(
+        r#"{{"devices":[{{"uuid":"{}","mig":[{{"profile":"1g.10gb"}}]}},{{"uuid":"{}"}}]}}"#,
+        gpu(0),
+        gpu(1)
+    );
+    let log = refused_start(&modes, "single").await;
+    let last = log.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("same MIG mode") && last.contains(&gpu(1)),
+        "{log}"
+    );
+}
+
+#[tokio::test]
+async fn strategy_none_serves_a_mig_gpu_whole() -> TestResult {
+    let node = NvmlNode::start(Some(&two_profiles_on_gpu0()), &[]).await?;
+    let list = node
+        .kubelet
+        .wait_list("two whole GPUs", WAIT, |l| l.devices.len() == 2)
+        .await?;
+    assert_eq!(ids(&list), [gpu(0), gpu(1)]);
+    assert_eq!(node.kubelet.registrations().len(), 1);
+    Ok(())
+}
