@@ -83,6 +83,9 @@ pub(crate) enum Measure {
     /// Time-slicing, 100 replicas per GPU (NVIDIA's config file): start-up, and a GPU fault → the kubelet
     /// sees every replica Unhealthy. This workspace's plugin only.
     Replicas,
+    /// MIG, 7 MIG devices per GPU under `migStrategy: mixed`: start-up, and an XID attributed to one MIG
+    /// device → the kubelet sees it Unhealthy and its neighbours Healthy. This workspace's plugin only.
+    Mig,
 }
 
 impl Args {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 
 use crate::report::Report;
-use crate::rig::{Plugin, Rig, WAIT, uuid};
+use crate::rig::{Plugin, Rig, WAIT, mig_uuid, uuid};
 use crate::{Args, Counts, Measure};
 
 /// XIDs every plugin's default policy ignores (NVIDIA's list and the catalog agree): storm material.
@@ -104,6 +104,101 @@ pub(crate) async fn all(
     if args.runs(Measure::Replicas) && rig.is_ours() {
         replicas(rig, devices, &counts, report).await?;
     }
+    if args.runs(Measure::Mig) && rig.is_ours() {
+        mig(rig, devices, &counts, report).await?;
+    }
+    Ok(())
+}
+
+/// MIG devices per GPU in the `mig` measure, and their profile and resource.
+const MIG_PER_GPU: usize = 7;
+const MIG_PROFILE: &str = "1g.10gb";
+const MIG_RESOURCE: &str = "nvidia.com/mig-1g.10gb";
+
+/// `migStrategy: mixed` on GPUs each cut into `MIG_PER_GPU` MIG devices: spawn → the kubelet's first full
+/// list of the MIG resource, and an XID 48 attributed to one MIG device → the first list showing it
+/// Unhealthy, which must show every other MIG device as it was (the fault is that instance's alone).
+async fn mig(
+    rig: &Rig,
+    devices: usize,
+    counts: &Counts,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let listed = devices * MIG_PER_GPU;
+    let args = ["--mig-strategy".to_string(), "mixed".to_string()];
+    let (mut starts, mut faults) = (Vec::new(), Vec::new());
+    let mut missed = 0;
+    let mut attributed = true;
+    while faults.len() + missed < counts.faults {
+        let n = rig.next_registration().await;
+        let spawned = Instant::now();
+        let plugin = rig.spawn_on(devices, Some((MIG_PROFILE, MIG_PER_GPU)), None, &args, &[])?;
+        let kubelet = rig.kubelet.lock().await;
+        kubelet
+            .wait_registrations(n, WAIT)
+            .await
+            .with_context(|| format!("no registration #{n}; plugin log:\n{}", plugin.log()))?;
+        let first = kubelet
+            .wait_list_of(MIG_RESOURCE, "every MIG device listed healthy", WAIT, |l| {
+                l.registration >= n && l.allocatable() == listed
+            })
+            .await
+            .with_context(|| {
+                format!("MIG devices not all listed; plugin log:\n{}", plugin.log())
+            })?;
+        if let Some(at) = first.received_at {
+            starts.push(at.saturating_duration_since(spawned));
+        }
+        // One fault per MIG device of this instance, spread over the GPUs.
+        let budget = listed.min(counts.faults - faults.len() - missed);
+        for k in 0..budget {
+            let id = mig_uuid(k % devices, k / devices);
+            let injected = rig.inject(&[format!("xid {id} 48")])?;
+            let list = kubelet
+                .wait_list_of(MIG_RESOURCE, "the MIG device Unhealthy", WAIT, |l| {
+                    l.registration >= n && l.health(&id) == Some("Unhealthy")
+                })
+                .await
+                .ok();
+            match list {
+                Some(list) => {
+                    let unhealthy = list
+                        .devices
+                        .iter()
+                        .filter(|d| d.health == "Unhealthy")
+                        .count();
+                    attributed &= unhealthy == k + 1;
+                    if let Some(at) = list.received_at {
+                        faults.push(at.saturating_duration_since(injected));
+                    }
+                }
+                None => missed += 1,
+            }
+        }
+        drop(kubelet);
+        plugin.stop().await;
+    }
+    report.latency(
+        &format!(
+            "start-up with {devices} GPUs × {MIG_PER_GPU} MIG devices (mixed): spawn → first full list"
+        ),
+        &starts,
+    );
+    report.latency(
+        &format!(
+            "fault (XID 48 on one MIG device) → kubelet sees it Unhealthy, {listed} MIG devices"
+        ),
+        &faults,
+    );
+    report.check(
+        "mig: every fault seen, only the MIG device it names Unhealthy",
+        missed == 0 && attributed,
+        format!(
+            "{} of {}, attributed: {attributed}",
+            faults.len(),
+            counts.faults
+        ),
+    );
     Ok(())
 }
 

@@ -69,6 +69,11 @@ impl Plugin {
     }
 }
 
+/// UUID of MIG device `n` of fake GPU `gpu`, as the fake names it.
+pub(crate) fn mig_uuid(gpu: usize, n: usize) -> String {
+    format!("MIG-fa4e0000-{gpu:04x}-4000-8000-{n:012x}")
+}
+
 /// UUID of fake GPU `i` in every run.
 pub(crate) fn uuid(i: usize) -> String {
     format!("GPU-be4c0000-0000-4000-8000-{i:012x}")
@@ -200,8 +205,25 @@ impl Rig {
         extra_args: &[String],
         envs: &[(&str, &std::ffi::OsStr)],
     ) -> anyhow::Result<Plugin> {
+        self.spawn_on(devices, None, shared_state, extra_args, envs)
+    }
+
+    /// As [`Rig::spawn_with`], each fake GPU in MIG mode with `migs` MIG devices of `profile` when given
+    /// (the fake names MIG device `j` of GPU `i` as [`mig_uuid`] does).
+    pub(crate) fn spawn_on(
+        &self,
+        devices: usize,
+        migs: Option<(&str, usize)>,
+        shared_state: Option<&Path>,
+        extra_args: &[String],
+        envs: &[(&str, &std::ffi::OsStr)],
+    ) -> anyhow::Result<Plugin> {
+        let mig = migs.map_or(String::new(), |(profile, n)| {
+            let each = vec![format!(r#"{{"profile":"{profile}"}}"#); n];
+            format!(r#","mig":[{}]"#, each.join(","))
+        });
         let list: Vec<String> = (0..devices)
-            .map(|i| format!(r#"{{"uuid":"{}","minor":{i}}}"#, uuid(i)))
+            .map(|i| format!(r#"{{"uuid":"{}","minor":{i}{mig}}}"#, uuid(i)))
             .collect();
         std::fs::write(
             self.config(),
