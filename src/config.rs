@@ -434,7 +434,10 @@ impl Settings {
                 return Err(ConfigError::Invalid {
                     setting: "config key",
                     value: format!("sharing.timeSlicing.resources[0].name: {}", shared.name),
-                    why: format!("this plugin serves {resource_name}; only it can be shared"),
+                    why: format!(
+                        "this plugin serves {resource_name}; only it can be shared (sharing MIG devices is \
+                         not supported yet)"
+                    ),
                 });
             }
             if let Some(rename) = &shared.rename {

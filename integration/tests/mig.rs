@@ -44,7 +44,7 @@ async fn mixed_node(extra: &[&str]) -> Result<NvmlNode, Box<dyn std::error::Erro
     args.extend_from_slice(extra);
     let node = NvmlNode::start(Some(&two_profiles_on_gpu0()), &args).await?;
     node.kubelet.wait_registrations(3, WAIT).await?;
-    for resource in [MIG_1G, MIG_2G] {
+    for resource in ["nvidia.com/gpu", MIG_1G, MIG_2G] {
         node.kubelet
             .wait_list_of(resource, resource, WAIT, |l| !l.devices.is_empty())
             .await?;
@@ -91,6 +91,22 @@ async fn mixed_serves_each_mig_profile_as_a_resource_and_whole_gpus_as_gpus() ->
         .await
         .expect_err("a 1g.10gb device through the 2g.20gb resource");
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+
+    // /status shows each device's resource and, for a MIG device, its profile and GPU.
+    let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
+    let report = gpu_device_plugin::http::fetch_report(&addr).await?;
+    let device = report
+        .devices
+        .iter()
+        .find(|d| d.id == mig(0, 2))
+        .ok_or("MIG device missing from /status")?;
+    assert_eq!(device.resource, MIG_2G);
+    let mig_status = device.mig.as_ref().ok_or("no MIG details")?;
+    assert_eq!(
+        (mig_status.profile.as_str(), mig_status.parent.as_str()),
+        ("2g.20gb", gpu(0).as_str())
+    );
+    assert_eq!(report.other_resources.len(), 2);
     Ok(())
 }
 
@@ -197,11 +213,13 @@ async fn mig_devices_get_their_gpu_and_capability_nodes_and_index_ids() -> TestR
         .wait_list_of(MIG_1G, "1g.10gb listed", WAIT, |l| l.devices.len() == 2)
         .await?;
     assert_eq!(ids(&list), ["0:0", "0:1"]);
-    assert_eq!(
-        ids(&node.kubelet.list_of("nvidia.com/gpu")),
-        ["1"],
-        "a whole GPU keeps its NVML index"
-    );
+    let gpus = node
+        .kubelet
+        .wait_list_of("nvidia.com/gpu", "GPU 1 listed", WAIT, |l| {
+            !l.devices.is_empty()
+        })
+        .await?;
+    assert_eq!(ids(&gpus), ["1"], "a whole GPU keeps its NVML index");
     let response = node.kubelet.allocate_on(MIG_1G, &[&["0:1"]]).await?;
     let container = &response.container_responses[0];
     let mut specs: Vec<&str> = container
@@ -327,4 +345,49 @@ async fn strategy_none_serves_a_mig_gpu_whole() -> TestResult {
     assert_eq!(ids(&list), [gpu(0), gpu(1)]);
     assert_eq!(node.kubelet.registrations().len(), 1);
     Ok(())
+}
+
+#[tokio::test]
+async fn nvidias_mixed_config_file_serves_mig_resources() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("config1.yaml");
+    std::fs::write(
+        &config,
+        "version: v1\nflags:\n  migStrategy: \"mixed\"\n  failOnInitError: true\n  nvidiaDriverRoot: \"/\"\n  \
+         plugin:\n    passDeviceSpecs: false\n    deviceListStrategy: envvar\n    deviceIDStrategy: uuid\n",
+    )?;
+    let node = NvmlNode::start(
+        Some(&two_profiles_on_gpu0()),
+        &["--config-file", config.to_str().unwrap()],
+    )
+    .await?;
+    node.kubelet.wait_registrations(3, WAIT).await?;
+    let list = node
+        .kubelet
+        .wait_list_of(MIG_2G, "the 2g.20gb listed", WAIT, |l| l.devices.len() == 1)
+        .await?;
+    assert_eq!(ids(&list), [mig(0, 2)]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn sharing_a_mig_resource_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n    \
+         - name: nvidia.com/mig-1g.10gb\n      replicas: 2\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+        .args(["--simulate", "1", "--config-file", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("nvidia.com/mig-1g.10gb") && stderr.contains("sharing MIG devices"),
+        "{stderr}"
+    );
 }

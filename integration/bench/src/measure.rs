@@ -110,14 +110,31 @@ pub(crate) async fn all(
     Ok(())
 }
 
-/// MIG devices per GPU in the `mig` measure, and their profile and resource.
-const MIG_PER_GPU: usize = 7;
-const MIG_PROFILE: &str = "1g.10gb";
-const MIG_RESOURCE: &str = "nvidia.com/mig-1g.10gb";
+/// Each GPU's MIG devices in the `mig` measure: two profiles, so two resources, each its own registration
+/// and its own view of the one inventory.
+const MIG_LAYOUT: [&str; 7] = [
+    "1g.10gb",
+    "1g.10gb",
+    "1g.10gb",
+    "1g.10gb",
+    "1g.10gb",
+    "1g.10gb",
+    "1g.10gb+me",
+];
+const MIG_PER_GPU: usize = MIG_LAYOUT.len();
 
-/// `migStrategy: mixed` on GPUs each cut into `MIG_PER_GPU` MIG devices: spawn → the kubelet's first full
-/// list of the MIG resource, and an XID 48 attributed to one MIG device → the first list showing it
-/// Unhealthy, which must show every other MIG device as it was (the fault is that instance's alone).
+/// The resource of a MIG device of the `mig` measure's layout.
+fn mig_resource(j: usize) -> &'static str {
+    if MIG_LAYOUT[j] == "1g.10gb" {
+        "nvidia.com/mig-1g.10gb"
+    } else {
+        "nvidia.com/mig-1g.10gb.me"
+    }
+}
+
+/// `migStrategy: mixed` on GPUs each cut into `MIG_PER_GPU` MIG devices of two profiles: spawn → the
+/// kubelet's first full lists of both resources, and an XID 48 attributed to one MIG device → the first list
+/// showing it Unhealthy; then every other MIG device must be as it was (the fault is that instance's alone).
 async fn mig(
     rig: &Rig,
     devices: usize,
@@ -125,6 +142,7 @@ async fn mig(
     report: &mut Report,
 ) -> anyhow::Result<()> {
     let listed = devices * MIG_PER_GPU;
+    let resources = [mig_resource(0), mig_resource(MIG_PER_GPU - 1)];
     let args = ["--mig-strategy".to_string(), "mixed".to_string()];
     let (mut starts, mut faults) = (Vec::new(), Vec::new());
     let mut missed = 0;
@@ -132,39 +150,51 @@ async fn mig(
     while faults.len() + missed < counts.faults {
         let n = rig.next_registration().await;
         let spawned = Instant::now();
-        let plugin = rig.spawn_on(devices, Some((MIG_PROFILE, MIG_PER_GPU)), None, &args, &[])?;
+        let plugin = rig.spawn_on(devices, Some(&MIG_LAYOUT), None, &args, &[])?;
         let kubelet = rig.kubelet.lock().await;
         kubelet
-            .wait_registrations(n, WAIT)
+            .wait_registrations(n + 1, WAIT)
             .await
             .with_context(|| format!("no registration #{n}; plugin log:\n{}", plugin.log()))?;
-        let first = kubelet
-            .wait_list_of(MIG_RESOURCE, "every MIG device listed healthy", WAIT, |l| {
-                l.registration >= n && l.allocatable() == listed
-            })
-            .await
-            .with_context(|| {
-                format!("MIG devices not all listed; plugin log:\n{}", plugin.log())
-            })?;
-        if let Some(at) = first.received_at {
-            starts.push(at.saturating_duration_since(spawned));
+        let mut last = spawned;
+        for resource in resources {
+            let expected = devices
+                * (0..MIG_PER_GPU)
+                    .filter(|&j| mig_resource(j) == resource)
+                    .count();
+            let first = kubelet
+                .wait_list_of(resource, "every MIG device listed healthy", WAIT, |l| {
+                    l.registration >= n && l.allocatable() == expected
+                })
+                .await
+                .with_context(|| {
+                    format!("MIG devices not all listed; plugin log:\n{}", plugin.log())
+                })?;
+            last = last.max(first.received_at.unwrap_or(spawned));
         }
+        starts.push(last.saturating_duration_since(spawned));
         // One fault per MIG device of this instance, spread over the GPUs.
         let budget = listed.min(counts.faults - faults.len() - missed);
         for k in 0..budget {
-            let id = mig_uuid(k % devices, k / devices);
+            let (gpu, j) = (k % devices, k / devices);
+            let id = mig_uuid(gpu, j);
             let injected = rig.inject(&[format!("xid {id} 48")])?;
             let list = kubelet
-                .wait_list_of(MIG_RESOURCE, "the MIG device Unhealthy", WAIT, |l| {
+                .wait_list_of(mig_resource(j), "the MIG device Unhealthy", WAIT, |l| {
                     l.registration >= n && l.health(&id) == Some("Unhealthy")
                 })
                 .await
                 .ok();
             match list {
                 Some(list) => {
-                    let unhealthy = list
-                        .devices
+                    let other = resources
                         .iter()
+                        .find(|r| **r != mig_resource(j))
+                        .map(|r| kubelet.list_of(r))
+                        .unwrap_or_default();
+                    let unhealthy = [&list, &other]
+                        .iter()
+                        .flat_map(|l| &l.devices)
                         .filter(|d| d.health == "Unhealthy")
                         .count();
                     attributed &= unhealthy == k + 1;
@@ -180,13 +210,13 @@ async fn mig(
     }
     report.latency(
         &format!(
-            "start-up with {devices} GPUs × {MIG_PER_GPU} MIG devices (mixed): spawn → first full list"
+            "start-up with {devices} GPUs × {MIG_PER_GPU} MIG devices (mixed, 2 profiles): spawn → both full lists"
         ),
         &starts,
     );
     report.latency(
         &format!(
-            "fault (XID 48 on one MIG device) → kubelet sees it Unhealthy, {listed} MIG devices"
+            "fault (XID 48 on one MIG device) → kubelet sees it Unhealthy, {listed} MIG devices in 2 resources"
         ),
         &faults,
     );

@@ -208,18 +208,21 @@ impl Rig {
         self.spawn_on(devices, None, shared_state, extra_args, envs)
     }
 
-    /// As [`Rig::spawn_with`], each fake GPU in MIG mode with `migs` MIG devices of `profile` when given
+    /// As [`Rig::spawn_with`], each fake GPU in MIG mode with MIG devices of the `migs` profiles when given
     /// (the fake names MIG device `j` of GPU `i` as [`mig_uuid`] does).
     pub(crate) fn spawn_on(
         &self,
         devices: usize,
-        migs: Option<(&str, usize)>,
+        migs: Option<&[&str]>,
         shared_state: Option<&Path>,
         extra_args: &[String],
         envs: &[(&str, &std::ffi::OsStr)],
     ) -> anyhow::Result<Plugin> {
-        let mig = migs.map_or(String::new(), |(profile, n)| {
-            let each = vec![format!(r#"{{"profile":"{profile}"}}"#); n];
+        let mig = migs.map_or(String::new(), |profiles| {
+            let each: Vec<String> = profiles
+                .iter()
+                .map(|p| format!(r#"{{"profile":"{p}"}}"#))
+                .collect();
             format!(r#","mig":[{}]"#, each.join(","))
         });
         let list: Vec<String> = (0..devices)
