@@ -391,3 +391,26 @@ async fn sharing_a_mig_resource_is_refused_by_name() {
         "{stderr}"
     );
 }
+
+#[tokio::test]
+async fn every_resource_registers_again_after_a_kubelet_restart() -> TestResult {
+    let mut node = mixed_node(&[]).await?;
+    node.kubelet.restart()?;
+    node.kubelet.wait_registrations(6, WAIT).await?;
+    for resource in ["nvidia.com/gpu", MIG_1G, MIG_2G] {
+        let list = node
+            .kubelet
+            .wait_list_of(resource, resource, WAIT, |l| {
+                l.registration > 3 && !l.devices.is_empty() && !l.disconnected
+            })
+            .await?;
+        assert!(list.allocatable() > 0, "{resource}: {list:?}");
+    }
+    let mut resources: Vec<String> = node.kubelet.registrations()[3..]
+        .iter()
+        .map(|r| r.resource_name.clone())
+        .collect();
+    resources.sort();
+    assert_eq!(resources, ["nvidia.com/gpu", MIG_1G, MIG_2G]);
+    Ok(())
+}
