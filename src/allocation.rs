@@ -70,6 +70,10 @@ pub struct AllocateOptions {
     pub mps: Option<MpsDirs>,
     /// Put CDI device names (`<cdi_kind>=<id>`) in the response, for runtimes that resolve CDI.
     pub cdi: bool,
+    /// NVIDIA's `cdi-annotations` device list strategy: the CDI names, comma-joined, in a container
+    /// annotation keyed `<prefix>nvidia-device-plugin_<random UUID>`, for runtimes that read CDI devices from
+    /// annotations; the prefix when on.
+    pub cdi_annotations: Option<String>,
     /// CDI kind the names are qualified with, e.g. `nvidia.com/gpu`.
     pub cdi_kind: String,
     /// Put device specs for the device nodes in the response, for runtimes without the NVIDIA hook.
@@ -92,6 +96,7 @@ impl Default for AllocateOptions {
             extra_envs: Vec::new(),
             mps: None,
             cdi: false,
+            cdi_annotations: None,
             cdi_kind: "nvidia.com/gpu".into(),
             device_specs: false,
             dev_root: PathBuf::from("/"),
@@ -273,6 +278,16 @@ fn container_response(
             })
             .collect();
     }
+    if let Some(prefix) = &options.cdi_annotations {
+        let names: Vec<String> = ids
+            .iter()
+            .map(|id| format!("{}={id}", options.cdi_kind))
+            .collect();
+        response.annotations.insert(
+            format!("{prefix}nvidia-device-plugin_{}", random_uuid()),
+            names.join(","),
+        );
+    }
     if options.device_specs {
         let own = ids
             .iter()
@@ -291,6 +306,24 @@ fn container_response(
         }
     }
     response
+}
+
+/// A random (version 4) UUID, in the form NVIDIA's plugin keys its CDI annotations with; all zeros in the
+/// unlikely case the OS has no randomness to give, which leaves the key valid.
+fn random_uuid() -> String {
+    let mut b = [0u8; 16];
+    let _filled = getrandom::fill(&mut b);
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
 }
 
 /// `path` under `root`: `/dev/nvidia0` under `/run/nvidia/driver` is `/run/nvidia/driver/dev/nvidia0`, and

@@ -171,7 +171,7 @@ pub struct Args {
     )]
     pub config_file: Option<PathBuf>,
 
-    /// MIG strategy: none (single and mixed are not supported yet) [default: none]
+    /// MIG strategy: none (whole GPUs), single (MIG devices as the GPU resource) or mixed (a resource per MIG profile) [default: none]
     #[arg(
         long,
         env = "MIG_STRATEGY",
@@ -184,7 +184,7 @@ pub struct Args {
     #[arg(long, env = "PASS_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
     pub pass_device_specs: Option<bool>,
 
-    /// How Allocate names the devices: envvar, volume-mounts, cdi-cri, comma-separated [default: envvar]
+    /// How Allocate names the devices: envvar, volume-mounts, cdi-annotations, cdi-cri, comma-separated [default: envvar]
     #[arg(
         long,
         env = "DEVICE_LIST_STRATEGY",
@@ -193,7 +193,7 @@ pub struct Args {
     )]
     pub device_list_strategy: Option<String>,
 
-    /// Device IDs: uuid (index is not supported yet) [default: uuid]
+    /// Device IDs: uuid or index [default: uuid]
     #[arg(
         long,
         env = "DEVICE_ID_STRATEGY",
@@ -201,6 +201,15 @@ pub struct Args {
         help_heading = "NVIDIA's device plugin's flags"
     )]
     pub device_id_strategy: Option<String>,
+
+    /// Prefix of the CDI annotation keys with --device-list-strategy cdi-annotations [default: cdi.k8s.io/]
+    #[arg(
+        long,
+        env = "CDI_ANNOTATION_PREFIX",
+        value_name = "PREFIX",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub cdi_annotation_prefix: Option<String>,
 
     /// The driver's root on the host: / (others are not supported yet; use --nvml-lib and --dev-root) [default: /]
     #[arg(
@@ -421,6 +430,7 @@ impl Settings {
                 shared: None,
                 mps_root: args.mps_root,
                 shared_devices_allocation_policy: args.shared_devices_allocation_policy,
+                cdi_annotation_prefix: args.cdi_annotation_prefix,
             }
             .or(loaded.nvidia),
         )?;
@@ -484,6 +494,7 @@ impl Settings {
             envvar: nvidia.envvar,
             naming: nvidia.naming.clone(),
             volume_mounts: nvidia.volume_mounts,
+            cdi_annotations: nvidia.cdi_annotations,
             cdi: args.cdi.or(file.cdi).unwrap_or(nvidia.cdi),
             cdi_kind: args.cdi_kind.or(file.cdi_kind).unwrap_or(defaults.cdi_kind),
             device_specs: args

@@ -166,11 +166,30 @@ fn a_fault_script_without_simulated_gpus_is_refused() {
 fn nvidias_settings_not_supported_yet_are_refused_by_name_from_flag_env_or_file() {
     let dir = tempfile::tempdir().unwrap();
     let state = state_arg(&dir);
-    let base = ["--simulate", "1", "--state-dir", state.as_str()];
+    // A kubelet directory that does not exist: a setting accepted by mistake ends the run with another
+    // error instead of serving.
+    let missing = dir.path().join("no-kubelet-dir");
+    let missing = missing.to_str().unwrap();
+    let base = [
+        "--simulate",
+        "1",
+        "--state-dir",
+        state.as_str(),
+        "--kubelet-dir",
+        missing,
+    ];
     let out = run(&[&base[..], &["--mig-strategy", "many"]].concat(), &[]);
     assert_one_line_error(&out, &["migStrategy", "many", "none, single or mixed"]);
-    let out = run(&base, &[("DEVICE_LIST_STRATEGY", "cdi-annotations")]);
-    assert_one_line_error(&out, &["deviceListStrategy", "cdi-annotations"]);
+    let out = run(&base, &[("NVIDIA_DRIVER_ROOT", "/run/nvidia/driver")]);
+    assert_one_line_error(&out, &["nvidiaDriverRoot", "/run/nvidia/driver"]);
+    let out = run(
+        &base,
+        &[
+            ("DEVICE_LIST_STRATEGY", "cdi-annotations"),
+            ("CDI_ANNOTATION_PREFIX", "Not A Domain"),
+        ],
+    );
+    assert_one_line_error(&out, &["cdiAnnotationPrefix", "Not A Domain"]);
     let out = run(&base, &[("FAIL_ON_INIT_ERROR", "perhaps")]);
     assert_one_line_error(&out, &["FAIL_ON_INIT_ERROR", "perhaps"]);
     let config = dir.path().join("nvidia.yaml");

@@ -339,3 +339,42 @@ sharing:
     assert_eq!(two.code(), tonic::Code::InvalidArgument);
     Ok(())
 }
+
+#[tokio::test]
+async fn the_cdi_annotations_strategy_puts_the_cdi_names_in_an_annotation() -> TestResult {
+    let (kubelet, _plugin, _dir) = start_with(
+        NVIDIA_FILE,
+        3,
+        &[
+            ("DEVICE_LIST_STRATEGY", OsStr::new("cdi-annotations")),
+            ("CDI_ANNOTATION_PREFIX", OsStr::new("cdi.example.com/")),
+        ],
+    )
+    .await?;
+    let ids = [simulated_uuid(0), simulated_uuid(2)];
+    let response = kubelet.allocate(&[&[&ids[0], &ids[1]]]).await?;
+    let container = &response.container_responses[0];
+    assert_eq!(
+        container.envs.get("NVIDIA_VISIBLE_DEVICES"),
+        None,
+        "{container:?}"
+    );
+    assert!(container.cdi_devices.is_empty(), "{container:?}");
+    assert_eq!(container.annotations.len(), 1, "{container:?}");
+    let (key, value) = container.annotations.iter().next().ok_or("no annotation")?;
+    let uuid = key
+        .strip_prefix("cdi.example.com/nvidia-device-plugin_")
+        .ok_or_else(|| format!("key {key}"))?;
+    assert_eq!(uuid.len(), 36, "{key}");
+    assert_eq!(
+        value,
+        &format!("nvidia.com/gpu={},nvidia.com/gpu={}", ids[0], ids[1])
+    );
+    // Each response has a key of its own.
+    let again = kubelet.allocate(&[&[&ids[0]]]).await?;
+    assert!(
+        !again.container_responses[0].annotations.contains_key(key),
+        "{again:?}"
+    );
+    Ok(())
+}

@@ -171,6 +171,8 @@ pub struct NvidiaSettings {
     pub mps_root: Option<String>,
     /// `sharedDevicesAllocationPolicy`.
     pub shared_devices_allocation_policy: Option<String>,
+    /// `cdiAnnotationPrefix`.
+    pub cdi_annotation_prefix: Option<String>,
 }
 
 impl NvidiaSettings {
@@ -192,6 +194,7 @@ impl NvidiaSettings {
             shared_devices_allocation_policy: self
                 .shared_devices_allocation_policy
                 .or(under.shared_devices_allocation_policy),
+            cdi_annotation_prefix: self.cdi_annotation_prefix.or(under.cdi_annotation_prefix),
         }
     }
 }
@@ -312,8 +315,8 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
         health: v1.health,
         ..FileConfig::default()
     };
-    // Settings that only act together with one refused above, or are NVIDIA's defaults: accepted.
-    let _ = (plugin.cdi_annotation_prefix, plugin.container_driver_root);
+    // A setting that only acts together with one refused above: accepted.
+    let _ = plugin.container_driver_root;
     Ok(Loaded {
         file,
         nvidia: NvidiaSettings {
@@ -328,6 +331,7 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
             shared,
             mps_root: flags.mps_root,
             shared_devices_allocation_policy: plugin.shared_devices_allocation_policy,
+            cdi_annotation_prefix: plugin.cdi_annotation_prefix,
         },
         warnings,
     })
@@ -425,6 +429,8 @@ pub struct Applied {
     pub cdi: bool,
     /// Allocate lists the devices as mounts (strategy `volume-mounts`).
     pub volume_mounts: bool,
+    /// Allocate puts the CDI names in an annotation under this prefix (strategy `cdi-annotations`).
+    pub cdi_annotations: Option<String>,
     /// Environment variables every Allocate adds (`NVIDIA_GDRCOPY=enabled`, …).
     pub extra_envs: Vec<(String, String)>,
     /// The driver root, where `--dev-root` defaults to.
@@ -437,6 +443,28 @@ pub struct Applied {
     pub mps_root: Option<PathBuf>,
     /// How GPUs in MIG mode are served.
     pub mig_strategy: MigStrategy,
+}
+
+/// NVIDIA's default prefix of the CDI annotations (`cdi-annotations` strategy).
+pub const DEFAULT_CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
+
+/// An annotation key is `<prefix>nvidia-device-plugin_<uuid>`: the prefix must be a DNS subdomain and a `/`.
+fn check_annotation_prefix(prefix: &str) -> Result<(), &'static str> {
+    let Some(domain) = prefix.strip_suffix('/') else {
+        return Err("must end with '/' (e.g. cdi.k8s.io/)");
+    };
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if domain.is_empty() || domain.len() > 253 || !domain.split('.').all(label_ok) {
+        return Err("must be a DNS subdomain followed by '/' (e.g. cdi.k8s.io/)");
+    }
+    Ok(())
 }
 
 /// Checks NVIDIA's settings, refusing by name what this plugin does not do.
@@ -498,6 +526,7 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
         }
     };
     let (mut envvar, mut cdi, mut volume_mounts) = (true, false, false);
+    let mut cdi_annotations = None;
     if let Some(list) = &settings.device_list_strategy {
         envvar = false;
         if list.is_empty() {
@@ -513,11 +542,18 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
                 "cdi-cri" => cdi = true,
                 "volume-mounts" => volume_mounts = true,
                 "cdi-annotations" => {
-                    return Err(invalid(
-                        "deviceListStrategy (--device-list-strategy, DEVICE_LIST_STRATEGY)",
-                        "cdi-annotations",
-                        "not supported yet; envvar, volume-mounts and cdi-cri are",
-                    ));
+                    let prefix = settings
+                        .cdi_annotation_prefix
+                        .clone()
+                        .unwrap_or_else(|| DEFAULT_CDI_ANNOTATION_PREFIX.into());
+                    check_annotation_prefix(&prefix).map_err(|why| {
+                        invalid(
+                            "cdiAnnotationPrefix (--cdi-annotation-prefix, CDI_ANNOTATION_PREFIX)",
+                            &prefix,
+                            why,
+                        )
+                    })?;
+                    cdi_annotations = Some(prefix);
                 }
                 s => {
                     return Err(invalid(
@@ -570,6 +606,7 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
         envvar,
         cdi,
         volume_mounts,
+        cdi_annotations,
         extra_envs,
         driver_root,
         naming,
@@ -637,8 +674,8 @@ mod tests {
         let cases = [
             ("flags:\n  migStrategy: many\n", "migStrategy"),
             (
-                "flags:\n  plugin:\n    deviceListStrategy: cdi-annotations\n",
-                "cdi-annotations",
+                "flags:\n  plugin:\n    deviceListStrategy: cdi-annotations\n    cdiAnnotationPrefix: Bad_Prefix\n",
+                "cdiAnnotationPrefix",
             ),
             (
                 "flags:\n  plugin:\n    deviceIDStrategy: serial\n",
