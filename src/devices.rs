@@ -218,6 +218,22 @@ impl Inventory {
         subset
     }
 
+    /// Whether `subset` already shows what [`Inventory::subset`] with `keep` would: the same devices in the
+    /// same order, with the same health and reasons. Allocates nothing: most changes are to other devices.
+    pub fn same_subset(&self, keep: impl Fn(&DeviceInfo) -> bool, subset: &Inventory) -> bool {
+        let mut theirs = subset.devices.iter();
+        for device in self.devices.iter().filter(|d| keep(&d.info)) {
+            match theirs.next() {
+                Some(other)
+                    if other.info.id == device.info.id
+                        && other.health == device.health
+                        && other.reason == device.reason => {}
+                _ => return false,
+            }
+        }
+        theirs.next().is_none()
+    }
+
     /// Removes a device; returns whether it was present.
     pub fn remove(&mut self, id: &str) -> bool {
         let Some(i) = self.index.remove(id) else {
@@ -370,11 +386,10 @@ pub fn subset_watch(
         while inventory.changed().await.is_ok() {
             let whole = inventory.borrow_and_update().clone();
             tx.send_if_modified(|current| {
-                let next = whole.subset(&keep, Some(current));
-                if next == **current {
+                if whole.same_subset(&keep, current) {
                     return false;
                 }
-                *current = Arc::new(next);
+                *current = Arc::new(whole.subset(&keep, Some(current)));
                 true
             });
             if tx.is_closed() {
@@ -437,6 +452,29 @@ mod tests {
             rebuilt.listed_version(),
             copy.listed_version(),
             "an inventory built anew never passes for an older one"
+        );
+    }
+
+    #[test]
+    fn a_subset_keeps_its_version_until_its_own_devices_change() {
+        let mut whole = Inventory::new([gpu("a"), gpu("b"), gpu("c")]);
+        let keep = |info: &DeviceInfo| info.id != "b";
+        let first = whole.subset(keep, None);
+        assert_eq!(first.len(), 2);
+        whole.set_health("b", Health::Unhealthy, Some("XID 79".into()));
+        assert!(whole.same_subset(keep, &first), "b is not in the subset");
+        whole.set_health("c", Health::Unhealthy, Some("XID 79".into()));
+        assert!(!whole.same_subset(keep, &first));
+        let second = whole.subset(keep, Some(&first));
+        assert_ne!(second.listed_version(), first.listed_version());
+        assert_eq!(second.get("c").map(|d| d.health), Some(Health::Unhealthy));
+        whole.set_health("c", Health::Unhealthy, Some("XID 79, then XID 48".into()));
+        assert!(!whole.same_subset(keep, &second), "a new reason is carried");
+        let third = whole.subset(keep, Some(&second));
+        assert_eq!(
+            third.listed_version(),
+            second.listed_version(),
+            "a new reason alone is not re-sent"
         );
     }
 

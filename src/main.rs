@@ -142,7 +142,7 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
         let inventory = if several {
             let (resources, name) = (resources.clone(), name.clone());
             devices::subset_watch(monitored.inventory.clone(), move |info| {
-                resources.of_device(info) == name
+                resources.serves(&name, info)
             })
         } else {
             monitored.inventory.clone()

@@ -135,6 +135,27 @@ impl ResourceNaming {
     pub fn of_device(&self, device: &super::DeviceInfo) -> String {
         self.of(device.mig.as_ref().map(|m| m.profile.as_str()))
     }
+
+    /// Whether `device` is served under `resource`; the same answer as comparing with
+    /// [`ResourceNaming::of_device`], without building the name (it runs for every device on every change).
+    pub fn serves(&self, resource: &str, device: &super::DeviceInfo) -> bool {
+        match (self.strategy, device.mig.as_ref()) {
+            (MigStrategy::Mixed, Some(mig)) => {
+                let domain = self.base.split_once('/').map_or("nvidia.com", |(d, _)| d);
+                resource
+                    .strip_prefix(domain)
+                    .and_then(|r| r.strip_prefix("/mig-"))
+                    .is_some_and(|name| {
+                        name.len() == mig.profile.len()
+                            && name
+                                .chars()
+                                .zip(mig.profile.chars())
+                                .all(|(a, b)| a == if b == '+' { '.' } else { b })
+                    })
+            }
+            _ => resource == self.base,
+        }
+    }
 }
 
 /// One GPU's MIG layout, for the strategy's checks.
@@ -333,6 +354,38 @@ mod tests {
             "nvidia.com/gpu"
         );
         assert_eq!(naming(MigStrategy::Mixed).of(None), "nvidia.com/gpu");
+        for strategy in [MigStrategy::None, MigStrategy::Single, MigStrategy::Mixed] {
+            for profile in [
+                None,
+                Some("1g.10gb"),
+                Some("1g.10gb+me"),
+                Some("1c.2g.20gb"),
+            ] {
+                let device = super::super::DeviceInfo {
+                    mig: profile.map(|p| MigInfo {
+                        parent: "GPU-0".into(),
+                        profile: p.into(),
+                        gpu_instance: 1,
+                        compute_instance: 0,
+                    }),
+                    ..Default::default()
+                };
+                let naming = naming(strategy);
+                for resource in [
+                    "nvidia.com/gpu",
+                    "nvidia.com/mig-1g.10gb",
+                    "nvidia.com/mig-1g.10gb.me",
+                    "nvidia.com/mig-1g.10gb+me",
+                    "nvidia.com/mig-1c.2g.20gb",
+                ] {
+                    assert_eq!(
+                        naming.serves(resource, &device),
+                        naming.of_device(&device) == resource,
+                        "{strategy:?} {profile:?} {resource}"
+                    );
+                }
+            }
+        }
     }
 
     fn layout(id: &str, enabled: bool, profiles: &[&str]) -> GpuLayout {
