@@ -124,11 +124,16 @@ impl ResourceNaming {
     pub fn of(&self, profile: Option<&str>) -> String {
         match (self.strategy, profile) {
             (MigStrategy::Mixed, Some(profile)) => {
-                let domain = self.base.split_once('/').map_or("nvidia.com", |(d, _)| d);
-                format!("{domain}/mig-{}", profile.replace('+', "."))
+                let name: String = profile.chars().map(in_resource_name).collect();
+                format!("{}/mig-{name}", self.domain())
             }
             _ => self.base.clone(),
         }
+    }
+
+    /// The domain MIG resources are named in: the base resource's (`nvidia.com`).
+    fn domain(&self) -> &str {
+        self.base.split_once('/').map_or("nvidia.com", |(d, _)| d)
     }
 
     /// The resource of `device`.
@@ -140,22 +145,24 @@ impl ResourceNaming {
     /// [`ResourceNaming::of_device`], without building the name (it runs for every device on every change).
     pub fn serves(&self, resource: &str, device: &super::DeviceInfo) -> bool {
         match (self.strategy, device.mig.as_ref()) {
-            (MigStrategy::Mixed, Some(mig)) => {
-                let domain = self.base.split_once('/').map_or("nvidia.com", |(d, _)| d);
-                resource
-                    .strip_prefix(domain)
-                    .and_then(|r| r.strip_prefix("/mig-"))
-                    .is_some_and(|name| {
-                        name.len() == mig.profile.len()
-                            && name
-                                .chars()
-                                .zip(mig.profile.chars())
-                                .all(|(a, b)| a == if b == '+' { '.' } else { b })
-                    })
-            }
+            (MigStrategy::Mixed, Some(mig)) => resource
+                .strip_prefix(self.domain())
+                .and_then(|r| r.strip_prefix("/mig-"))
+                .is_some_and(|name| {
+                    name.len() == mig.profile.len()
+                        && name
+                            .chars()
+                            .zip(mig.profile.chars())
+                            .all(|(a, b)| a == in_resource_name(b))
+                }),
             _ => resource == self.base,
         }
     }
+}
+
+/// A profile name's character in its resource name: NVIDIA writes `+` as `.` there.
+fn in_resource_name(c: char) -> char {
+    if c == '+' { '.' } else { c }
 }
 
 /// One GPU's MIG layout, for the strategy's checks.
