@@ -66,7 +66,7 @@ pub struct AllocateOptions {
     pub volume_mounts: bool,
     /// Environment variables every container response carries (`NVIDIA_GDS=enabled`, …).
     pub extra_envs: Vec<(String, String)>,
-    /// With MPS sharing: the MPS control daemon's directories every container gets.
+    /// With MPS sharing: the MPS control daemon's directories, for every container holding a replica.
     pub mps: Option<MpsDirs>,
     /// Put CDI device names (`<cdi_kind>=<id>`) in the response, for runtimes that resolve CDI.
     pub cdi: bool,
@@ -155,6 +155,11 @@ pub fn allocate(
     if containers.is_empty() {
         return Err(AllocationError::NoContainers);
     }
+    // MPS is for containers holding replicas: a device that is not shared runs as it would without MPS.
+    let holds_replica: Vec<bool> = containers
+        .iter()
+        .map(|ids| ids.iter().any(|id| crate::naming::Naming::is_replica(id)))
+        .collect();
     let translated;
     let containers = if options.naming.is_plain() {
         containers
@@ -193,7 +198,11 @@ pub fn allocate(
     }
     Ok(containers
         .iter()
-        .map(|ids| container_response(inventory, ids, options, &node_exists))
+        .zip(holds_replica)
+        .map(|(ids, shared)| {
+            let mps = options.mps.as_ref().filter(|_| shared);
+            container_response(inventory, ids, options, mps, &node_exists)
+        })
         .collect())
 }
 
@@ -208,7 +217,10 @@ fn to_physical(
     containers
         .iter()
         .map(|ids| {
-            if naming.fail_requests_greater_than_one && naming.replicas > 1 && ids.len() > 1 {
+            if naming.fail_requests_greater_than_one
+                && ids.len() > 1
+                && ids.iter().any(|id| crate::naming::Naming::is_replica(id))
+            {
                 return Err(AllocationError::SharedRequestTooLarge(ids.len()));
             }
             let mut gpus: Vec<String> = Vec::with_capacity(ids.len().min(inventory.len()));
@@ -232,6 +244,7 @@ fn container_response(
     inventory: &Inventory,
     ids: &[String],
     options: &AllocateOptions,
+    mps: Option<&MpsDirs>,
     node_exists: &impl Fn(&Path) -> bool,
 ) -> ContainerAllocateResponse {
     let mut response = ContainerAllocateResponse::default();
@@ -255,7 +268,7 @@ fn container_response(
             .collect();
     }
     response.envs.extend(options.extra_envs.iter().cloned());
-    if let Some(mps) = &options.mps {
+    if let Some(mps) = mps {
         response
             .envs
             .insert("CUDA_MPS_PIPE_DIRECTORY".into(), mps.pipe.clone());
@@ -665,6 +678,41 @@ mod tests {
                 .iter()
                 .all(|r| r.cdi_devices.is_empty() && r.devices.is_empty())
         );
+    }
+
+    #[test]
+    fn mps_directories_go_to_containers_holding_replicas_only() -> Result<(), AllocationError> {
+        let inv = node();
+        let options = AllocateOptions {
+            naming: crate::naming::Naming {
+                replicas: 2,
+                replicated: Some(std::sync::Arc::new(["g1".to_string()].into())),
+                fail_requests_greater_than_one: true,
+                ..crate::naming::Naming::default()
+            },
+            mps: Some(MpsDirs::new(Path::new("/run/nvidia/mps"), "nvidia.com/gpu")),
+            ..AllocateOptions::default()
+        };
+        let containers = [
+            vec!["g0".to_string(), "g2".into()],
+            vec!["g1::1".to_string()],
+        ];
+        let responses = allocate(&inv, &containers, &options, |_| true)?;
+        assert!(!responses[0].envs.contains_key("CUDA_MPS_PIPE_DIRECTORY"));
+        assert_eq!(
+            responses[1]
+                .envs
+                .get("CUDA_MPS_PIPE_DIRECTORY")
+                .map(String::as_str),
+            Some("/mps/nvidia.com/gpu/pipe")
+        );
+        // Two whole GPUs pass failRequestsGreaterThanOne; a replica with anything else does not.
+        let two = [vec!["g1::0".to_string(), "g0".into()]];
+        assert!(matches!(
+            allocate(&inv, &two, &options, |_| true),
+            Err(AllocationError::SharedRequestTooLarge(2))
+        ));
+        Ok(())
     }
 
     #[test]

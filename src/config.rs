@@ -331,8 +331,12 @@ pub struct FileConfig {
 pub struct Settings {
     /// Kubelet device plugin directory.
     pub kubelet_dir: PathBuf,
-    /// Extended resource name.
+    /// Extended resource name of whole GPUs (before sharing renames it).
     pub resource_name: String,
+    /// Which devices are shared, and how (NVIDIA's `sharing` section).
+    pub sharing: Option<nvidia::Sharing>,
+    /// With MPS sharing: the MPS control daemon's root on the host.
+    pub mps_root: Option<PathBuf>,
     /// The plugin's state directory; exists and is writable.
     pub state_dir: PathBuf,
     /// Log format.
@@ -427,36 +431,18 @@ impl Settings {
                 gds: args.gds_enabled,
                 mofed: args.mofed_enabled,
                 device_discovery_strategy: args.device_discovery_strategy,
-                shared: None,
+                sharing: None,
                 mps_root: args.mps_root,
                 shared_devices_allocation_policy: args.shared_devices_allocation_policy,
                 cdi_annotation_prefix: args.cdi_annotation_prefix,
             }
             .or(loaded.nvidia),
         )?;
-        let mut resource_name = args
+        let resource_name = args
             .resource_name
             .or(file.resource_name)
             .unwrap_or_else(|| DEFAULT_RESOURCE_NAME.into());
         check_extended_resource_name(&resource_name)?;
-        if let Some(shared) = &nvidia.shared {
-            if shared.name != resource_name {
-                return Err(ConfigError::Invalid {
-                    setting: "config key",
-                    value: format!("sharing.timeSlicing.resources[0].name: {}", shared.name),
-                    why: format!(
-                        "this plugin serves {resource_name}; only it can be shared (sharing MIG devices is \
-                         not supported yet)"
-                    ),
-                });
-            }
-            if let Some(rename) = &shared.rename {
-                resource_name = rename.clone();
-            } else if shared.rename_by_default {
-                resource_name = format!("{resource_name}.shared");
-            }
-            check_extended_resource_name(&resource_name)?;
-        }
         let simulate = args.simulate.or(file.simulate);
         let simulate_events = args.simulate_events.or(file.simulate_events);
         if let (Some(path), None) = (&simulate_events, simulate) {
@@ -507,10 +493,8 @@ impl Settings {
                 .or(file.dev_root)
                 .unwrap_or(nvidia.driver_root),
             extra_envs: nvidia.extra_envs,
-            mps: nvidia
-                .mps_root
-                .as_ref()
-                .map(|root| crate::allocation::MpsDirs::new(root, &resource_name)),
+            // Per resource, once the resources are known.
+            mps: None,
             host_root: args
                 .host_root
                 .or(file.host_root)
@@ -541,6 +525,8 @@ impl Settings {
                 .or(file.kubelet_dir)
                 .unwrap_or_else(|| DEFAULT_KUBELET_DIR.into()),
             resource_name,
+            sharing: nvidia.sharing,
+            mps_root: nvidia.mps_root,
             state_dir: state_dir.clone(),
             log_format: args
                 .log_format

@@ -44,7 +44,7 @@ pub struct Context {
     /// The link with the kubelet, per resource served (the first is the main one).
     pub kubelet: Vec<watch::Receiver<KubeletStatus>>,
     /// The resource of each device.
-    pub resources: crate::devices::mig::ResourceNaming,
+    pub resources: std::sync::Arc<crate::resources::ResourcePlan>,
     /// The policy in force.
     pub policy: PolicySummary,
     /// The heartbeat of the thread waiting for the GPUs' events, where there is one.
@@ -216,7 +216,8 @@ async fn report(context: &Context) -> Option<Report> {
     for device in &mut devices {
         device.resource = context
             .resources
-            .of(device.mig.as_ref().map(|m| m.profile.as_str()));
+            .resource_of(&device.id, device.mig.as_ref().map(|m| m.profile.as_str()))
+            .into_owned();
     }
     let mut kubelet = context.kubelet.iter().map(|k| k.borrow().clone());
     Some(Report {

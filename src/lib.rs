@@ -27,5 +27,6 @@ pub mod metrics;
 pub mod naming;
 pub mod nvml;
 pub mod pods;
+pub mod resources;
 pub mod runtime;
 pub mod status;

@@ -7,18 +7,19 @@ use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
 
 use futures_util::StreamExt as _;
+use gpu_device_plugin::allocation::MpsDirs;
 use gpu_device_plugin::cluster::ApiAccess;
 use gpu_device_plugin::config::{self, LogFormat, Settings};
 use gpu_device_plugin::devices::mig::ResourceNaming;
 use gpu_device_plugin::devices::simulated::SimulatedGpus;
-use gpu_device_plugin::devices::{self, DeviceSource, Inventory};
+use gpu_device_plugin::devices::{self, DeviceSource};
 use gpu_device_plugin::health::monitor;
 use gpu_device_plugin::http;
 use gpu_device_plugin::kubelet::{self, PluginConfig};
 use gpu_device_plugin::metrics::Metrics;
-use gpu_device_plugin::naming::Naming;
 use gpu_device_plugin::nvml::{NvmlGpus, UnmonitoredGpus};
 use gpu_device_plugin::pods::PodResources;
+use gpu_device_plugin::resources::ResourcePlan;
 use std::sync::Arc;
 
 fn main() -> ExitCode {
@@ -114,35 +115,44 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     let monitored = monitor::spawn_monitored(source, monitor_config)
         .context("cannot start the device source")?;
 
-    // One registration per resource: whole GPUs, and under migStrategy mixed each MIG profile.
-    let resources = ResourceNaming {
+    // One registration per resource: whole GPUs, under migStrategy mixed each MIG profile, and each name
+    // shared devices are served under.
+    let natural = ResourceNaming {
         strategy: settings.nvml.mig_strategy,
         base: settings.resource_name.clone(),
     };
-    let names = served_resources(&resources, &monitored.inventory.borrow());
-    let several = names.len() > 1;
+    let (plan, warnings) = ResourcePlan::build(
+        &natural,
+        settings.allocate.naming.ids,
+        settings.sharing.as_ref(),
+        &monitored.inventory.borrow(),
+    )?;
+    for warning in warnings {
+        tracing::warn!("{warning}");
+    }
+    let plan = Arc::new(plan);
+    let several = plan.resources().len() > 1;
     let mut plugins = Vec::new();
-    for name in &names {
-        let mut plugin = plugin_config(&settings, name);
-        if several && *name != settings.resource_name {
-            // Only whole GPUs are shared or renamed; a MIG resource keeps plain IDs of the same strategy.
-            plugin.allocate.naming = Naming {
-                ids: settings.allocate.naming.ids,
-                ..Naming::default()
-            };
-            plugin.allocate.mps = None;
+    for (position, served) in plan.resources().iter().enumerate() {
+        let mut plugin = plugin_config(&settings, &served.name);
+        plugin.allocate.naming = served.naming.clone();
+        plugin.allocate.mps = match (&settings.mps_root, served.mps) {
+            (Some(root), true) => Some(MpsDirs::new(root, &served.name)),
+            _ => None,
+        };
+        if position > 0 {
             plugin.socket_name = settings
                 .socket_name
                 .as_ref()
-                .map(|n| socket_name_for(n, name));
+                .map(|n| socket_name_for(n, &served.name));
         }
         let socket = kubelet::socket_path_for(&plugin)?;
         plugin.socket_name = socket.file_name().map(|n| n.to_string_lossy().into_owned());
         plugin.metrics = Some(metrics.clone());
         let inventory = if several {
-            let (resources, name) = (resources.clone(), name.clone());
+            let plan = plan.clone();
             devices::subset_watch(monitored.inventory.clone(), move |info| {
-                resources.serves(&name, info)
+                plan.serves(position, info)
             })
         } else {
             monitored.inventory.clone()
@@ -155,7 +165,7 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     // and everything else goes on.
     let api = ApiAccess::resolve(&settings.cluster).await?;
     let pods = settings.pod_resources_socket.as_ref().map(|socket| {
-        let mut pods = PodResources::new(socket, names[0].clone()).with_naming(
+        let mut pods = PodResources::new(socket, plugins[0].0.resource_name.clone()).with_naming(
             plugins[0].0.allocate.naming.clone(),
             monitored.inventory.clone(),
         );
@@ -194,7 +204,7 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
         let context = http::Context {
             devices: monitored.status.clone(),
             kubelet: links,
-            resources,
+            resources: plan,
             policy: settings.monitor.policy.summary(),
             event_thread: monitored.heartbeat.clone(),
             stuck_after: settings.stuck_after,
@@ -241,23 +251,6 @@ fn plugin_config(settings: &Settings, resource: &str) -> PluginConfig {
     plugin.allocate = settings.allocate.clone();
     plugin.pre_start_check = settings.pre_start_check;
     plugin
-}
-
-/// The resources to register, whole GPUs' first: each resource some device is served under, or the GPU
-/// resource alone on a node with no devices (it registers with an empty list, as before the GPUs appear).
-fn served_resources(resources: &ResourceNaming, inventory: &Inventory) -> Vec<String> {
-    let mut names: Vec<String> = Vec::new();
-    for device in inventory.devices() {
-        let name = resources.of_device(&device.info);
-        if !names.contains(&name) {
-            names.push(name);
-        }
-    }
-    if names.is_empty() {
-        names.push(resources.base.clone());
-    }
-    names.sort_by_key(|n| *n != resources.base);
-    names
 }
 
 /// `--socket-name` for another resource of the process: `<stem>-<resource without domain>.sock`.

@@ -1,7 +1,10 @@
 //! How devices are named to the kubelet, as NVIDIA's plugin names them: by GPU UUID or by index
 //! (`deviceIDStrategy`), and, with time-slicing, as `replicas` devices per GPU, `<id>::<n>` for n in
-//! 0..replicas. Health, the checkpoint and the Events stay per physical GPU: a name is only how the kubelet
+//! 0..replicas (for every device of the resource, or for some of them where only those are shared). Health, the checkpoint and the Events stay per physical GPU: a name is only how the kubelet
 //! sees a GPU, so a fault on a GPU is on every one of its replicas in the same list.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use crate::devices::{DeviceState, Inventory};
 
@@ -23,6 +26,9 @@ pub struct Naming {
     pub ids: IdStrategy,
     /// Devices listed per GPU; 1 without sharing.
     pub replicas: usize,
+    /// Where only some of the resource's devices are shared: their inventory IDs (the others are listed once,
+    /// under their own ID). `None`: every device has `replicas`.
+    pub replicated: Option<Arc<BTreeSet<String>>>,
     /// Refuse a container asking for more than one replica (NVIDIA's `failRequestsGreaterThanOne`).
     pub fail_requests_greater_than_one: bool,
 }
@@ -32,6 +38,7 @@ impl Default for Naming {
         Naming {
             ids: IdStrategy::Uuid,
             replicas: 1,
+            replicated: None,
             fail_requests_greater_than_one: false,
         }
     }
@@ -57,9 +64,21 @@ impl Naming {
         }
     }
 
-    /// The kubelet's IDs of one GPU from its base ID: the base itself, or one per replica.
-    fn ids_from(&self, base: String) -> impl Iterator<Item = String> {
-        let replicas = self.replicas.max(1);
+    /// How many devices the kubelet sees of the device with inventory ID `id`.
+    fn replicas_of(&self, id: &str) -> usize {
+        match &self.replicated {
+            Some(shared) if !shared.contains(id) => 1,
+            _ => self.replicas.max(1),
+        }
+    }
+
+    /// Whether a kubelet ID names a replica (`<id>::<n>`) rather than a whole device.
+    pub fn is_replica(kubelet_id: &str) -> bool {
+        kubelet_id.contains(REPLICA_SEPARATOR)
+    }
+
+    /// The kubelet's IDs of one device from its base ID: the base itself, or one per replica.
+    fn ids_from(base: String, replicas: usize) -> impl Iterator<Item = String> {
         (0..replicas).map(move |n| {
             if replicas == 1 {
                 base.clone()
@@ -69,7 +88,7 @@ impl Naming {
         })
     }
 
-    /// The kubelet's IDs for every device, in list order, each with its device: `replicas` per device.
+    /// The kubelet's IDs for every device, in list order, each with its device: one per replica.
     pub fn listed<'a>(
         &'a self,
         inventory: &'a Inventory,
@@ -79,22 +98,27 @@ impl Naming {
             .iter()
             .enumerate()
             .flat_map(move |(position, device)| {
-                self.ids_from(self.base(position, device))
-                    .map(move |id| (id, device))
+                Self::ids_from(
+                    self.base(position, device),
+                    self.replicas_of(&device.info.id),
+                )
+                .map(move |id| (id, device))
             })
     }
 
-    /// The inventory ID of the GPU a kubelet ID names, if it names one.
+    /// The inventory ID of the device a kubelet ID names, if it names one: a replica of a shared device, or
+    /// a device that is not shared by its own ID.
     pub fn resolve<'a>(&self, inventory: &'a Inventory, kubelet_id: &str) -> Option<&'a str> {
-        let base = if self.replicas > 1 {
-            let (base, n) = kubelet_id.split_once(REPLICA_SEPARATOR)?;
-            let n: usize = n.parse().ok()?;
-            if n >= self.replicas || n.to_string() != kubelet_id[base.len() + 2..] {
-                return None;
+        let (base, replica) = match kubelet_id.split_once(REPLICA_SEPARATOR) {
+            Some((base, n)) => {
+                let number: usize = n.parse().ok()?;
+                // One spelling per replica: no sign, no leading zeros.
+                if number.to_string() != n {
+                    return None;
+                }
+                (base, Some(number))
             }
-            base
-        } else {
-            kubelet_id
+            None => (kubelet_id, None),
         };
         let device = match self.ids {
             IdStrategy::Uuid => inventory.get(base)?,
@@ -107,16 +131,24 @@ impl Naming {
                     .1
             }
         };
-        Some(device.info.id.as_str())
+        let replicas = self.replicas_of(&device.info.id);
+        match replica {
+            None if replicas == 1 => Some(device.info.id.as_str()),
+            Some(n) if replicas > 1 && n < replicas => Some(device.info.id.as_str()),
+            _ => None,
+        }
     }
 
-    /// The kubelet IDs of the GPU with inventory ID `id`.
+    /// The kubelet IDs of the device with inventory ID `id`.
     pub fn kubelet_ids_of(&self, inventory: &Inventory, id: &str) -> Vec<String> {
         let Some(position) = inventory.position(id) else {
             return Vec::new();
         };
-        self.ids_from(self.base(position, &inventory.devices()[position]))
-            .collect()
+        Self::ids_from(
+            self.base(position, &inventory.devices()[position]),
+            self.replicas_of(id),
+        )
+        .collect()
     }
 }
 
@@ -162,6 +194,25 @@ mod tests {
             naming.kubelet_ids_of(&inv, "GPU-0"),
             ["GPU-0::0", "GPU-0::1", "GPU-0::2"]
         );
+    }
+
+    #[test]
+    fn where_only_some_devices_are_shared_the_others_keep_their_own_id() {
+        let inv = inventory();
+        let naming = Naming {
+            replicas: 2,
+            replicated: Some(Arc::new(BTreeSet::from(["GPU-1".to_string()]))),
+            ..Naming::default()
+        };
+        let ids: Vec<String> = naming.listed(&inv).map(|(id, _)| id).collect();
+        assert_eq!(ids, ["GPU-0", "GPU-1::0", "GPU-1::1"]);
+        assert_eq!(naming.resolve(&inv, "GPU-0"), Some("GPU-0"));
+        assert_eq!(naming.resolve(&inv, "GPU-1::1"), Some("GPU-1"));
+        for bad in ["GPU-0::0", "GPU-1", "GPU-1::2"] {
+            assert_eq!(naming.resolve(&inv, bad), None, "{bad}");
+        }
+        assert_eq!(naming.kubelet_ids_of(&inv, "GPU-0"), ["GPU-0"]);
+        assert!(Naming::is_replica("GPU-1::1") && !Naming::is_replica("3:1"));
     }
 
     #[test]

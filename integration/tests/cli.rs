@@ -202,9 +202,49 @@ fn nvidias_settings_not_supported_yet_are_refused_by_name_from_flag_env_or_file(
     assert_one_line_error(&out, &["mpsRoot", "MPS control daemon"]);
     std::fs::write(
         &config,
-        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: example.com/fpga\n      replicas: 4\n",
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: 4\n      devices: [0, first]\n",
     )
     .unwrap();
     let out = run(&base, &[("CONFIG_FILE", config.to_str().unwrap())]);
-    assert_one_line_error(&out, &["example.com/fpga", "only it can be shared"]);
+    assert_one_line_error(
+        &out,
+        &["sharing.timeSlicing.resources[0].devices", "\"first\""],
+    );
+}
+
+#[test]
+fn a_sharing_entry_the_node_cannot_meet_stops_the_plugin_before_it_registers() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet_dir = dir.path().join("device-plugins");
+    std::fs::create_dir(&kubelet_dir).unwrap();
+    let config = dir.path().join("nvidia.yaml");
+    std::fs::write(
+        &config,
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: 2\n      devices: 3\n",
+    )
+    .unwrap();
+    let out = run(
+        &[
+            "--simulate",
+            "2",
+            "--http-addr",
+            "",
+            "--kubelet-dir",
+            kubelet_dir.to_str().unwrap(),
+            "--state-dir",
+            dir.path().join("state").to_str().unwrap(),
+            "--config-file",
+            config.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("sharing nvidia.com/gpu: 3 devices to share, but this node has 2"),
+        "{stderr}"
+    );
+    let sockets = std::fs::read_dir(&kubelet_dir).unwrap().count();
+    assert_eq!(sockets, 0, "no socket left behind");
 }

@@ -371,25 +371,106 @@ async fn nvidias_mixed_config_file_serves_mig_resources() -> TestResult {
 }
 
 #[tokio::test]
-async fn sharing_a_mig_resource_is_refused_by_name() {
-    let dir = tempfile::tempdir().unwrap();
+async fn mig_devices_and_gpus_are_shared_each_as_configured_and_a_fault_reaches_every_replica()
+-> TestResult {
+    let dir = tempfile::tempdir()?;
     let config = dir.path().join("config.yaml");
+    // One of the two 1g.10gb devices shared under a new name, the whole GPU shared under its own.
     std::fs::write(
         &config,
         "version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n    \
-         - name: nvidia.com/mig-1g.10gb\n      replicas: 2\n",
+         - name: nvidia.com/mig-1g.10gb\n      rename: mig-1g.10gb.shared\n      replicas: 3\n      \
+         devices: ['0:1']\n    - name: gpu\n      replicas: 2\n",
+    )?;
+    let node = NvmlNode::start(
+        Some(&two_profiles_on_gpu0()),
+        &["--config-file", config.to_str().ok_or("path")?],
     )
-    .unwrap();
+    .await?;
+    const SHARED: &str = "nvidia.com/mig-1g.10gb.shared";
+    node.kubelet.wait_registrations(4, WAIT).await?;
+    for resource in ["nvidia.com/gpu", MIG_1G, MIG_2G, SHARED] {
+        node.kubelet
+            .wait_list_of(resource, resource, WAIT, |l| !l.devices.is_empty())
+            .await?;
+    }
+    let replicas = |id: String, n: usize| (0..n).map(move |i| format!("{id}::{i}"));
+    assert_eq!(
+        ids(&node.kubelet.list_of("nvidia.com/gpu")),
+        replicas(gpu(1), 2).collect::<Vec<_>>()
+    );
+    assert_eq!(ids(&node.kubelet.list_of(MIG_1G)), [mig(0, 0)]);
+    assert_eq!(
+        ids(&node.kubelet.list_of(SHARED)),
+        replicas(mig(0, 1), 3).collect::<Vec<_>>()
+    );
+    assert_eq!(ids(&node.kubelet.list_of(MIG_2G)), [mig(0, 2)]);
+
+    // Two replicas of the shared MIG device in one container: that one MIG device.
+    let shared_ids: Vec<String> = replicas(mig(0, 1), 2).collect();
+    let request: Vec<&str> = shared_ids.iter().map(String::as_str).collect();
+    let response = node.kubelet.allocate_on(SHARED, &[&request]).await?;
+    assert_eq!(
+        response.container_responses[0]
+            .envs
+            .get("NVIDIA_VISIBLE_DEVICES")
+            .map(String::as_str),
+        Some(mig(0, 1).as_str())
+    );
+
+    // A fault attributed to the shared MIG device: its three replicas in one message, nothing else.
+    node.inject(&[format!("xid {} 48", mig(0, 1))]);
+    let list = node
+        .kubelet
+        .wait_list_of(SHARED, "every replica Unhealthy", WAIT, |l| {
+            l.devices.iter().any(|d| d.health == "Unhealthy")
+        })
+        .await?;
+    assert!(
+        list.devices.iter().all(|d| d.health == "Unhealthy"),
+        "every replica in the same message: {:?}",
+        list.devices
+    );
+    let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
+    let report = gpu_device_plugin::http::fetch_report(&addr).await?;
+    let of = |id: &str| report.devices.iter().find(|d| d.id == id);
+    assert_eq!(of(&mig(0, 1)).map(|d| d.resource.as_str()), Some(SHARED));
+    for (id, resource) in [(mig(0, 0), MIG_1G), (gpu(1), "nvidia.com/gpu")] {
+        let device = of(&id).ok_or("device missing from /status")?;
+        assert_eq!(
+            (device.health.as_str(), device.resource.as_str()),
+            ("Healthy", resource)
+        );
+    }
+    for resource in ["nvidia.com/gpu", MIG_1G] {
+        let list = node.kubelet.list_of(resource);
+        assert!(
+            list.devices.iter().all(|d| d.health == "Healthy"),
+            "{resource}: {list:?}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn sharing_mig_devices_through_mps_is_refused_by_name() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "version: v1\nflags:\n  migStrategy: mixed\n  mpsRoot: /run/nvidia/mps\nsharing:\n  mps:\n    \
+         resources:\n    - name: nvidia.com/mig-1g.10gb\n      replicas: 2\n",
+    )?;
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
-        .args(["--simulate", "1", "--config-file", config.to_str().unwrap()])
-        .output()
-        .unwrap();
+        .args(["--simulate", "1", "--kubelet-dir"])
+        .arg(dir.path().join("missing"))
+        .args(["--config-file", config.to_str().ok_or("path")?])
+        .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("nvidia.com/mig-1g.10gb") && stderr.contains("sharing MIG devices"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("MPS cannot share MIG devices"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    Ok(())
 }
 
 #[tokio::test]

@@ -119,21 +119,42 @@ pub enum ShareKind {
     Mps,
 }
 
-/// Sharing as this plugin does it: every GPU of the one resource served, as `replicas` devices.
+/// Sharing as NVIDIA's file states it (`sharing.timeSlicing` or `sharing.mps`), checked: which devices of
+/// which resources are listed as replicas, and under which name.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Shared {
+pub struct Sharing {
     /// Time-slicing or MPS.
     pub kind: ShareKind,
-    /// The resource the file shares (must be the one served).
-    pub name: String,
-    /// The name to serve it under instead, if any.
-    pub rename: Option<String>,
-    /// Serve it as `<name>.shared` when it has no rename of its own.
-    pub rename_by_default: bool,
-    /// Devices per GPU, at least 2.
-    pub replicas: usize,
     /// Refuse a container asking for more than one replica.
     pub fail_requests_greater_than_one: bool,
+    /// The shared resources, each named once.
+    pub resources: Vec<SharedResource>,
+}
+
+/// One entry of `sharing.*.resources`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedResource {
+    /// The resource whose devices are shared (`nvidia.com/gpu`, `nvidia.com/mig-1g.10gb`; a name without a
+    /// domain is in `nvidia.com`, as NVIDIA reads it).
+    pub name: String,
+    /// The resource the replicas are served under instead (`rename`, or `<name>.shared` with
+    /// `renameByDefault`); `None`: under `name`.
+    pub rename: Option<String>,
+    /// Devices listed per shared device, at least 2.
+    pub replicas: usize,
+    /// Which of the resource's devices are shared.
+    pub devices: DeviceSelection,
+}
+
+/// `devices` of a shared resource.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceSelection {
+    /// `all` (or left out).
+    All,
+    /// The first N devices of the resource, in NVML index order.
+    Count(usize),
+    /// These devices, each by index (`0`, `<gpu>:<mig>` for a MIG device) or UUID (`GPU-…`, `MIG-…`).
+    List(Vec<String>),
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -166,7 +187,7 @@ pub struct NvidiaSettings {
     /// `deviceDiscoveryStrategy`.
     pub device_discovery_strategy: Option<String>,
     /// `sharing.timeSlicing` or `sharing.mps` (file only).
-    pub shared: Option<Shared>,
+    pub sharing: Option<Sharing>,
     /// `mpsRoot`: where NVIDIA's MPS control daemon keeps its pipe and shm directories on the host.
     pub mps_root: Option<String>,
     /// `sharedDevicesAllocationPolicy`.
@@ -189,7 +210,7 @@ impl NvidiaSettings {
             device_discovery_strategy: self
                 .device_discovery_strategy
                 .or(under.device_discovery_strategy),
-            shared: self.shared.or(under.shared),
+            sharing: self.sharing.or(under.sharing),
             mps_root: self.mps_root.or(under.mps_root),
             shared_devices_allocation_policy: self
                 .shared_devices_allocation_policy
@@ -275,7 +296,7 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
             );
         }
     }
-    let shared = match v1.sharing.map(|s| (s.time_slicing, s.mps)) {
+    let sharing = match v1.sharing.map(|s| (s.time_slicing, s.mps)) {
         Some((Some(_), Some(_))) => {
             return Err(invalid(
                 "config key",
@@ -328,7 +349,7 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
             gds: flags.gds_enabled,
             mofed: flags.mofed_enabled,
             device_discovery_strategy: flags.device_discovery_strategy,
-            shared,
+            sharing,
             mps_root: flags.mps_root,
             shared_devices_allocation_policy: plugin.shared_devices_allocation_policy,
             cdi_annotation_prefix: plugin.cdi_annotation_prefix,
@@ -337,18 +358,21 @@ pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
     })
 }
 
-/// Checks `sharing.timeSlicing` or `sharing.mps` as NVIDIA's plugin does (a named resource, replicas of at
-/// least 2), and refuses what this plugin does not do yet (several resources, a subset of the GPUs).
+/// More replicas than this per device is surely a mistake (and a list the kubelet would struggle with).
+const MAX_REPLICAS: i64 = 1024;
+
+/// Checks `sharing.timeSlicing` or `sharing.mps` as NVIDIA's plugin does: at least one resource, each with a
+/// name and replicas of at least 2, `devices` as `all`, a count above 0 or a list of indices and UUIDs.
 fn sharing(
     kind: ShareKind,
     spec: SharingSpec,
     ignored: &mut impl FnMut(String, &str),
-) -> Result<Shared, ConfigError> {
+) -> Result<Sharing, ConfigError> {
     let section = match kind {
         ShareKind::TimeSlicing => "sharing.timeSlicing",
         ShareKind::Mps => "sharing.mps",
     };
-    let invalid = |key: &str, why: &str| ConfigError::Invalid {
+    let invalid = |key: String, why: &str| ConfigError::Invalid {
         setting: "config key",
         value: format!("{section}{key}"),
         why: why.into(),
@@ -359,65 +383,138 @@ fn sharing(
             "unknown; ignored as NVIDIA's plugin ignores it",
         );
     }
-    let mut resources = spec.resources.unwrap_or_default();
-    if resources.is_empty() {
-        return Err(invalid(".resources", "no resources specified"));
+    let entries = spec.resources.unwrap_or_default();
+    if entries.is_empty() {
+        return Err(invalid(".resources".into(), "no resources specified"));
     }
-    if resources.len() > 1 {
-        return Err(invalid(
-            ".resources",
-            "more than one shared resource is not supported yet",
-        ));
-    }
-    let resource = resources.remove(0);
-    for key in resource.other.keys() {
-        ignored(
-            format!("{section}.resources[0].{key}"),
-            "unknown; ignored as NVIDIA's plugin ignores it",
-        );
-    }
-    let name = resource
-        .name
-        .filter(|n| !n.is_empty())
-        .ok_or_else(|| invalid(".resources[0].name", "a shared resource needs a name"))?;
-    /// More replicas than this per GPU is surely a mistake (and a list the kubelet would struggle with).
-    const MAX_REPLICAS: i64 = 1024;
-    let replicas = match resource.replicas {
-        Some(n) if (2..=MAX_REPLICAS).contains(&n) => usize::try_from(n).unwrap_or(2),
-        Some(n) if n > MAX_REPLICAS => {
+    let rename_by_default = spec.rename_by_default.unwrap_or(false);
+    let mut resources: Vec<SharedResource> = Vec::with_capacity(entries.len());
+    for (i, entry) in entries.into_iter().enumerate() {
+        let at = |key: &str| format!(".resources[{i}]{key}");
+        for key in entry.other.keys() {
+            ignored(
+                format!("{section}{}", at(&format!(".{key}"))),
+                "unknown; ignored as NVIDIA's plugin ignores it",
+            );
+        }
+        let name = entry
+            .name
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| invalid(at(".name"), "no resource name specified"))?;
+        let name = full_resource_name(&name).map_err(|why| invalid(at(".name"), &why))?;
+        if resources.iter().any(|r| r.name == name) {
             return Err(invalid(
-                ".resources[0].replicas",
-                &format!("{n} replicas per GPU; at most {MAX_REPLICAS}"),
+                at(".name"),
+                &format!("{name} is shared twice; give each resource one entry"),
             ));
         }
-        _ => {
-            return Err(invalid(
-                ".resources[0].replicas",
-                "number of replicas must be >= 2",
-            ));
+        let rename = match entry.rename.filter(|r| !r.is_empty()) {
+            Some(rename) => {
+                Some(full_resource_name(&rename).map_err(|why| invalid(at(".rename"), &why))?)
+            }
+            None if rename_by_default => Some(format!("{name}.shared")),
+            None => None,
         }
-    };
-    match &resource.devices {
-        None | Some(Value::Null) => {}
-        Some(Value::String(all)) if all == "all" => {}
-        Some(_) => {
-            return Err(invalid(
-                ".resources[0].devices",
-                "sharing a subset of the GPUs is not supported yet; use all (or leave it out)",
-            ));
-        }
+        .filter(|rename| *rename != name);
+        let replicas = match entry.replicas {
+            Some(n) if (2..=MAX_REPLICAS).contains(&n) => usize::try_from(n).unwrap_or(2),
+            Some(n) if n > MAX_REPLICAS => {
+                return Err(invalid(
+                    at(".replicas"),
+                    &format!("{n} replicas per device; at most {MAX_REPLICAS}"),
+                ));
+            }
+            Some(_) => return Err(invalid(at(".replicas"), "number of replicas must be >= 2")),
+            None => return Err(invalid(at(".replicas"), "no replicas specified")),
+        };
+        let devices = device_selection(entry.devices.as_ref())
+            .map_err(|why| invalid(at(".devices"), &why))?;
+        resources.push(SharedResource {
+            name,
+            rename,
+            replicas,
+            devices,
+        });
     }
-    Ok(Shared {
+    Ok(Sharing {
         kind,
-        name,
-        rename: resource.rename.filter(|r| !r.is_empty()),
-        rename_by_default: spec.rename_by_default.unwrap_or(false),
-        replicas,
         // MPS refuses more than one replica per container unless told otherwise; time-slicing allows it.
         fail_requests_greater_than_one: spec
             .fail_requests_greater_than_one
             .unwrap_or(kind == ShareKind::Mps),
+        resources,
     })
+}
+
+/// A resource name of a sharing entry in full: one without a domain is in `nvidia.com`, as NVIDIA reads it.
+fn full_resource_name(name: &str) -> Result<String, String> {
+    let full = if name.contains('/') {
+        name.to_string()
+    } else {
+        format!("nvidia.com/{name}")
+    };
+    super::check_extended_resource_name(&full).map_err(|e| match e {
+        ConfigError::Invalid { why, .. } => format!("{full:?}: {why}"),
+        other => other.to_string(),
+    })?;
+    Ok(full)
+}
+
+/// `devices` as NVIDIA's plugin reads it: `all`, a count above 0, or a list whose entries are GPU indices
+/// (numbers or strings), MIG indices `<gpu>:<mig>`, or GPU and MIG UUIDs.
+fn device_selection(devices: Option<&Value>) -> Result<DeviceSelection, String> {
+    let entry = |value: &Value| -> Result<String, String> {
+        let text = match value {
+            Value::Number(n) => n
+                .as_u64()
+                .map(|n| n.to_string())
+                .ok_or_else(|| format!("{n} is not a device index"))?,
+            Value::String(s) => s.clone(),
+            other => return Err(format!("{other:?} is not a device index or UUID")),
+        };
+        let is_index = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        let is_mig_index = || {
+            text.split_once(':')
+                .is_some_and(|(g, m)| is_index(g) && is_index(m))
+        };
+        let is_uuid = ["GPU-", "MIG-"]
+            .iter()
+            .any(|p| text.strip_prefix(p).is_some_and(|rest| !rest.is_empty()));
+        if is_index(&text) || is_mig_index() || is_uuid {
+            Ok(text)
+        } else {
+            Err(format!(
+                "{text:?} is not a GPU index, a MIG index (<gpu>:<mig>) or a GPU/MIG UUID"
+            ))
+        }
+    };
+    match devices {
+        None | Some(Value::Null) => Ok(DeviceSelection::All),
+        Some(Value::String(all)) if all == "all" => Ok(DeviceSelection::All),
+        Some(Value::String(other)) => Err(format!(
+            "{other:?}: the only string allowed is all (or give a count or a list)"
+        )),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(count) if count > 0 => Ok(DeviceSelection::Count(
+                usize::try_from(count).unwrap_or(usize::MAX),
+            )),
+            _ => Err(format!("{n}: a count of devices must be > 0")),
+        },
+        Some(Value::Sequence(list)) if !list.is_empty() => {
+            let mut refs = Vec::with_capacity(list.len());
+            for value in list {
+                let text = entry(value)?;
+                if !refs.contains(&text) {
+                    refs.push(text);
+                }
+            }
+            Ok(DeviceSelection::List(refs))
+        }
+        Some(Value::Sequence(_)) => {
+            Err("an empty list shares nothing; leave devices out for all".into())
+        }
+        Some(other) => Err(format!("{other:?}: must be all, a count or a list")),
+    }
 }
 
 /// What NVIDIA's settings make this plugin do.
@@ -437,8 +534,8 @@ pub struct Applied {
     pub driver_root: PathBuf,
     /// How devices are named to the kubelet.
     pub naming: crate::naming::Naming,
-    /// Sharing, for the resource name and MPS.
-    pub shared: Option<Shared>,
+    /// Which devices are shared, and how.
+    pub sharing: Option<Sharing>,
     /// The MPS root on the host, with `sharing.mps`.
     pub mps_root: Option<PathBuf>,
     /// How GPUs in MIG mode are served.
@@ -576,14 +673,20 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
     .collect();
     let naming = crate::naming::Naming {
         ids,
-        replicas: settings.shared.as_ref().map_or(1, |t| t.replicas),
-        fail_requests_greater_than_one: settings
-            .shared
-            .as_ref()
-            .is_some_and(|t| t.fail_requests_greater_than_one),
+        ..crate::naming::Naming::default()
     };
-    let mps_root = match (&settings.shared, settings.mps_root.as_deref()) {
-        (Some(shared), root) if shared.kind == ShareKind::Mps => match root {
+    if let Some(sharing) = &settings.sharing
+        && sharing.kind == ShareKind::Mps
+        && mig_strategy == MigStrategy::Mixed
+    {
+        return Err(invalid(
+            "migStrategy (--mig-strategy, MIG_STRATEGY)",
+            "mixed",
+            "MPS cannot share MIG devices, and mixed serves them (use none or single, or time-slicing)",
+        ));
+    }
+    let mps_root = match (&settings.sharing, settings.mps_root.as_deref()) {
+        (Some(sharing), root) if sharing.kind == ShareKind::Mps => match root {
             Some(root) if root.starts_with('/') => Some(PathBuf::from(root)),
             Some(root) => {
                 return Err(invalid(
@@ -610,7 +713,7 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
         extra_envs,
         driver_root,
         naming,
-        shared: settings.shared.clone(),
+        sharing: settings.sharing.clone(),
         mps_root,
         mig_strategy,
     })
@@ -690,12 +793,32 @@ mod tests {
                 "replicas must be >= 2",
             ),
             (
-                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n      devices: [0]\n",
-                "subset",
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n      devices: [0, first]\n",
+                "resources[0].devices",
             ),
             (
-                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n    - name: nvidia.com/mig-1g.10gb\n      replicas: 2\n",
-                "more than one shared resource",
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: 2\n      devices: 0\n",
+                "count of devices must be > 0",
+            ),
+            (
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n      devices: some\n",
+                "only string allowed is all",
+            ),
+            (
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n    - name: gpu\n      replicas: 3\n",
+                "resources[1].name",
+            ),
+            (
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n    - name: nvidia.com/mig-1g.10gb\n      replicas: 2\n",
+                "no replicas specified",
+            ),
+            (
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/-bad\n      replicas: 2\n",
+                "resources[0].name",
+            ),
+            (
+                "flags:\n  migStrategy: mixed\n  mpsRoot: /run/nvidia/mps\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
+                "MPS cannot share MIG devices",
             ),
             (
                 "sharing:\n  timeSlicing:\n    resources: []\n",
@@ -721,6 +844,46 @@ mod tests {
             let err = result.err().map(|e| e.to_string()).unwrap_or_default();
             assert!(err.contains(named), "{yaml}: {err:?} does not name {named}");
         }
+    }
+
+    #[test]
+    fn several_shared_resources_with_subsets_and_renames_are_read() -> Result<(), ConfigError> {
+        let loaded = load_str(
+            "version: v1\nsharing:\n  timeSlicing:\n    renameByDefault: true\n    resources:\n    \
+             - name: gpu\n      replicas: 4\n      devices: 2\n    \
+             - name: nvidia.com/mig-1g.10gb\n      replicas: 3\n      rename: mig-small\n      \
+             devices: [0, '1:2', GPU-8e3f, MIG-aa]\n",
+        )?;
+        let sharing = apply(&loaded.nvidia)?.sharing.ok_or(ConfigError::Invalid {
+            setting: "test",
+            value: String::new(),
+            why: "no sharing".into(),
+        })?;
+        assert_eq!(sharing.kind, ShareKind::TimeSlicing);
+        assert!(!sharing.fail_requests_greater_than_one);
+        assert_eq!(
+            sharing.resources,
+            [
+                SharedResource {
+                    name: "nvidia.com/gpu".into(),
+                    rename: Some("nvidia.com/gpu.shared".into()),
+                    replicas: 4,
+                    devices: DeviceSelection::Count(2),
+                },
+                SharedResource {
+                    name: "nvidia.com/mig-1g.10gb".into(),
+                    rename: Some("nvidia.com/mig-small".into()),
+                    replicas: 3,
+                    devices: DeviceSelection::List(vec![
+                        "0".into(),
+                        "1:2".into(),
+                        "GPU-8e3f".into(),
+                        "MIG-aa".into()
+                    ]),
+                },
+            ]
+        );
+        Ok(())
     }
 
     #[test]
