@@ -82,6 +82,58 @@ async fn a_lost_gpu_is_unhealthy_as_gpu_lost() -> TestResult {
     Ok(())
 }
 
+/// CPU time (user + system) the process has used so far, in clock ticks.
+fn cpu_ticks(pid: u32) -> Result<u64, Box<dyn std::error::Error>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may hold spaces) end with ')'; utime and stime are 14th and 15th.
+    let after = stat.rsplit_once(')').ok_or("no command name")?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    Ok(fields.get(11).ok_or("no utime")?.parse::<u64>()?
+        + fields.get(12).ok_or("no stime")?.parse::<u64>()?)
+}
+
+#[tokio::test]
+async fn a_lost_gpu_does_not_spin_the_event_thread_and_the_others_stay_watched() -> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    node.inject(&[format!("lost {}", gpu(2))]);
+    node.wait_unhealthy(&gpu(2)).await?;
+    // The driver answers GPU_IS_LOST to every wait on a set holding the lost GPU: a loop that waits again at
+    // once burns a core. Measured over one second: a waiting plugin uses a few ticks of 100.
+    let pid = node.plugin.child.id().ok_or("plugin exited")?;
+    let before = cpu_ticks(pid)?;
+    // A measurement window, not a wait for an event.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let used = cpu_ticks(pid)? - before;
+    assert!(used < 30, "{used} ticks of CPU in 1 s with a lost GPU");
+    // Another GPU's fault still arrives.
+    node.inject(&[format!("xid {} 79", gpu(0))]);
+    let list = node.wait_unhealthy(&gpu(0)).await?;
+    assert_eq!(list.health(&gpu(1)), Some("Healthy"));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_lost_gpu_that_answers_again_is_watched_again() -> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    node.inject(&[format!("lost {}", gpu(2))]);
+    node.wait_unhealthy(&gpu(2)).await?;
+    node.inject(&[format!("restore {}", gpu(2))]);
+    let watched = node
+        .plugin
+        .wait_log(WAIT, |l| l.contains("lost GPU answers again"))
+        .await;
+    assert!(watched.is_some(), "{}", node.plugin.log());
+    // Its next fault is seen (the GPU is still Unhealthy from the loss, so look for the condition).
+    node.inject(&[format!("xid {} 48", gpu(2))]);
+    let id = gpu(2);
+    let seen = node
+        .plugin
+        .wait_log(WAIT, |l| l.contains("xid=48") && l.contains(&id))
+        .await;
+    assert!(seen.is_some(), "{}", node.plugin.log());
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_gpu_registered_without_dbe_support_gets_no_dbe() -> TestResult {
     let config = format!(

@@ -13,7 +13,7 @@
 
 mod raw;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -36,6 +36,9 @@ pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 /// How long one `nvmlEventSetWait` blocks. Events wake it at once; the timeout only bounds how long the
 /// thread takes to notice that the plugin is stopping, at the cost of one wake-up per period when idle.
 const WAIT_TIMEOUT_MS: u32 = 2000;
+
+/// How often a lost GPU is asked whether it answers again, so that its events are watched again.
+const LOST_RECHECK_MS: u32 = 250;
 
 /// How long start-up waits for the GPUs' event registration. NVML delivers only events that happen after
 /// registration, so a GPU listed to the kubelet before it is registered could fail unseen; past this, the
@@ -108,6 +111,12 @@ struct Watched {
 }
 
 impl Watched {
+    /// Whether an event attributed to `instance` names a device served on this GPU (a GPU without MIG devices
+    /// has no instances to name).
+    fn serves_instance(&self, instance: (u32, u32)) -> bool {
+        self.instances.is_empty() || self.instances.contains_key(&instance)
+    }
+
     /// The devices an observation on this GPU reaches: an XID attributed to one of its MIG devices reaches
     /// that one (unless it is about the whole GPU); everything else reaches every device on the GPU.
     fn targets(&self, observation: &Observation, instance: Option<(u32, u32)>) -> &[String] {
@@ -119,15 +128,7 @@ impl Watched {
             Some(instance) if !whole_gpu && !self.instances.is_empty() => {
                 match self.instances.get(&instance) {
                     Some(id) => std::slice::from_ref(id),
-                    None => {
-                        tracing::warn!(
-                            gpu_instance = instance.0,
-                            compute_instance = instance.1,
-                            "NVML event for a MIG instance this plugin does not serve; counted against every MIG \
-                             device of its GPU"
-                        );
-                        &self.devices
-                    }
+                    None => &self.devices,
                 }
             }
             _ => &self.devices,
@@ -535,7 +536,7 @@ fn watch_events(
 ) {
     let outcome = register_all(nvml, gpus, events);
     let _told = registered.try_send(());
-    let (set, watched) = match outcome {
+    let (mut set, watched) = match outcome {
         Ok(registered) => registered,
         Err(e) => {
             let why = format!("NVML cannot create an event set: {e}");
@@ -546,17 +547,34 @@ fn watch_events(
             return;
         }
     };
-    let Some(set) = set else {
+    if set.is_none() {
         tracing::warn!("no GPU can report health events; nothing to watch");
         return;
-    };
+    }
     let by_index: HashMap<u32, &Watched> = gpus.iter().map(|g| (g.index, g)).collect();
+    // GPUs lost while watched: left out of the event set (the driver answers GPU_IS_LOST to every wait on a
+    // set holding one), and put back once they answer again.
     let mut lost: Vec<u32> = Vec::new();
     let mut unexpected = 0u32;
+    let mut unserved_instances: HashSet<(u32, u32, u32)> = HashSet::new();
     tracing::info!(gpus = watched.len(), "watching NVML health events");
     while !events.is_closed() {
         heartbeat.beat();
-        match raw::wait(nvml, &set, WAIT_TIMEOUT_MS) {
+        let Some(current) = set.as_ref() else {
+            // Every watched GPU is lost: nothing to wait on until one answers again.
+            std::thread::sleep(Duration::from_millis(u64::from(LOST_RECHECK_MS)));
+            if answer_again(nvml, &mut lost) {
+                set = rebuild_set(nvml, gpus, &watched, &lost, events);
+            }
+            continue;
+        };
+        // While a GPU is lost, wake more often to see it answer again and watch it again.
+        let timeout = if lost.is_empty() {
+            WAIT_TIMEOUT_MS
+        } else {
+            LOST_RECHECK_MS
+        };
+        match raw::wait(nvml, current, timeout) {
             Ok(event) => {
                 unexpected = 0;
                 let Some(gpu) = event.gpu_index.and_then(|i| by_index.get(&i)) else {
@@ -565,6 +583,18 @@ fn watch_events(
                 };
                 let instance = (event.gpu_instance != u32::MAX)
                     .then_some((event.gpu_instance, event.compute_instance));
+                if let Some((gi, ci)) = instance
+                    && !gpu.serves_instance((gi, ci))
+                    && unserved_instances.insert((gpu.index, gi, ci))
+                {
+                    tracing::warn!(
+                        gpu = gpu.index,
+                        gpu_instance = gi,
+                        compute_instance = ci,
+                        "NVML event for a MIG instance this plugin does not serve; its events count against \
+                         every MIG device of its GPU"
+                    );
+                }
                 for observation in observations(event.event_type, event.data) {
                     for id in gpu.targets(&observation, instance) {
                         if !observe(events, id, observation.clone()) {
@@ -573,21 +603,41 @@ fn watch_events(
                     }
                 }
             }
-            Err(NvmlError::Timeout) => unexpected = 0,
+            Err(NvmlError::Timeout) => {
+                unexpected = 0;
+                if answer_again(nvml, &mut lost) {
+                    set = rebuild_set(nvml, gpus, &watched, &lost, events);
+                }
+            }
             Err(NvmlError::GpuLost) => {
-                // The event does not say which GPU: ask each one.
+                // The answer does not say which GPU: ask each one still watched.
+                let mut newly_lost = false;
                 for gpu in gpus {
-                    if lost.contains(&gpu.index) {
+                    if lost.contains(&gpu.index) || !watched.contains(&gpu.index) {
                         continue;
                     }
                     let answers = nvml.device_by_index(gpu.index).and_then(|d| d.uuid());
                     if let Err(NvmlError::GpuLost) = answers {
                         lost.push(gpu.index);
+                        newly_lost = true;
                         for id in &gpu.devices {
                             tracing::error!(device = %id, "GPU is lost");
                             observe(events, id, Observation::GpuLost);
                         }
                     }
+                }
+                if newly_lost {
+                    unexpected = 0;
+                    set = rebuild_set(nvml, gpus, &watched, &lost, events);
+                } else {
+                    // Lost, but no GPU says so: pace the waits as for any failing wait.
+                    unexpected += 1;
+                    if unexpected == 1 {
+                        tracing::error!(
+                            "NVML event wait answers GPU_IS_LOST, yet every watched GPU answers"
+                        );
+                    }
+                    std::thread::sleep(retry_pause(unexpected));
                 }
             }
             Err(e) => {
@@ -596,11 +646,64 @@ fn watch_events(
                     tracing::error!(error = %e, "NVML event wait failed");
                 }
                 // A wait that fails at once would spin; pace the retries.
-                std::thread::sleep(Duration::from_millis(100 * u64::from(unexpected.min(50))));
+                std::thread::sleep(retry_pause(unexpected));
             }
         }
     }
     tracing::debug!("NVML event thread stopped");
+}
+
+/// How long to wait before the `failures`-th wait in a row that failed at once is tried again: 100 ms more
+/// each time, at most 5 s.
+fn retry_pause(failures: u32) -> Duration {
+    Duration::from_millis(100 * u64::from(failures.min(50)))
+}
+
+/// Takes out of `lost` the GPUs that answer NVML again; whether any did.
+fn answer_again(nvml: &Nvml, lost: &mut Vec<u32>) -> bool {
+    let before = lost.len();
+    lost.retain(|index| {
+        let answers = nvml.device_by_index(*index).and_then(|d| d.uuid()).is_ok();
+        if answers {
+            tracing::info!(
+                gpu = index,
+                "lost GPU answers again; watching its events again"
+            );
+        }
+        !answers
+    });
+    lost.len() != before
+}
+
+/// A new event set for the GPUs watched at start that are not lost (NVML cannot take one GPU out of a set).
+/// Events raised while the sets are swapped may be missed; the health probes still see a GPU that stopped
+/// answering.
+fn rebuild_set<'n>(
+    nvml: &'n Nvml,
+    gpus: &[Watched],
+    watched: &[u32],
+    lost: &[u32],
+    events: &mpsc::Sender<DeviceEvent>,
+) -> Option<EventSet<'n>> {
+    let keep: Vec<Watched> = gpus
+        .iter()
+        .filter(|g| watched.contains(&g.index) && !lost.contains(&g.index))
+        .cloned()
+        .collect();
+    if keep.is_empty() {
+        return None;
+    }
+    match register_all(nvml, &keep, events) {
+        Ok((set, _)) => set,
+        Err(e) => {
+            tracing::error!(error = %e, "NVML cannot create an event set; the GPUs' events are not watched");
+            let why = format!("NVML cannot create an event set: {e}");
+            for id in keep.iter().flat_map(|g| &g.devices) {
+                observe(events, id, Observation::Unmonitored(why.clone()));
+            }
+            None
+        }
+    }
 }
 
 /// Creates the event set and registers every GPU for the events it supports. A GPU whose registration fails

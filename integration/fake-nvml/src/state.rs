@@ -369,6 +369,18 @@ impl SetRef {
             if let Some(pending) = set.queue.pop_front() {
                 return Some(pending);
             }
+            // As the driver does: while a GPU registered in the set is lost, every wait on the set answers
+            // GPU_IS_LOST at once (the set has to be freed and made again without it).
+            let holds_lost = set.registrations.iter().any(|(device, _)| {
+                load_devices()
+                    .as_ref()
+                    .ok()
+                    .and_then(|devices| devices.get(*device))
+                    .is_some_and(Device::is_lost)
+            });
+            if holds_lost {
+                return Some(Pending::Lost);
+            }
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
                 return None;
