@@ -105,6 +105,44 @@ impl Default for AllocateOptions {
     }
 }
 
+/// Longest part of a device ID from a request that errors and logs repeat, in bytes: an ID is a UUID (about
+/// 40 bytes) or an index; a caller's megabyte-long one is not written out whole on every refusal.
+pub const ECHOED_ID_MAX: usize = 80;
+
+/// Device IDs shown in one log line at most; the rest are counted.
+pub const ECHOED_IDS_MAX: usize = 16;
+
+/// A device ID from a request as errors and logs repeat it: at most [`ECHOED_ID_MAX`] bytes, and its length
+/// when cut.
+pub fn echoed(id: &str) -> String {
+    if id.len() <= ECHOED_ID_MAX {
+        return id.to_string();
+    }
+    let mut end = ECHOED_ID_MAX;
+    while !id.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &id[..end], id.len())
+}
+
+/// The device IDs of a request for a log line: at most [`ECHOED_IDS_MAX`] of them, each [`echoed`].
+pub fn echoed_ids<'a>(ids: impl IntoIterator<Item = &'a String>) -> String {
+    let mut shown = Vec::new();
+    let mut more = 0usize;
+    for id in ids {
+        if shown.len() < ECHOED_IDS_MAX {
+            shown.push(echoed(id));
+        } else {
+            more += 1;
+        }
+    }
+    let mut text = shown.join(",");
+    if more > 0 {
+        text.push_str(&format!(" and {more} more"));
+    }
+    text
+}
+
 /// Why an allocation request was refused. Mapped to gRPC codes at the server edge.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AllocationError {
@@ -176,10 +214,10 @@ pub fn allocate(
         }
         for id in ids {
             if inventory.get(id).is_none() {
-                return Err(AllocationError::UnknownDevice(id.clone()));
+                return Err(AllocationError::UnknownDevice(echoed(id)));
             }
             if !shared && !seen.insert(id.as_str()) {
-                return Err(AllocationError::DuplicateDevice(id.clone()));
+                return Err(AllocationError::DuplicateDevice(echoed(id)));
             }
         }
     }
@@ -226,11 +264,11 @@ fn to_physical(
             let mut gpus: Vec<String> = Vec::with_capacity(ids.len().min(inventory.len()));
             for id in ids {
                 if !seen.insert(id.as_str()) {
-                    return Err(AllocationError::DuplicateDevice(id.clone()));
+                    return Err(AllocationError::DuplicateDevice(echoed(id)));
                 }
                 let gpu = naming
                     .resolve(inventory, id)
-                    .ok_or_else(|| AllocationError::UnknownDevice(id.clone()))?;
+                    .ok_or_else(|| AllocationError::UnknownDevice(echoed(id)))?;
                 if !gpus.iter().any(|g| g == gpu) {
                     gpus.push(gpu.to_string());
                 }
@@ -713,6 +751,31 @@ mod tests {
             Err(AllocationError::SharedRequestTooLarge(2))
         ));
         Ok(())
+    }
+
+    #[test]
+    fn ids_from_a_request_are_echoed_bounded() {
+        let huge = "G".repeat(1 << 20);
+        let err = alloc(&node(), &[&[huge.as_str()]])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("unknown device ID") && err.contains("(1048576 bytes)"),
+            "{}",
+            &err[..err.len().min(200)]
+        );
+        assert!(err.len() < 200, "{} bytes", err.len());
+        let many: Vec<String> = (0..1000).map(|i| format!("id-{i}")).collect();
+        let line = echoed_ids(&many);
+        assert!(
+            line.starts_with("id-0,id-1,") && line.ends_with(" and 984 more"),
+            "{line}"
+        );
+        assert_eq!(
+            echoed("é".repeat(60).as_str()).len(),
+            80 + " (120 bytes)".len() + 3
+        );
     }
 
     #[test]

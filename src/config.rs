@@ -578,6 +578,16 @@ impl Settings {
                             .into(),
                     });
                 }
+                Some(d) if d > crate::health::policy::MAX_DURATION => {
+                    return Err(ConfigError::Invalid {
+                        setting: "--stuck-after",
+                        value: humantime::format_duration(d).to_string(),
+                        why: format!(
+                            "must be at most {}",
+                            humantime::format_duration(crate::health::policy::MAX_DURATION)
+                        ),
+                    });
+                }
                 Some(d) => d,
                 None => std::time::Duration::from_secs(30),
             },

@@ -157,6 +157,50 @@ fn unknown_config_key_is_refused_naming_the_key() {
 }
 
 #[test]
+fn a_duration_too_long_to_count_with_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yaml");
+    for key in ["quietPeriod", "probeInterval", "recoveryActionInterval"] {
+        // Near u64::MAX seconds: once a panic deep in the health monitor, which then watched nothing.
+        std::fs::write(
+            &config,
+            format!("simulate: 1\nhealth:\n  {key}: 18446744073709551615s\n"),
+        )
+        .unwrap();
+        let out = run(&["--config", &config.to_string_lossy()], &[]);
+        assert_one_line_error(&out, &[&format!("health.{key}"), "at most 30days"]);
+    }
+    std::fs::write(
+        &config,
+        "simulate: 1\nhealth:\n  sbeBurst: {count: 3, window: 400days}\n",
+    )
+    .unwrap();
+    let out = run(&["--config", &config.to_string_lossy()], &[]);
+    assert_one_line_error(&out, &["health.sbeBurst.window", "at most 30days"]);
+    let out = run(&["--simulate", "1", "--stuck-after", "1000000h"], &[]);
+    assert_one_line_error(&out, &["--stuck-after", "at most 30days"]);
+}
+
+#[test]
+fn a_kubelet_dir_that_is_a_file_is_reported_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("device-plugins");
+    std::fs::write(&file, "").unwrap();
+    let out = run(
+        &[
+            "--simulate",
+            "1",
+            "--kubelet-dir",
+            &file.to_string_lossy(),
+            "--state-dir",
+            &dir.path().join("state").to_string_lossy(),
+        ],
+        &[],
+    );
+    assert_one_line_error(&out, &["is not a directory", &file.to_string_lossy()]);
+}
+
+#[test]
 fn a_fault_script_without_simulated_gpus_is_refused() {
     let out = run(&["--simulate-events", "/tmp/faults"], &[]);
     assert_one_line_error(&out, &["--simulate-events", "--simulate N"]);

@@ -120,7 +120,7 @@ async fn a_lost_gpu_that_answers_again_is_watched_again() -> TestResult {
     node.inject(&[format!("restore {}", gpu(2))]);
     let watched = node
         .plugin
-        .wait_log(WAIT, |l| l.contains("lost GPU answers again"))
+        .wait_log(WAIT, |l| l.contains("its events are watched again"))
         .await;
     assert!(watched.is_some(), "{}", node.plugin.log());
     // Its next fault is seen (the GPU is still Unhealthy from the loss, so look for the condition).

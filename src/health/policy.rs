@@ -63,6 +63,20 @@ pub struct Rule {
     pub recover: Option<Recover>,
 }
 
+/// The longest duration a health setting may have: longer is surely a mistake, and clock arithmetic on it
+/// could overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
+
+fn too_long(key: &str) -> PolicyError {
+    PolicyError {
+        key: key.into(),
+        why: format!(
+            "must be at most {}",
+            humantime::format_duration(MAX_DURATION)
+        ),
+    }
+}
+
 /// A single-bit ECC burst: more than `count` corrected errors within `window`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -211,6 +225,7 @@ impl Policy {
                 key: key.into(),
                 why: "must be more than 0".into(),
             }),
+            Some(d) if d > MAX_DURATION => Err(too_long(key)),
             Some(d) => Ok(d),
             None => Ok(default),
         };
@@ -220,6 +235,9 @@ impl Policy {
                 key: "health.sbeBurst.window".into(),
                 why: "must be more than 0".into(),
             });
+        }
+        if sbe_burst.window > MAX_DURATION {
+            return Err(too_long("health.sbeBurst.window"));
         }
         let mut policy = Policy {
             xid_policy: config.xid_policy.unwrap_or_default(),

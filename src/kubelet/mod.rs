@@ -61,6 +61,9 @@ pub enum KubeletError {
         .0.display()
     )]
     DirMissing(PathBuf),
+    /// The device plugin directory is something else than a directory.
+    #[error("device plugin directory {} is not a directory (check --kubelet-dir)", .0.display())]
+    NotADir(PathBuf),
     /// Our socket path would not fit in a Unix socket address.
     #[error("socket path {} is {len} bytes, over the 107-byte Unix socket limit (use a shorter --kubelet-dir)", .path.display())]
     SocketPathTooLong {
@@ -146,8 +149,10 @@ pub fn default_backoff() -> ExponentialBuilder {
 
 /// Checks what can be checked before serving: the directory exists and the socket path fits.
 pub fn socket_path_for(config: &PluginConfig) -> Result<PathBuf, KubeletError> {
-    if !config.kubelet_dir.is_dir() {
-        return Err(KubeletError::DirMissing(config.kubelet_dir.clone()));
+    match std::fs::metadata(&config.kubelet_dir) {
+        Ok(found) if found.is_dir() => {}
+        Ok(_) => return Err(KubeletError::NotADir(config.kubelet_dir.clone())),
+        Err(_) => return Err(KubeletError::DirMissing(config.kubelet_dir.clone())),
     }
     let name = match &config.socket_name {
         Some(name) => name.clone(),

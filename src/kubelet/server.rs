@@ -236,7 +236,11 @@ impl DevicePlugin for PluginService {
                 }))
             }
             Err(e) => {
-                tracing::warn!(devices = ?containers, error = %e, "refused allocation");
+                tracing::warn!(
+                    devices = %allocation::echoed_ids(containers.iter().flatten()),
+                    error = %e,
+                    "refused allocation"
+                );
                 let status = Status::from(e);
                 self.count("Allocate", status.code());
                 Err(status)
@@ -258,7 +262,11 @@ impl DevicePlugin for PluginService {
                 Ok(Response::new(PreStartContainerResponse {}))
             }
             Err(e) => {
-                tracing::warn!(devices = ?ids, error = %e, "refused a container start");
+                tracing::warn!(
+                    devices = %allocation::echoed_ids(&ids),
+                    error = %e,
+                    "refused a container start"
+                );
                 let status = Status::from(e);
                 self.count("PreStartContainer", status.code());
                 Err(status)

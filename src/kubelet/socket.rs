@@ -55,6 +55,14 @@ pub fn remove_stale_sockets(dir: &Path) -> usize {
         if !name.starts_with(SOCKET_PREFIX) && !name.starts_with(&format!(".{SOCKET_PREFIX}")) {
             continue;
         }
+        // Only a socket itself: a regular file or a link with our name is not ours to delete.
+        let is_socket = entry.file_type().is_ok_and(|t| {
+            use std::os::unix::fs::FileTypeExt as _;
+            t.is_socket()
+        });
+        if !is_socket {
+            continue;
+        }
         let path = entry.path();
         let refused = matches!(
             std::os::unix::net::UnixStream::connect(&path),
@@ -230,8 +238,16 @@ mod tests {
         let _live = std::os::unix::net::UnixListener::bind(&live)?;
         let other = dir.path().join("other-vendor.sock");
         drop(std::os::unix::net::UnixListener::bind(&other)?);
+        // Files and links that only carry our name are left alone (connecting to them is refused as well).
+        let file = dir.path().join(format!("{SOCKET_PREFIX}notes.txt"));
+        std::fs::write(&file, "kept")?;
+        let target = dir.path().join("elsewhere.sock");
+        drop(std::os::unix::net::UnixListener::bind(&target)?);
+        let link = dir.path().join(format!("{SOCKET_PREFIX}link.sock"));
+        std::os::unix::fs::symlink(&target, &link)?;
         assert_eq!(remove_stale_sockets(dir.path()), 1);
         assert!(!stale.exists() && live.exists() && other.exists());
+        assert!(file.exists() && link.symlink_metadata().is_ok() && target.exists());
         Ok(())
     }
 }

@@ -563,8 +563,8 @@ fn watch_events(
         let Some(current) = set.as_ref() else {
             // Every watched GPU is lost: nothing to wait on until one answers again.
             std::thread::sleep(Duration::from_millis(u64::from(LOST_RECHECK_MS)));
-            if answer_again(nvml, &mut lost) {
-                set = rebuild_set(nvml, gpus, &watched, &lost, events);
+            if let Some(again) = watch_again(nvml, gpus, &watched, &mut lost, events) {
+                set = again;
             }
             continue;
         };
@@ -605,8 +605,8 @@ fn watch_events(
             }
             Err(NvmlError::Timeout) => {
                 unexpected = 0;
-                if answer_again(nvml, &mut lost) {
-                    set = rebuild_set(nvml, gpus, &watched, &lost, events);
+                if let Some(again) = watch_again(nvml, gpus, &watched, &mut lost, events) {
+                    set = again;
                 }
             }
             Err(NvmlError::GpuLost) => {
@@ -659,20 +659,37 @@ fn retry_pause(failures: u32) -> Duration {
     Duration::from_millis(100 * u64::from(failures.min(50)))
 }
 
-/// Takes out of `lost` the GPUs that answer NVML again; whether any did.
-fn answer_again(nvml: &Nvml, lost: &mut Vec<u32>) -> bool {
-    let before = lost.len();
+/// Takes out of `lost` the GPUs that answer NVML again, and returns them.
+fn answer_again(nvml: &Nvml, lost: &mut Vec<u32>) -> Vec<u32> {
+    let mut back = Vec::new();
     lost.retain(|index| {
         let answers = nvml.device_by_index(*index).and_then(|d| d.uuid()).is_ok();
         if answers {
-            tracing::info!(
-                gpu = index,
-                "lost GPU answers again; watching its events again"
-            );
+            back.push(*index);
         }
         !answers
     });
-    lost.len() != before
+    back
+}
+
+/// When a lost GPU answers again: a new event set with it, `Some(None)` where no set could be made. `None`
+/// while none answers.
+fn watch_again<'n>(
+    nvml: &'n Nvml,
+    gpus: &[Watched],
+    watched: &[u32],
+    lost: &mut Vec<u32>,
+    events: &mpsc::Sender<DeviceEvent>,
+) -> Option<Option<EventSet<'n>>> {
+    let back = answer_again(nvml, lost);
+    if back.is_empty() {
+        return None;
+    }
+    let set = rebuild_set(nvml, gpus, watched, lost, events);
+    for gpu in back {
+        tracing::info!(gpu, "lost GPU answers again; its events are watched again");
+    }
+    Some(set)
 }
 
 /// A new event set for the GPUs watched at start that are not lost (NVML cannot take one GPU out of a set).
