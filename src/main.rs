@@ -58,7 +58,11 @@ fn main() -> ExitCode {
         Ok(runtime) => runtime,
         Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
     };
-    match runtime.block_on(run(settings)) {
+    let outcome = runtime.block_on(run(settings));
+    // A checkpoint write still being retried (a failing disk) must not hold the exit: shutdown already gave
+    // it its time.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(100));
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(&format!("{e:#}")),
     }

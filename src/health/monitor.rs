@@ -460,6 +460,8 @@ struct Writer {
     state: Arc<std::sync::Mutex<WriterState>>,
     /// True from a save until every pending state is written.
     busy: Arc<watch::Sender<bool>>,
+    /// Saves that failed in a row (0 once one succeeds).
+    failures: Arc<watch::Sender<u32>>,
 }
 
 #[derive(Default)]
@@ -474,6 +476,7 @@ impl Writer {
             store,
             state: Arc::default(),
             busy: Arc::new(watch::Sender::new(false)),
+            failures: Arc::new(watch::Sender::new(0)),
         }
     }
 
@@ -487,7 +490,9 @@ impl Writer {
         self.busy.send_replace(true);
         drop(state);
         let (store, shared, busy) = (self.store.clone(), self.state.clone(), self.busy.clone());
+        let failed = self.failures.clone();
         tokio::task::spawn_blocking(move || {
+            let mut failures = 0u32;
             loop {
                 let next = {
                     let mut state = lock(&shared);
@@ -501,12 +506,38 @@ impl Writer {
                 let Some((checkpoint, durability)) = next else {
                     break;
                 };
-                if let Err(e) = store.save(&checkpoint, durability) {
-                    tracing::error!(error = %e, "cannot save the health checkpoint; a restart would forget GPU faults");
+                match store.save(&checkpoint, durability) {
+                    Ok(()) => {
+                        if failures > 0 {
+                            tracing::info!(failures, "health checkpoint saved again");
+                        }
+                        failures = 0;
+                        failed.send_replace(0);
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        failed.send_replace(failures);
+                        let pause = save_retry_pause(failures);
+                        if failures == 1 {
+                            tracing::error!(error = %e, retry_in = ?pause, "cannot save the health checkpoint; a restart would forget GPU faults; trying again until it is saved");
+                        } else {
+                            tracing::debug!(error = %e, failures, "health checkpoint still not saved");
+                        }
+                        // Try again unless a newer state came meanwhile (it is written instead).
+                        lock(&shared)
+                            .pending
+                            .get_or_insert((checkpoint, durability));
+                        std::thread::sleep(pause);
+                    }
                 }
             }
         });
     }
+}
+
+/// How long the checkpoint writer waits before trying a failed save again: 1 s, doubling, at most 60 s.
+fn save_retry_pause(failures: u32) -> Duration {
+    Duration::from_secs(1u64 << failures.saturating_sub(1).min(6)).min(Duration::from_secs(60))
 }
 
 fn lock(state: &std::sync::Mutex<WriterState>) -> std::sync::MutexGuard<'_, WriterState> {
@@ -574,6 +605,40 @@ mod tests {
         // The clock is paused and moves only when every task waits for a timer: had the monitor waited for
         // one (even one due now, which the timer wheel rounds up to its next millisecond), time would show it.
         assert_eq!(tokio::time::Instant::now(), started);
+    }
+
+    #[test]
+    fn a_failed_save_is_tried_again_until_it_is_written() -> Result<(), Box<dyn std::error::Error>>
+    {
+        let dir = tempfile::tempdir()?;
+        // The state directory is gone (as on a disk that fails writes): the save fails.
+        let state_dir = dir.path().join("state");
+        let store = Store::in_dir(&state_dir);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()?;
+        runtime.block_on(async {
+            let writer = Writer::new(store.clone());
+            let mut busy = writer.busy.subscribe();
+            let mut failures = writer.failures.subscribe();
+            writer.save(checkpoint(7), Durability::Synced);
+            let failed =
+                tokio::time::timeout(Duration::from_secs(10), failures.wait_for(|n| *n > 0))
+                    .await
+                    .is_ok_and(|seen| seen.is_ok());
+            assert!(failed, "the save did not fail");
+            std::fs::create_dir(&state_dir).unwrap_or_else(|e| panic!("{e}"));
+            // The directory is back: the retry writes the checkpoint and the writer goes idle.
+            let idle = tokio::time::timeout(Duration::from_secs(10), busy.wait_for(|b| !b))
+                .await
+                .is_ok_and(|seen| seen.is_ok());
+            assert!(idle, "the writer never wrote the checkpoint");
+        });
+        let saved = store.load()?.and_then(|c| c.boot_id);
+        assert_eq!(saved.as_deref(), Some("state-7"));
+        assert_eq!(save_retry_pause(1), Duration::from_secs(1));
+        assert_eq!(save_retry_pause(40), Duration::from_secs(60));
+        Ok(())
     }
 
     #[test]
