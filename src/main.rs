@@ -63,9 +63,33 @@ fn main() -> ExitCode {
     // it its time.
     runtime.shutdown_timeout(std::time::Duration::from_millis(100));
     match outcome {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(Stopped::Shutdown) => ExitCode::SUCCESS,
+        Ok(Stopped::Reload) => restart_in_place(),
         Err(e) => fail(&format!("{e:#}")),
     }
+}
+
+/// Why the plugin stopped serving.
+enum Stopped {
+    /// SIGTERM or SIGINT.
+    Shutdown,
+    /// SIGHUP with a config that loads: start again with it.
+    Reload,
+}
+
+/// Runs this program again in this process (same PID, arguments and environment), which reads the config
+/// anew; health state carries over in the checkpoint, flushed at shutdown.
+fn restart_in_place() -> ExitCode {
+    use std::os::unix::process::CommandExt as _;
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return fail(&format!("cannot restart after SIGHUP: {e}")),
+    };
+    tracing::info!("restarting with the new config");
+    let e = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .exec();
+    fail(&format!("cannot restart after SIGHUP: {e}"))
 }
 
 /// How long shutdown waits for the last checkpoint write (well within the 2 s a DaemonSet update allows).
@@ -104,7 +128,10 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-async fn run(settings: Settings) -> anyhow::Result<()> {
+async fn run(settings: Settings) -> anyhow::Result<Stopped> {
+    // Signals first: SIGHUP's default action would kill the process.
+    let shutdown = CancellationToken::new();
+    let reload = spawn_signal_handler(shutdown.clone())?;
     config::prepare_state_dir(&settings.state_dir)?;
     // Settle the directory now, so that a bad one is reported before anything starts.
     kubelet::socket_path_for(&plugin_config(&settings, &settings.resource_name))?;
@@ -215,8 +242,6 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
         );
     }
 
-    let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone())?;
     if let Some(heartbeat) = monitored.heartbeat.clone() {
         heartbeat.watch(settings.stuck_after);
     }
@@ -260,8 +285,11 @@ async fn run(settings: Settings) -> anyhow::Result<()> {
     if let Some(e) = failed {
         return Err(e.into());
     }
+    if reload.load(std::sync::atomic::Ordering::SeqCst) {
+        return Ok(Stopped::Reload);
+    }
     tracing::info!("stopped");
-    Ok(())
+    Ok(Stopped::Shutdown)
 }
 
 /// The kubelet side's settings for `resource`.
@@ -280,20 +308,43 @@ fn socket_name_for(name: &str, resource: &str) -> String {
     format!("{stem}-{short}.sock")
 }
 
-/// SIGTERM (the kubelet stopping the pod) and SIGINT (Ctrl-C) both start a clean shutdown.
-fn spawn_signal_handler(shutdown: CancellationToken) -> anyhow::Result<()> {
+/// SIGTERM (the kubelet stopping the pod) and SIGINT (Ctrl-C) both start a clean shutdown. SIGHUP (config
+/// reloaders) reads the config again: one that does not load is refused with one error line and the plugin
+/// goes on as it is; one that loads stops the plugin cleanly and the returned flag says to start it again.
+fn spawn_signal_handler(
+    shutdown: CancellationToken,
+) -> anyhow::Result<Arc<std::sync::atomic::AtomicBool>> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
+    let mut hup = signal(SignalKind::hangup()).context("cannot install the SIGHUP handler")?;
+    let reload = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reloading = reload.clone();
     tokio::spawn(async move {
-        let name = tokio::select! {
-            _ = term.recv() => "SIGTERM",
-            _ = int.recv() => "SIGINT",
-        };
-        tracing::info!(signal = name, "shutting down");
-        shutdown.cancel();
+        loop {
+            let name = tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+                _ = hup.recv() => {
+                    match Settings::from_args(std::env::args_os()) {
+                        Ok(Ok(_)) => {
+                            tracing::info!(signal = "SIGHUP", "config loads; restarting with it");
+                            reloading.store(true, std::sync::atomic::Ordering::SeqCst);
+                            shutdown.cancel();
+                            return;
+                        }
+                        Ok(Err(e)) => tracing::error!(signal = "SIGHUP", "new config refused, the running one is kept: {e}"),
+                        Err(e) => tracing::error!(signal = "SIGHUP", "new config refused, the running one is kept: {}", e.kind()),
+                    }
+                    continue;
+                }
+            };
+            tracing::info!(signal = name, "shutting down");
+            shutdown.cancel();
+            return;
+        }
     });
-    Ok(())
+    Ok(reload)
 }
 
 /// `gpu-device-plugin status`: a running agent's devices, as a table or JSON.
