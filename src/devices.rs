@@ -301,14 +301,18 @@ pub trait DeviceSource: Send + 'static {
 /// When a watching thread last came round its loop. Shared between that thread, which beats it, and whoever
 /// asks whether it is alive.
 #[derive(Debug, Clone)]
-pub struct Heartbeat(Arc<std::sync::atomic::AtomicU64>);
+pub struct Heartbeat(
+    Arc<std::sync::atomic::AtomicU64>,
+    /// The thread runs but cannot watch: every event wait fails.
+    Arc<std::sync::atomic::AtomicBool>,
+);
 
 /// Stored when the thread stopped watching on purpose (nothing to watch): no age, nothing stuck.
 const RETIRED: u64 = u64::MAX;
 
 impl Default for Heartbeat {
     fn default() -> Self {
-        let beat = Heartbeat(Arc::default());
+        let beat = Heartbeat(Arc::default(), Arc::default());
         beat.beat();
         beat
     }
@@ -325,6 +329,16 @@ impl Heartbeat {
     pub fn beat(&self) {
         self.0
             .store(Self::now_ms(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the thread, though it runs, cannot watch anything (every event wait fails).
+    pub fn set_blind(&self, blind: bool) {
+        self.1.store(blind, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// See [`Heartbeat::set_blind`].
+    pub fn is_blind(&self) -> bool {
+        self.1.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The thread has ended on purpose; there is nothing left to be stuck.

@@ -137,6 +137,10 @@ async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Byte
                         age.as_secs()
                     ),
                 ),
+                _ if context.event_thread.as_ref().is_some_and(Heartbeat::is_blind) => text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "every NVML event wait fails: GPU faults are not seen (the GPUs are unmonitored)\n".into(),
+                ),
                 _ => text(StatusCode::OK, "ok\n".into()),
             },
             Ok(None) => text(

@@ -459,3 +459,55 @@ async fn healthz_turns_red_when_the_nvml_event_thread_is_stuck_in_the_driver() -
     assert!(body.contains("NVML event thread has been stuck"), "{body}");
     Ok(())
 }
+
+#[tokio::test]
+async fn an_event_wait_failing_on_every_call_makes_the_gpus_unmonitored_until_it_works_again()
+-> TestResult {
+    let flags = tempfile::tempdir()?;
+    let fails = flags.path().join("fails");
+    let node = NvmlNode::start_with_env(None, &[], &[("FAKE_NVML_WAIT_FAILS_FILE", fails.clone())])
+        .await?;
+    let addr = node
+        .plugin
+        .http_addr()
+        .await
+        .ok_or_else(|| format!("no HTTP address\n{}", node.plugin.log()))?;
+    let healthz = || async {
+        let (status, body) = gpu_device_plugin::http::get(&addr, "/healthz")
+            .await
+            .expect("the plugin answers HTTP");
+        (status.as_u16(), String::from_utf8_lossy(&body).into_owned())
+    };
+    std::fs::write(&fails, "")?;
+    node.plugin
+        .wait_log(WAIT, |l| {
+            l.contains("conditions=unmonitored") && l.contains(&gpu(3))
+        })
+        .await
+        .ok_or_else(|| format!("the GPUs were never unmonitored\n{}", node.plugin.log()))?;
+    let (status, body) = healthz().await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("every NVML event wait fails"), "{body}");
+    let report = gpu_device_plugin::http::fetch_report(&addr).await?;
+    for device in &report.devices {
+        assert_eq!(device.health, "Healthy", "unmonitored is not a fault");
+        assert!(
+            device
+                .message
+                .as_deref()
+                .is_some_and(|m| m.contains("fails on every call")),
+            "{device:?}"
+        );
+    }
+
+    // The waits work again: the condition ends, /healthz is green, faults are seen again.
+    std::fs::remove_file(&fails)?;
+    node.plugin
+        .wait_log(WAIT, |l| l.contains("NVML event waits work again"))
+        .await
+        .ok_or_else(|| format!("never watched again\n{}", node.plugin.log()))?;
+    assert_eq!(healthz().await, (200, "ok\n".to_string()));
+    node.inject(&[format!("xid {} 79", gpu(1))]);
+    node.wait_unhealthy(&gpu(1)).await?;
+    Ok(())
+}

@@ -17,7 +17,9 @@ async fn sighup_refuses_a_bad_config_and_restarts_with_a_good_one_keeping_health
     let gpu = node.kubelet.list().devices[1].id.clone();
     node.inject(&[format!("xid {gpu} 79")]);
     node.kubelet
-        .wait_list("GPU 1 Unhealthy", WAIT, |l| l.health(&gpu) == Some("Unhealthy"))
+        .wait_list("GPU 1 Unhealthy", WAIT, |l| {
+            l.health(&gpu) == Some("Unhealthy")
+        })
         .await?;
     let pid = node.plugin.child.id();
 
@@ -26,10 +28,16 @@ async fn sighup_refuses_a_bad_config_and_restarts_with_a_good_one_keeping_health
     node.plugin.signal(Signal::SIGHUP);
     let refused = node
         .plugin
-        .wait_log(WAIT, |l| l.contains("new config refused") && l.contains("bogus"))
+        .wait_log(WAIT, |l| {
+            l.contains("new config refused") && l.contains("bogus")
+        })
         .await;
     assert!(refused.is_some(), "{}", node.plugin.log());
-    assert_eq!(node.kubelet.registrations().len(), 1, "no restart on a bad config");
+    assert_eq!(
+        node.kubelet.registrations().len(),
+        1,
+        "no restart on a bad config"
+    );
 
     // A config that loads: the plugin restarts in place (same process), registers again, and the GPU that
     // failed before is Unhealthy in the new instance's first list.
@@ -38,9 +46,16 @@ async fn sighup_refuses_a_bad_config_and_restarts_with_a_good_one_keeping_health
     node.kubelet.wait_registrations(2, WAIT).await?;
     let list = node
         .kubelet
-        .wait_list("the restarted plugin's list", WAIT, |l| l.devices.len() == 2)
+        .wait_list("the restarted plugin's list", WAIT, |l| {
+            l.devices.len() == 2
+        })
         .await?;
-    assert_eq!(list.health(&gpu), Some("Unhealthy"), "{}", node.plugin.log());
+    assert_eq!(
+        list.health(&gpu),
+        Some("Unhealthy"),
+        "{}",
+        node.plugin.log()
+    );
     assert_eq!(node.plugin.child.id(), pid, "restarted in the same process");
     let restarted = node
         .plugin

@@ -38,6 +38,8 @@ pub enum Observation {
     GpuLost,
     /// Health events cannot be watched on this device; the text says why.
     Unmonitored(String),
+    /// Health events on this device are watched again: an `unmonitored` condition ends.
+    Monitored,
     /// The answer to a probe the engine asked for.
     Probe(ProbeResult),
 }
@@ -285,6 +287,9 @@ impl HealthEngine {
                     now,
                 );
             }
+            Observation::Monitored => state
+                .conditions
+                .retain(|c| c.kind != ConditionKind::Unmonitored),
             Observation::SingleBitEcc => {
                 let burst = self.policy.sbe_burst;
                 state.sbe_times.push_back(now);

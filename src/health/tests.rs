@@ -395,6 +395,23 @@ fn an_unmonitored_gpu_stays_healthy_and_says_why() {
 }
 
 #[test]
+fn a_gpu_watched_again_loses_its_unmonitored_condition_and_keeps_the_others() {
+    let mut e = default_engine();
+    e.observe(GPU, &Observation::Xid(79), t(0));
+    e.observe(
+        GPU,
+        &Observation::Unmonitored("the event wait fails".into()),
+        t(1),
+    );
+    let m = e.observe(GPU, &Observation::Monitored, t(2));
+    assert!(m.conditions_changed);
+    assert_eq!(m.conditions, ["xid=79"]);
+    assert_eq!(m.new, Health::Unhealthy);
+    let again = e.observe(GPU, &Observation::Monitored, t(3));
+    assert!(!again.conditions_changed, "nothing to end the second time");
+}
+
+#[test]
 fn the_nvidia_policy_and_dp_variables_change_xid_effects_in_the_engine() {
     let config: HealthConfig = serde_norway::from_str("xidPolicy: nvidia").unwrap_or_default();
     let policy = Policy::new(&config, None, Some("13")).unwrap_or_default();

@@ -37,6 +37,9 @@ pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 /// thread takes to notice that the plugin is stopping, at the cost of one wake-up per period when idle.
 const WAIT_TIMEOUT_MS: u32 = 2000;
 
+/// Event waits failing in a row (about 0.6 s of tries) after which the GPUs count as `unmonitored`.
+const BLIND_AFTER: u32 = 3;
+
 /// How often a lost GPU is asked whether it answers again, so that its events are watched again.
 const LOST_RECHECK_MS: u32 = 250;
 
@@ -557,6 +560,18 @@ fn watch_events(
     let mut lost: Vec<u32> = Vec::new();
     let mut unexpected = 0u32;
     let mut unserved_instances: HashSet<(u32, u32, u32)> = HashSet::new();
+    // Whether the watched GPUs were reported `unmonitored` because every wait failed.
+    let mut blind = false;
+    let tell_all = |observation: Observation, lost: &[u32]| {
+        for gpu in gpus
+            .iter()
+            .filter(|g| watched.contains(&g.index) && !lost.contains(&g.index))
+        {
+            for id in &gpu.devices {
+                observe(events, id, observation.clone());
+            }
+        }
+    };
     tracing::info!(gpus = watched.len(), "watching NVML health events");
     while !events.is_closed() {
         heartbeat.beat();
@@ -574,7 +589,14 @@ fn watch_events(
         } else {
             LOST_RECHECK_MS
         };
-        match raw::wait(nvml, current, timeout) {
+        let waited = raw::wait(nvml, current, timeout);
+        if blind && matches!(waited, Ok(_) | Err(NvmlError::Timeout)) {
+            blind = false;
+            heartbeat.set_blind(false);
+            tracing::info!("NVML event waits work again; the GPUs' events are watched");
+            tell_all(Observation::Monitored, &lost);
+        }
+        match waited {
             Ok(event) => {
                 unexpected = 0;
                 let Some(gpu) = event.gpu_index.and_then(|i| by_index.get(&i)) else {
@@ -644,6 +666,18 @@ fn watch_events(
                 unexpected += 1;
                 if unexpected == 1 {
                     tracing::error!(error = %e, "NVML event wait failed");
+                }
+                if unexpected == BLIND_AFTER && !blind {
+                    // Nothing watches the GPUs now: say so on each of them until a wait works again.
+                    blind = true;
+                    heartbeat.set_blind(true);
+                    tracing::error!(error = %e, failures = unexpected, "every NVML event wait fails; the GPUs' health events are not watched");
+                    tell_all(
+                        Observation::Unmonitored(format!(
+                            "the NVML event wait fails on every call: {e}"
+                        )),
+                        &lost,
+                    );
                 }
                 // A wait that fails at once would spin; pace the retries.
                 std::thread::sleep(retry_pause(unexpected));

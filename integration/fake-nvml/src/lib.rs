@@ -828,6 +828,12 @@ fn hang_if_asked() {
     }
 }
 
+/// Whether every event wait fails now (`FAKE_NVML_WAIT_FAILS_FILE` names a file that exists), as a driver
+/// whose waits error at once on every call.
+fn wait_fails() -> bool {
+    std::env::var_os("FAKE_NVML_WAIT_FAILS_FILE").is_some_and(|p| std::path::Path::new(&p).exists())
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlEventSetWait_v2(
     set: nvmlEventSet_t,
@@ -841,6 +847,9 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
         return code::INVALID_ARGUMENT;
     };
     hang_if_asked();
+    if wait_fails() {
+        return code::UNKNOWN;
+    }
     match set.wait(Duration::from_millis(u64::from(timeout_ms))) {
         None => code::TIMEOUT,
         Some(Pending::Lost) => code::GPU_IS_LOST,
