@@ -425,6 +425,14 @@ impl Unwatched {
     }
 }
 
+/// `/healthz` of the plugin at `addr`: status code and body.
+async fn healthz_at(addr: &str) -> (u16, String) {
+    let (status, body) = gpu_device_plugin::http::get(addr, "/healthz")
+        .await
+        .expect("the plugin answers HTTP");
+    (status.as_u16(), String::from_utf8_lossy(&body).into_owned())
+}
+
 #[tokio::test]
 async fn healthz_turns_red_when_the_nvml_event_thread_is_stuck_in_the_driver() -> TestResult {
     let flags = tempfile::tempdir()?;
@@ -440,12 +448,7 @@ async fn healthz_turns_red_when_the_nvml_event_thread_is_stuck_in_the_driver() -
         .http_addr()
         .await
         .ok_or_else(|| format!("no HTTP address\n{}", node.plugin.log()))?;
-    let healthz = || async {
-        let (status, body) = gpu_device_plugin::http::get(&addr, "/healthz")
-            .await
-            .expect("the plugin answers HTTP");
-        (status.as_u16(), String::from_utf8_lossy(&body).into_owned())
-    };
+    let healthz = || healthz_at(&addr);
     assert_eq!(healthz().await, (200, "ok\n".to_string()));
 
     // The driver stops answering: the next event wait never returns.
@@ -472,12 +475,7 @@ async fn an_event_wait_failing_on_every_call_makes_the_gpus_unmonitored_until_it
         .http_addr()
         .await
         .ok_or_else(|| format!("no HTTP address\n{}", node.plugin.log()))?;
-    let healthz = || async {
-        let (status, body) = gpu_device_plugin::http::get(&addr, "/healthz")
-            .await
-            .expect("the plugin answers HTTP");
-        (status.as_u16(), String::from_utf8_lossy(&body).into_owned())
-    };
+    let healthz = || healthz_at(&addr);
     std::fs::write(&fails, "")?;
     node.plugin
         .wait_log(WAIT, |l| {
