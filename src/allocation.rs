@@ -118,10 +118,7 @@ pub fn echoed(id: &str) -> String {
     if id.len() <= ECHOED_ID_MAX {
         return id.to_string();
     }
-    let mut end = ECHOED_ID_MAX;
-    while !id.is_char_boundary(end) {
-        end -= 1;
-    }
+    let end = crate::text::floor(id, ECHOED_ID_MAX);
     format!("{}... ({} bytes)", &id[..end], id.len())
 }
 
@@ -435,22 +432,10 @@ pub fn pre_start(inventory: &Inventory, ids: &[String]) -> Result<(), PreStartEr
     if text.is_empty() {
         return Ok(());
     }
-    Err(PreStartError::Refused(cut_bytes(
+    Err(PreStartError::Refused(crate::text::cut_bytes(
         &text,
         MAX_PRE_START_DESCRIPTION,
     )))
-}
-
-/// `text` in at most `max` bytes: cut at a character boundary and ended with "..." when longer.
-fn cut_bytes(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_string();
-    }
-    let mut end = max.saturating_sub(3);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}...", &text[..end])
 }
 
 /// [`preferred`] in the kubelet's names. With index IDs, the same choice among the GPUs. With replicas, the

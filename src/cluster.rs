@@ -370,7 +370,7 @@ impl Cluster {
             let event = Event {
                 type_: note.type_,
                 reason: note.reason.into(),
-                note: Some(bounded(&note.text, NOTE_LIMIT)),
+                note: Some(crate::text::cut_bytes(&note.text, NOTE_LIMIT)),
                 action: action(note.reason, &note.text),
                 secondary: None,
             };
@@ -586,7 +586,7 @@ pub fn condition_of(inventory: &Inventory) -> WantedCondition {
     WantedCondition {
         unhealthy: unhealthy.len(),
         total,
-        message: bounded(&message, CONDITION_MESSAGE_LIMIT),
+        message: crate::text::cut_bytes(&message, CONDITION_MESSAGE_LIMIT),
     }
 }
 
@@ -697,18 +697,6 @@ fn action(reason: &str, text: &str) -> String {
         "ReturnToService"
     };
     format!("{verb}-{:08x}", hasher.finish() as u32)
-}
-
-/// `text` cut at a character boundary to at most `limit` bytes, ending in "..." when cut.
-fn bounded(text: &str, limit: usize) -> String {
-    if text.len() <= limit {
-        return text.into();
-    }
-    let mut end = limit - 3;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}...", &text[..end])
 }
 
 /// An API error with what to do about the usual ones.
@@ -956,7 +944,7 @@ mod tests {
 
     #[test]
     fn notes_are_cut_at_a_character_boundary() {
-        let cut = bounded(&"é".repeat(1000), NOTE_LIMIT);
+        let cut = crate::text::cut_bytes(&"é".repeat(1000), NOTE_LIMIT);
         assert!(cut.len() <= NOTE_LIMIT && cut.ends_with("..."));
     }
 }

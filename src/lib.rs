@@ -30,3 +30,4 @@ pub mod pods;
 pub mod resources;
 pub mod runtime;
 pub mod status;
+pub mod text;

@@ -560,13 +560,8 @@ fn watch_events(
     let mut lost: Vec<u32> = Vec::new();
     let mut unexpected = 0u32;
     let mut unserved_instances: HashSet<(u32, u32, u32)> = HashSet::new();
-    // Whether the watched GPUs were reported `unmonitored` because every wait failed.
-    let mut blind = false;
     let tell_all = |observation: Observation, lost: &[u32]| {
-        for gpu in gpus
-            .iter()
-            .filter(|g| watched.contains(&g.index) && !lost.contains(&g.index))
-        {
+        for gpu in still_watched(gpus, &watched, lost) {
             for id in &gpu.devices {
                 observe(events, id, observation.clone());
             }
@@ -590,8 +585,8 @@ fn watch_events(
             LOST_RECHECK_MS
         };
         let waited = raw::wait(nvml, current, timeout);
-        if blind && matches!(waited, Ok(_) | Err(NvmlError::Timeout)) {
-            blind = false;
+        // The heartbeat says whether the GPUs were reported `unmonitored` because every wait failed.
+        if heartbeat.is_blind() && matches!(waited, Ok(_) | Err(NvmlError::Timeout)) {
             heartbeat.set_blind(false);
             tracing::info!("NVML event waits work again; the GPUs' events are watched");
             tell_all(Observation::Monitored, &lost);
@@ -667,9 +662,8 @@ fn watch_events(
                 if unexpected == 1 {
                     tracing::error!(error = %e, "NVML event wait failed");
                 }
-                if unexpected == BLIND_AFTER && !blind {
+                if unexpected == BLIND_AFTER && !heartbeat.is_blind() {
                     // Nothing watches the GPUs now: say so on each of them until a wait works again.
-                    blind = true;
                     heartbeat.set_blind(true);
                     tracing::error!(error = %e, failures = unexpected, "every NVML event wait fails; the GPUs' health events are not watched");
                     tell_all(
@@ -691,6 +685,16 @@ fn watch_events(
 /// each time, at most 5 s.
 fn retry_pause(failures: u32) -> Duration {
     Duration::from_millis(100 * u64::from(failures.min(50)))
+}
+
+/// The GPUs registered at start (`watched`) that are not lost now.
+fn still_watched<'a>(
+    gpus: &'a [Watched],
+    watched: &'a [u32],
+    lost: &'a [u32],
+) -> impl Iterator<Item = &'a Watched> + 'a {
+    gpus.iter()
+        .filter(|g| watched.contains(&g.index) && !lost.contains(&g.index))
 }
 
 /// Takes out of `lost` the GPUs that answer NVML again, and returns them.
@@ -736,11 +740,7 @@ fn rebuild_set<'n>(
     lost: &[u32],
     events: &mpsc::Sender<DeviceEvent>,
 ) -> Option<EventSet<'n>> {
-    let keep: Vec<Watched> = gpus
-        .iter()
-        .filter(|g| watched.contains(&g.index) && !lost.contains(&g.index))
-        .cloned()
-        .collect();
+    let keep: Vec<Watched> = still_watched(gpus, watched, lost).cloned().collect();
     if keep.is_empty() {
         return None;
     }
