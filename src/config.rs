@@ -631,6 +631,43 @@ impl Settings {
     }
 }
 
+/// A command-line error from clap as one line (what shows up in `kubectl logs` and event messages; clap's
+/// own spans several, with tips and usage). Where the bad value came from an environment variable rather
+/// than the flag, the line names the variable: in a DaemonSet, that is where the operator has to look.
+pub fn usage_error_line(error: &clap::Error, argv: &[OsString]) -> String {
+    use clap::CommandFactory;
+    use clap::error::{ContextKind, ContextValue};
+
+    let rendered = error.render().to_string();
+    let first = rendered.lines().next().unwrap_or("invalid arguments");
+    let mut line = first.strip_prefix("error: ").unwrap_or(first).to_string();
+    let flag = match error.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(arg)) => arg.split([' ', '=']).next().unwrap_or_default(),
+        _ => "",
+    };
+    let long = flag.strip_prefix("--").unwrap_or_default();
+    let given = |a: &OsString| {
+        a.to_str()
+            .is_some_and(|a| a == flag || a.strip_prefix(flag).is_some_and(|v| v.starts_with('=')))
+    };
+    let command = Args::command();
+    let env = command
+        .get_arguments()
+        .find(|a| !long.is_empty() && a.get_long() == Some(long))
+        .and_then(|a| a.get_env());
+    if let Some(env) = env
+        && !argv.iter().skip(1).any(given)
+        && let Some(value) = std::env::var_os(env)
+    {
+        let value = crate::text::cut_bytes(&value.to_string_lossy(), 80);
+        line = format!(
+            "{line}: the value {value:?} comes from the environment variable {}",
+            env.to_string_lossy()
+        );
+    }
+    format!("{line} (see --help)")
+}
+
 /// `HOST:PORT` with an IP address (the surfaces are bound before any name service could be relied on), or
 /// empty for off.
 fn parse_http_addr(value: &str) -> Result<Option<std::net::SocketAddr>, ConfigError> {

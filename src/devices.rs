@@ -296,6 +296,13 @@ pub trait DeviceSource: Send + 'static {
     fn heartbeat(&self) -> Option<Heartbeat> {
         None
     }
+
+    /// Devices present but not served because they cannot be named (a GPU that does not answer, and that
+    /// nothing else identifies). While there are any, checkpoint entries of devices not listed are kept: one
+    /// of them may be such a device, and its conditions must outlive its silence.
+    fn unidentified(&self) -> usize {
+        0
+    }
 }
 
 /// When a watching thread last came round its loop. Shared between that thread, which beats it, and whoever

@@ -26,17 +26,11 @@ fn main() -> ExitCode {
     if std::env::args_os().nth(1).is_some_and(|a| a == "status") {
         return status_command();
     }
-    let settings = match Settings::from_args(std::env::args_os()) {
+    let argv: Vec<_> = std::env::args_os().collect();
+    let settings = match Settings::from_args(&argv) {
         Ok(Ok(settings)) => settings,
         Ok(Err(e)) => return fail(&e.to_string()),
-        Err(e) if e.use_stderr() => {
-            // Clap's message spans several lines (tips, usage); one line is what shows up in `kubectl logs`
-            // and event messages.
-            let rendered = e.render().to_string();
-            let first = rendered.lines().next().unwrap_or("invalid arguments");
-            let first = first.strip_prefix("error: ").unwrap_or(first);
-            return fail(&format!("{first} (see --help)"));
-        }
+        Err(e) if e.use_stderr() => return fail(&config::usage_error_line(&e, &argv)),
         Err(e) => {
             // --help and --version.
             let _printed = e.print();
@@ -326,7 +320,8 @@ fn spawn_signal_handler(
                 _ = term.recv() => "SIGTERM",
                 _ = int.recv() => "SIGINT",
                 _ = hup.recv() => {
-                    match Settings::from_args(std::env::args_os()) {
+                    let argv: Vec<_> = std::env::args_os().collect();
+                    match Settings::from_args(&argv) {
                         Ok(Ok(_)) => {
                             tracing::info!(signal = "SIGHUP", "config loads; restarting with it");
                             reloading.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -334,7 +329,7 @@ fn spawn_signal_handler(
                             return;
                         }
                         Ok(Err(e)) => tracing::error!(signal = "SIGHUP", "new config refused, the running one is kept: {e}"),
-                        Err(e) => tracing::error!(signal = "SIGHUP", "new config refused, the running one is kept: {}", e.kind()),
+                        Err(e) => tracing::error!(signal = "SIGHUP", "new config refused, the running one is kept: {}", config::usage_error_line(&e, &argv)),
                     }
                     continue;
                 }

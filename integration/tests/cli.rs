@@ -59,6 +59,30 @@ fn settings_come_from_environment_variables_too() {
 }
 
 #[test]
+fn a_bad_value_from_an_environment_variable_names_the_variable() {
+    let out = run(&[], &[("GPU_DEVICE_PLUGIN_FAIL_ON_INIT_ERROR", "")]);
+    assert_one_line_error(&out, &["GPU_DEVICE_PLUGIN_FAIL_ON_INIT_ERROR"]);
+    let out = run(&[], &[("GPU_DEVICE_PLUGIN_STUCK_AFTER", "")]);
+    assert_one_line_error(
+        &out,
+        &["environment variable GPU_DEVICE_PLUGIN_STUCK_AFTER"],
+    );
+    let out = run(&[], &[("PASS_DEVICE_SPECS", "maybe")]);
+    assert_one_line_error(
+        &out,
+        &["\"maybe\"", "environment variable PASS_DEVICE_SPECS"],
+    );
+    // The flag wins over the variable, and the error is about the flag.
+    let out = run(
+        &["--stuck-after", ""],
+        &[("GPU_DEVICE_PLUGIN_STUCK_AFTER", "10s")],
+    );
+    assert_one_line_error(&out, &["--stuck-after"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("environment variable"), "{stderr}");
+}
+
+#[test]
 fn unwritable_state_dir_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("a-file");

@@ -184,6 +184,65 @@ async fn a_plugin_restart_keeps_an_unhealthy_gpu_unhealthy_with_its_message() ->
     Ok(())
 }
 
+/// A `recover: never` double-bit ECC error on GPU 2, then a plugin start while GPU 2 does not answer NVML
+/// (named from the driver's list or not, as `named`), then a start once it answers again: the fault must
+/// hold throughout.
+async fn a_recover_never_fault_survives_a_start_while_its_gpu_is_silent(named: bool) -> TestResult {
+    let config_dir = tempfile::tempdir()?;
+    let config = with_config(
+        config_dir.path(),
+        "health:\n  conditions:\n    ecc-dbe: {recover: never}\n",
+    );
+    let mut node = NvmlNode::start(
+        None,
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--proc-root",
+            "{dir}/proc",
+        ],
+    )
+    .await?;
+    if named {
+        support::write_driver_gpu_list(&node.dir.path().join("proc"), 4);
+    }
+    node.inject(&[format!("dbe {}", gpu(2))]);
+    node.wait_unhealthy(&gpu(2)).await?;
+    node.stop_plugin().await?;
+
+    node.inject(&[format!("lost {}", gpu(2))]);
+    let silent = node.start_plugin().await?;
+    let expected = if named { Some("Unhealthy") } else { None };
+    assert_eq!(silent.health(&gpu(2)), expected, "{}", node.plugin.log());
+    assert_eq!(silent.allocatable(), 3);
+    node.stop_plugin().await?;
+
+    node.inject(&[format!("restore {}", gpu(2))]);
+    let back = node.start_plugin().await?;
+    assert_eq!(
+        back.health(&gpu(2)),
+        Some("Unhealthy"),
+        "{}",
+        node.plugin.log()
+    );
+    assert_eq!(back.allocatable(), 3);
+    let refusal = node.refusal(&gpu(2)).await?;
+    assert!(refusal.message().contains("ECC"), "{}", refusal.message());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_recover_never_fault_survives_a_start_while_its_gpu_is_silent_and_named_by_the_driver()
+-> TestResult {
+    a_recover_never_fault_survives_a_start_while_its_gpu_is_silent(true).await
+}
+
+#[tokio::test]
+async fn a_recover_never_fault_survives_a_start_while_its_gpu_is_silent_and_unnamed() -> TestResult
+{
+    a_recover_never_fault_survives_a_start_while_its_gpu_is_silent(false).await
+}
+
 #[tokio::test]
 async fn a_new_boot_drops_conditions_a_reboot_resolves() -> TestResult {
     let mut node = NvmlNode::start(None, &[]).await?;

@@ -367,6 +367,47 @@ async fn sigterm_ends_streams_cleanly_removes_the_socket_and_exits_zero_within_2
     Ok(())
 }
 
+/// The device plugin directory moved away and made again (`replace`), or deleted, while the plugin serves:
+/// the kubelet looks at the path, so the plugin must not go on serving in the old directory unnoticed.
+async fn a_replaced_kubelet_directory_stops_the_plugin_for_a_restart(replace: bool) -> TestResult {
+    let root = tempfile::tempdir()?;
+    let dir = root.path().join("device-plugins");
+    std::fs::create_dir(&dir)?;
+    let kubelet = FakeKubelet::start(&dir).await?;
+    let mut plugin = PluginProcess::spawn(&dir, &["--simulate", "2"]);
+    kubelet
+        .wait_list("2 devices", WAIT, |l| l.messages >= 1)
+        .await?;
+    if replace {
+        std::fs::rename(&dir, root.path().join("device-plugins.old"))?;
+        std::fs::create_dir(&dir)?;
+    } else {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    let status = plugin.wait_exit(WAIT).await;
+    let log = plugin.log();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "exit status {status:?}\n{log}"
+    );
+    assert!(
+        log.contains("was moved, deleted or replaced") && log.contains(&*dir.to_string_lossy()),
+        "{log}"
+    );
+    assert!(!log.contains("panicked"), "{log}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_kubelet_directory_moved_and_made_again_stops_the_plugin_for_a_restart() -> TestResult {
+    a_replaced_kubelet_directory_stops_the_plugin_for_a_restart(true).await
+}
+
+#[tokio::test]
+async fn a_kubelet_directory_deleted_stops_the_plugin_for_a_restart() -> TestResult {
+    a_replaced_kubelet_directory_stops_the_plugin_for_a_restart(false).await
+}
+
 #[tokio::test]
 async fn sigint_also_shuts_down_cleanly() -> TestResult {
     let dir = tempfile::tempdir()?;

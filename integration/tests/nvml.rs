@@ -267,6 +267,10 @@ async fn without_nvml_and_fail_on_init_error_false_the_drivers_gpus_are_served_u
         gpus.join("information"),
         "Model: \t NVIDIA H100\nGPU UUID: \t GPU-from-procfs\nDevice Minor: \t 0\n",
     )?;
+    // A second GPU whose information the driver has not filled in: left out, and the log says which.
+    let uninitialised = dir.path().join("proc/driver/nvidia/gpus/0000:18:00.0");
+    std::fs::create_dir_all(&uninitialised)?;
+    std::fs::write(uninitialised.join("information"), "Model: \t NVIDIA H100\n")?;
     let proc_root = dir.path().join("proc");
     let kubelet = FakeKubelet::start(&kubelet_dir).await?;
     let plugin = PluginProcess::spawn(
@@ -284,10 +288,15 @@ async fn without_nvml_and_fail_on_init_error_false_the_drivers_gpus_are_served_u
         .await
         .map_err(|e| format!("{e}\n{}", plugin.log()))?;
     assert_eq!(list.health("GPU-from-procfs"), Some("Healthy"));
+    assert_eq!(list.devices.len(), 1);
     // Logged before the GPUs were listed, so it is in the log by now: health is not watched, and why.
     let log = plugin.log();
     assert!(
         log.contains("unmonitored") && log.contains("/nonexistent/libnvidia-ml.so.1"),
+        "{log}"
+    );
+    assert!(
+        log.contains("0000:18:00.0/information") && log.contains("left out"),
         "{log}"
     );
     drop(dir);
@@ -349,18 +358,41 @@ fn the_fake_library_answers_nvml_calls_with_nvml_struct_layouts() -> TestResult 
 }
 
 #[tokio::test]
-async fn a_gpu_that_does_not_answer_at_start_is_listed_unhealthy_not_a_crash() -> TestResult {
-    // History in the fake's event file: GPU 1 fell off the bus before the plugin started.
-    let node = Unwatched::start(&format!("lost {}\n", gpu(1)), &[]).await?;
-    let list = node
-        .kubelet
-        .wait_list("the unreadable GPU Unhealthy", WAIT, |l| {
-            l.health("GPU-unreadable-index-1") == Some("Unhealthy")
-        })
-        .await
-        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
-    assert_eq!(list.devices.len(), 4);
+async fn a_gpu_that_does_not_answer_at_start_is_listed_by_its_uuid_unhealthy_not_a_crash()
+-> TestResult {
+    let mut node = NvmlNode::start(None, &["--proc-root", "{dir}/proc"]).await?;
+    support::write_driver_gpu_list(&node.dir.path().join("proc"), 4);
+    node.stop_plugin().await?;
+    // GPU 1 falls off the bus while the plugin is away: NVML counts it but cannot open it.
+    node.inject(&[format!("lost {}", gpu(1))]);
+    let list = node.start_plugin().await?;
+    assert_eq!(
+        list.health(&gpu(1)),
+        Some("Unhealthy"),
+        "named from the driver's information file\n{}",
+        node.plugin.log()
+    );
+    assert_eq!(list.devices.len(), 4, "no device the kubelet never had");
     assert_eq!(list.allocatable(), 3);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_silent_gpu_the_driver_does_not_name_is_not_served_under_a_made_up_id() -> TestResult {
+    // No driver GPU list under this proc root: nothing tells which GPU index 1 is.
+    let mut node = NvmlNode::start(None, &["--proc-root", "{dir}/proc"]).await?;
+    node.stop_plugin().await?;
+    node.inject(&[format!("lost {}", gpu(1))]);
+    let list = node.start_plugin().await?;
+    let ids: Vec<&str> = list.devices.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(ids.len(), 3, "{ids:?}");
+    assert!(!ids.contains(&gpu(1).as_str()), "{ids:?}");
+    assert!(ids.iter().all(|id| id.starts_with("GPU-fa4e")), "{ids:?}");
+    let log = node.plugin.log();
+    assert!(
+        log.contains("index=1") && log.contains("not served"),
+        "{log}"
+    );
     Ok(())
 }
 

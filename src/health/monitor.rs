@@ -6,6 +6,7 @@
 //! go back to the source on their own channel. The kubelet comes first: a change is published, the gRPC
 //! connection writes it, and only then is it logged and checkpointed.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -14,9 +15,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::MissedTickBehavior;
 
 use super::Effect;
-use super::checkpoint::{self, Checkpoint, Durability, Store};
+use super::checkpoint::{self, Checkpoint, DeviceRecord, Durability, Store};
 use super::policy::Recover;
-use super::{HealthEngine, Observation, Outcome, Policy};
+use super::{ConditionKind, HealthEngine, Observation, Outcome, Policy};
 use crate::devices::{
     DeviceEvent, DeviceSource, Heartbeat, Inventory, InventoryWatch, SourceError,
 };
@@ -118,9 +119,16 @@ pub fn spawn_monitored(
     if boot_id.is_none() {
         tracing::warn!(path = %config.boot_id_path.display(), "cannot read the boot id; reboots will not be recognised");
     }
-    if let Some(store) = &store {
-        restore(&mut engine, &mut inventory, store, boot_id.as_deref());
-    }
+    let carried = match &store {
+        Some(store) => restore(
+            &mut engine,
+            &mut inventory,
+            store,
+            boot_id.as_deref(),
+            source.unidentified(),
+        ),
+        None => BTreeMap::new(),
+    };
 
     let ids: Vec<String> = inventory
         .devices()
@@ -141,6 +149,7 @@ pub fn spawn_monitored(
         inventory: tx,
         probes: probe_tx,
         writer: store.map(Writer::new),
+        carried,
         boot_id,
         metrics: config.metrics.clone(),
     };
@@ -153,21 +162,26 @@ pub fn spawn_monitored(
     })
 }
 
+/// Puts the checkpoint's conditions back on the devices listed. Returns the records of devices not listed
+/// that must still be written with every checkpoint: while `unidentified` devices are present, one of them
+/// may be such a device.
 fn restore(
     engine: &mut HealthEngine,
     inventory: &mut Inventory,
     store: &Store,
     boot_id: Option<&str>,
-) {
+    unidentified: usize,
+) -> BTreeMap<String, DeviceRecord> {
+    let mut carried = BTreeMap::new();
     let saved = match store.load() {
         Ok(Some(saved)) => saved,
-        Ok(None) => return,
+        Ok(None) => return carried,
         Err(e) => {
             // Kept aside, not overwritten by the next save: a rollback from a newer version, or a damaged
             // file, loses nothing for good.
             if !matches!(e, checkpoint::CheckpointError::Corrupt { .. }) {
                 tracing::warn!(error = %e, "ignoring the health checkpoint; starting with every GPU Healthy");
-                return;
+                return carried;
             }
             match store.set_aside() {
                 Ok(aside) => tracing::warn!(
@@ -181,7 +195,7 @@ fn restore(
                     "ignoring the health checkpoint, which cannot be moved aside either; starting with every GPU Healthy"
                 ),
             }
-            return;
+            return carried;
         }
     };
     let rebooted =
@@ -194,7 +208,21 @@ fn restore(
     let now = SystemTime::now();
     for (id, record) in &saved.devices {
         if inventory.get(id).is_none() {
-            tracing::info!(device = %id, "device in the checkpoint is gone; dropped");
+            if unidentified > 0 {
+                tracing::warn!(device = %id, unidentified, "device in the checkpoint is not listed, but GPUs are present that cannot be named; its record is kept");
+                let mut record = record.clone();
+                if rebooted {
+                    record.conditions.retain(|c| {
+                        ConditionKind::from_parts(&c.condition, c.value)
+                            .is_some_and(|kind| engine.policy().recover(&kind) == Recover::Never)
+                    });
+                }
+                if !record.conditions.is_empty() {
+                    carried.insert(id.clone(), record);
+                }
+            } else {
+                tracing::info!(device = %id, "device in the checkpoint is gone; dropped");
+            }
             continue;
         }
         let outcome = engine.restore(
@@ -216,6 +244,7 @@ fn restore(
         let message = in_context(inventory, id, outcome.message);
         inventory.set_health(id, outcome.new, message);
     }
+    carried
 }
 
 /// A device's message as every surface shows it: a MIG device's names its profile and GPU, so that an
@@ -244,6 +273,8 @@ struct Monitor {
     inventory: watch::Sender<Arc<Inventory>>,
     probes: mpsc::Sender<Vec<String>>,
     writer: Option<Writer>,
+    /// Records of devices not listed, kept while devices are present that cannot be named.
+    carried: BTreeMap<String, DeviceRecord>,
     boot_id: Option<String>,
     metrics: Option<Arc<Metrics>>,
 }
@@ -442,10 +473,20 @@ impl Monitor {
     /// must not queue behind one fsync each on its way to the kubelet.
     fn save(&self) {
         if let Some(writer) = &self.writer {
-            writer.save(
-                Checkpoint::of(&self.engine, self.boot_id.clone()),
-                Durability::needed_by(&self.engine),
-            );
+            let mut checkpoint = Checkpoint::of(&self.engine, self.boot_id.clone());
+            for (id, record) in &self.carried {
+                checkpoint
+                    .devices
+                    .entry(id.clone())
+                    .or_insert_with(|| record.clone());
+            }
+            // A carried record may hold the only condition that must outlive a reboot.
+            let durability = if self.carried.is_empty() {
+                Durability::needed_by(&self.engine)
+            } else {
+                Durability::Synced
+            };
+            writer.save(checkpoint, durability);
         }
     }
 }
@@ -605,6 +646,61 @@ mod tests {
         // The clock is paused and moves only when every task waits for a timer: had the monitor waited for
         // one (even one due now, which the timer wheel rounds up to its next millisecond), time would show it.
         assert_eq!(tokio::time::Instant::now(), started);
+    }
+
+    #[test]
+    fn records_of_unlisted_devices_are_kept_while_a_device_cannot_be_named()
+    -> Result<(), Box<dyn std::error::Error>> {
+        use super::super::policy::HealthConfig;
+        use super::checkpoint::ConditionRecord;
+
+        let dir = tempfile::tempdir()?;
+        let store = Store::in_dir(dir.path());
+        let condition = |name: &str, value| ConditionRecord {
+            condition: name.into(),
+            value,
+            detail: None,
+            count: 1,
+            first_seen_ms: 1_000,
+            last_seen_ms: 1_000,
+        };
+        let silent = DeviceRecord {
+            conditions: vec![condition("ecc-dbe", None), condition("xid", Some(79))],
+            last_unhealthy_ms: Some(1_000),
+        };
+        let mut saved = checkpoint(0);
+        saved.boot_id = Some("boot-1".into());
+        saved.devices.insert("GPU-silent".into(), silent);
+        store.save(&saved, Durability::Synced)?;
+        let config: HealthConfig =
+            serde_norway::from_str("conditions:\n  ecc-dbe: {recover: never}\n")?;
+        let policy = Policy::new(&config, None, None)?;
+        let restore_with = |unidentified, boot| {
+            let mut engine = HealthEngine::new(policy.clone());
+            let mut inventory = Inventory::new(Vec::new());
+            restore(
+                &mut engine,
+                &mut inventory,
+                &store,
+                Some(boot),
+                unidentified,
+            )
+        };
+
+        // Every GPU named: a device not listed is gone.
+        assert!(restore_with(0, "boot-1").is_empty());
+        // One GPU cannot be named: its record may be this one, and is kept whole on the same boot.
+        let kept = restore_with(1, "boot-1");
+        assert_eq!(kept.get("GPU-silent").map(|r| r.conditions.len()), Some(2));
+        // After a reboot only what outlives one is kept.
+        let kept = restore_with(1, "boot-2");
+        let names: Vec<&str> = kept["GPU-silent"]
+            .conditions
+            .iter()
+            .map(|c| c.condition.as_str())
+            .collect();
+        assert_eq!(names, ["ecc-dbe"]);
+        Ok(())
     }
 
     #[test]

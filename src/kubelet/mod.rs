@@ -88,6 +88,13 @@ pub enum KubeletError {
         /// The watcher error.
         source: notify::Error,
     },
+    /// The device plugin directory was moved, deleted or replaced while the plugin served in it.
+    #[error(
+        "device plugin directory {} was moved, deleted or replaced while the plugin ran: the kubelet can no \
+         longer reach its socket; stopping so that a restart serves in the directory the kubelet uses now",
+        .0.display()
+    )]
+    DirReplaced(PathBuf),
     /// The gRPC server stopped while the plugin meant to serve.
     #[error("the device plugin gRPC server stopped unexpectedly")]
     ServerStopped,
@@ -198,16 +205,18 @@ pub async fn run(
     let mut socket = PluginSocket::bind(&path, conn_tx.clone())?;
     tracing::info!(socket = %path.display(), resource = %config.resource_name, "serving device plugin API");
 
-    let service = PluginService::new(inventory, config.allocate.clone(), shutdown.clone())
+    // A child of the process's token: the server and its streams also stop when this loop gives up on its
+    // own.
+    let server_shutdown = shutdown.child_token();
+    let service = PluginService::new(inventory, config.allocate.clone(), server_shutdown.clone())
         .with_pre_start_check(config.pre_start_check)
         .with_metrics(config.metrics.clone());
     let mut streams = service.streams();
     let incoming = ReceiverStream::new(conn_rx).map(Ok::<_, std::io::Error>);
-    let server_shutdown = shutdown.clone();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(DevicePluginServer::new(service))
-            .serve_with_incoming_shutdown(incoming, server_shutdown.cancelled_owned()),
+            .serve_with_incoming_shutdown(incoming, server_shutdown.clone().cancelled_owned()),
     );
 
     let kubelet_socket = dir.join(KUBELET_SOCKET);
@@ -221,9 +230,14 @@ pub async fn run(
     let mut link = Link::Owed(Some(Instant::now()));
     // The kubelet.sock of the latest accepted registration, to count kubelet restarts.
     let mut last_kubelet: Option<Option<socket::SocketId>> = None;
+    let mut dir_replaced = false;
     'serve: loop {
         // Our own streams end at shutdown: that is not the kubelet closing them.
         if shutdown.is_cancelled() {
+            break;
+        }
+        if dir_watch.replaced() {
+            dir_replaced = true;
             break;
         }
         if !socket.is_in_place() {
@@ -297,6 +311,10 @@ pub async fn run(
                         () = shutdown.cancelled() => break 'serve,
                         () = dir_watch.changed() => {
                             changed = true;
+                            if dir_watch.replaced() {
+                                dir_replaced = true;
+                                break 'serve;
+                            }
                             if !socket.is_in_place() {
                                 tracing::info!(socket = %path.display(), "plugin socket was removed during registration; binding it again");
                                 drop(socket);
@@ -370,7 +388,8 @@ pub async fn run(
 
     drop(conn_tx);
     socket.remove();
-    let server_died = !shutdown.is_cancelled();
+    let server_died = !shutdown.is_cancelled() && !dir_replaced;
+    server_shutdown.cancel();
     match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(e))) => {
@@ -380,6 +399,9 @@ pub async fn run(
         Err(_) => {
             tracing::warn!("gRPC connections still open after {SHUTDOWN_GRACE:?}; closing them")
         }
+    }
+    if dir_replaced {
+        return Err(KubeletError::DirReplaced(dir.to_path_buf()));
     }
     if server_died {
         return Err(KubeletError::ServerStopped);

@@ -1,8 +1,11 @@
 //! Watching the device plugin directory with inotify for the two signs of a kubelet restart: `kubelet.sock`
-//! created, and our own socket removed (the kubelet deletes every socket in the directory when it starts).
+//! created, and our own socket removed (the kubelet deletes every socket in the directory when it starts);
+//! and for the directory itself moved or deleted, after which nothing this process binds can reach the
+//! kubelet (see [`DirWatch::replaced`]).
 
 use std::ffi::OsString;
-use std::path::Path;
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use notify::event::{ModifyKind, RenameMode};
@@ -18,6 +21,13 @@ use crate::api::KUBELET_SOCKET;
 pub struct DirWatch {
     _watcher: RecommendedWatcher,
     wake: Arc<Notify>,
+    dir: PathBuf,
+    /// Device and inode of the directory watched.
+    identity: Option<(u64, u64)>,
+}
+
+fn identity(dir: &Path) -> Option<(u64, u64)> {
+    std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()))
 }
 
 impl DirWatch {
@@ -26,9 +36,10 @@ impl DirWatch {
         let wake = Arc::new(Notify::new());
         let notify = wake.clone();
         let ours = OsString::from(our_socket);
+        let watched = dir.to_path_buf();
         let mut watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
             let relevant = match event {
-                Ok(event) => is_restart_sign(&event, &ours),
+                Ok(event) => is_restart_sign(&event, &ours) || is_about_dir(&event, &watched),
                 // Queue overflow or a watch error: we may have missed something, so look again.
                 Err(e) => {
                     tracing::warn!(error = %e, "device plugin directory watch reported an error");
@@ -52,13 +63,32 @@ impl DirWatch {
         Ok(DirWatch {
             _watcher: watcher,
             wake,
+            dir: dir.to_path_buf(),
+            identity: identity(dir),
         })
+    }
+
+    /// Whether the directory at the watched path is no longer the one watched: moved away, deleted, or
+    /// replaced by a new one. The kubelet looks for sockets at the path; the watch and our socket are in the
+    /// old directory, out of its reach. (In a pod, the hostPath mount keeps showing the old directory:
+    /// only a restart of the plugin mounts the new one.)
+    pub fn replaced(&self) -> bool {
+        identity(&self.dir) != self.identity
     }
 
     /// Waits until something relevant happened since the last wake-up.
     pub async fn changed(&self) {
         self.wake.notified().await;
     }
+}
+
+/// An event on the watched directory itself (inotify's `IN_MOVE_SELF`, `IN_DELETE_SELF`).
+fn is_about_dir(event: &Event, dir: &Path) -> bool {
+    let moved_or_gone = matches!(
+        event.kind,
+        EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(_))
+    );
+    moved_or_gone && event.paths.iter().any(|p| p == dir)
 }
 
 fn is_restart_sign(event: &Event, ours: &OsString) -> bool {
@@ -107,6 +137,21 @@ mod tests {
                 "gpu-device-plugin-1.sock"
             ),
             &ours
+        ));
+    }
+
+    #[test]
+    fn the_directory_moved_or_deleted_wakes_the_supervisor() {
+        let dir = Path::new("/d");
+        let moved = Event::new(EventKind::Modify(ModifyKind::Name(RenameMode::From)))
+            .add_path(PathBuf::from("/d"));
+        assert!(is_about_dir(&moved, dir));
+        let deleted =
+            Event::new(EventKind::Remove(RemoveKind::Folder)).add_path(PathBuf::from("/d"));
+        assert!(is_about_dir(&deleted, dir));
+        assert!(!is_about_dir(
+            &event(EventKind::Remove(RemoveKind::File), "other.sock"),
+            dir
         ));
     }
 

@@ -145,8 +145,11 @@ pub struct NvmlGpus {
     options: NvmlOptions,
     /// Each GPU, in discovery order.
     gpus: Vec<Watched>,
-    /// GPUs that could not be read at discovery (no UUID): reported lost as soon as the source starts.
+    /// GPUs that do not answer at discovery, named from the driver's list: reported lost as soon as the
+    /// source starts.
     lost_at_start: Vec<String>,
+    /// GPUs that do not answer at discovery and could not be named: not served.
+    unidentified: usize,
     /// Beaten by the event thread each time round its loop (at least every [`WAIT_TIMEOUT_MS`]).
     heartbeat: Heartbeat,
 }
@@ -173,6 +176,7 @@ impl NvmlGpus {
             options,
             gpus: Vec::new(),
             lost_at_start: Vec::new(),
+            unidentified: 0,
             heartbeat: Heartbeat::default(),
         })
     }
@@ -191,6 +195,7 @@ impl DeviceSource for NvmlGpus {
         };
         let mut found = Vec::new();
         let mut layout = Vec::new();
+        let mut unreadable = Vec::new();
         self.gpus.clear();
         for index in 0..count {
             let gpu = self
@@ -200,21 +205,8 @@ impl DeviceSource for NvmlGpus {
             let (uuid, device) = match gpu {
                 Ok(found) => found,
                 Err(e) => {
-                    // The GPU is counted but does not answer: keep it visible, as lost, rather than shrink
-                    // capacity silently. Without its UUID it can only be named by index.
-                    let id = format!("GPU-unreadable-index-{index}");
-                    tracing::error!(index, error = %e, device = %id, "GPU does not answer NVML at discovery");
-                    self.lost_at_start.push(id.clone());
-                    self.gpus.push(Watched {
-                        index,
-                        devices: vec![id.clone()],
-                        ..Watched::default()
-                    });
-                    found.push(DeviceInfo {
-                        id,
-                        index: Some(index.to_string()),
-                        ..DeviceInfo::default()
-                    });
+                    tracing::error!(index, error = %e, "GPU does not answer NVML at discovery");
+                    unreadable.push(index);
                     continue;
                 }
             };
@@ -257,6 +249,31 @@ impl DeviceSource for NvmlGpus {
                 migs: kinds,
             });
             self.gpus.push(watched);
+        }
+        if !unreadable.is_empty() {
+            let answered: HashSet<&str> = layout.iter().map(|gpu| gpu.id.as_str()).collect();
+            let driver = driver_gpus(&self.options);
+            for (index, named) in name_unreadable(&driver, &answered, &unreadable) {
+                let Some(mut info) = named else {
+                    self.unidentified += 1;
+                    tracing::error!(
+                        index,
+                        "GPU does not answer NVML and the driver's GPU list does not tell which it is; not served until it answers at a restart (its checkpointed conditions are kept)"
+                    );
+                    continue;
+                };
+                // Present but silent: served under its own UUID, lost, so that the kubelet keeps the device
+                // it knows and its recorded conditions still apply.
+                tracing::error!(index, device = %info.id, "GPU does not answer NVML; named from the driver's information file and served lost");
+                info.index = Some(index.to_string());
+                self.lost_at_start.push(info.id.clone());
+                self.gpus.push(Watched {
+                    index,
+                    devices: vec![info.id.clone()],
+                    ..Watched::default()
+                });
+                found.push(info);
+            }
         }
         let warnings = mig::check_layout(strategy, &layout)
             .map_err(|e| SourceError::Discovery(e.to_string()))?;
@@ -317,6 +334,10 @@ impl DeviceSource for NvmlGpus {
 
     fn heartbeat(&self) -> Option<Heartbeat> {
         Some(self.heartbeat.clone())
+    }
+
+    fn unidentified(&self) -> usize {
+        self.unidentified
     }
 }
 
@@ -851,27 +872,67 @@ pub struct UnmonitoredGpus {
 impl UnmonitoredGpus {
     /// Reads the driver's GPU list; `why` says why NVML is not used.
     pub fn from_procfs(options: &NvmlOptions, why: String) -> Self {
-        let dir = options.proc_root.join("driver/nvidia/gpus");
-        let mut devices = Vec::new();
-        if let Ok(entries) = std::fs::read_dir(&dir) {
-            let mut entries: Vec<_> = entries.flatten().map(|e| e.path()).collect();
-            entries.sort();
-            for entry in entries {
-                let Ok(text) = std::fs::read_to_string(entry.join("information")) else {
-                    continue;
-                };
-                if let Some(mut info) = parse_information(&text) {
-                    let bus_id = entry
-                        .file_name()
-                        .map(|n| n.to_string_lossy().into_owned())
-                        .unwrap_or_default();
-                    info.numa_node = numa_node(&options.sysfs_root, &bus_id);
-                    devices.push(info);
-                }
-            }
+        UnmonitoredGpus {
+            devices: driver_gpus(options),
+            why,
         }
-        UnmonitoredGpus { devices, why }
     }
+}
+
+/// The GPUs the driver lists in `<proc>/driver/nvidia/gpus/<bus id>/information`, in PCI bus order (the
+/// order NVML numbers them in). A GPU whose file cannot be read or does not name a UUID is left out, with a
+/// warning.
+fn driver_gpus(options: &NvmlOptions) -> Vec<DeviceInfo> {
+    let dir = options.proc_root.join("driver/nvidia/gpus");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut entries: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+    entries.sort();
+    let mut devices = Vec::new();
+    for entry in entries {
+        let file = entry.join("information");
+        let text = match std::fs::read_to_string(&file) {
+            Ok(text) => text,
+            Err(e) => {
+                tracing::warn!(file = %file.display(), error = %e, "cannot read the driver's GPU information; that GPU is left out");
+                continue;
+            }
+        };
+        let Some(mut info) = parse_information(&text) else {
+            tracing::warn!(file = %file.display(), "the driver's GPU information names no GPU UUID; that GPU is left out");
+            continue;
+        };
+        let bus_id = entry
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        info.numa_node = numa_node(&options.sysfs_root, &bus_id);
+        devices.push(info);
+    }
+    devices
+}
+
+/// Names the GPUs NVML counts but cannot open (`unreadable`, NVML indices in order) from the driver's list:
+/// the GPUs the driver lists that no answering GPU is, taken in bus order as NVML numbers them. Only when
+/// the two counts agree is the pairing certain; otherwise none is named.
+fn name_unreadable(
+    driver: &[DeviceInfo],
+    answered: &HashSet<&str>,
+    unreadable: &[u32],
+) -> Vec<(u32, Option<DeviceInfo>)> {
+    let silent: Vec<&DeviceInfo> = driver
+        .iter()
+        .filter(|gpu| !answered.contains(gpu.id.as_str()))
+        .collect();
+    if silent.len() != unreadable.len() {
+        return unreadable.iter().map(|&index| (index, None)).collect();
+    }
+    unreadable
+        .iter()
+        .zip(silent)
+        .map(|(&index, gpu)| (index, Some(gpu.clone())))
+        .collect()
 }
 
 /// The UUID and minor number from a driver `information` file (`GPU UUID:`, `Device Minor:` lines).
@@ -882,7 +943,8 @@ fn parse_information(text: &str) -> Option<DeviceInfo> {
                 .map(|v| v.trim_start_matches(':').trim().to_string())
         })
     };
-    let uuid = field("GPU UUID")?;
+    // A GPU the driver has not initialised shows question marks where its UUID would be.
+    let uuid = field("GPU UUID").filter(|u| !u.is_empty() && !u.contains('?'))?;
     let minor = field("Device Minor").and_then(|m| m.parse::<u32>().ok());
     Some(DeviceInfo {
         id: uuid,
@@ -947,6 +1009,40 @@ mod tests {
         Ok(())
     }
 
+    fn driver_gpu(id: &str) -> DeviceInfo {
+        DeviceInfo {
+            id: id.into(),
+            ..DeviceInfo::default()
+        }
+    }
+
+    #[test]
+    fn silent_gpus_are_named_from_the_drivers_list_only_when_the_pairing_is_certain() {
+        let driver = [
+            driver_gpu("GPU-a"),
+            driver_gpu("GPU-b"),
+            driver_gpu("GPU-c"),
+            driver_gpu("GPU-d"),
+        ];
+        let answered = HashSet::from(["GPU-a", "GPU-c"]);
+        let named: Vec<_> = name_unreadable(&driver, &answered, &[1, 3])
+            .into_iter()
+            .map(|(index, info)| (index, info.map(|i| i.id)))
+            .collect();
+        assert_eq!(
+            named,
+            [
+                (1, Some("GPU-b".to_string())),
+                (3, Some("GPU-d".to_string()))
+            ]
+        );
+        // The driver lists one GPU fewer than NVML cannot read: which is which is unknown.
+        let named = name_unreadable(&driver[..3], &answered, &[1, 3]);
+        assert!(named.iter().all(|(_, info)| info.is_none()), "{named:?}");
+        // No driver list at all (procfs not mounted).
+        assert!(name_unreadable(&[], &answered, &[2])[0].1.is_none());
+    }
+
     #[test]
     fn driver_information_file_gives_uuid_and_device_node() {
         let text = "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 42\nGPU UUID: \t GPU-1234\nDevice Minor: \t 3\n";
@@ -956,6 +1052,10 @@ mod tests {
             info.map(|i| i.device_nodes),
             Some(vec![PathBuf::from("/dev/nvidia3")])
         );
+        let uninitialised =
+            "GPU UUID: \t GPU-????????-????-????-????-????????????\nDevice Minor: \t 3\n";
+        assert!(parse_information(uninitialised).is_none());
+        assert!(parse_information("GPU UUID: \t \n").is_none());
     }
 
     #[test]

@@ -350,6 +350,20 @@ pub fn fake_nvml_gpu(index: usize) -> String {
     format!("GPU-fa4e0000-0000-4000-8000-{index:012x}")
 }
 
+/// Writes the driver's GPU list under `proc_root` (`driver/nvidia/gpus/<bus id>/information`) for the fake
+/// library's first `gpus` default GPUs, as the driver shows it for GPUs it has initialised.
+pub fn write_driver_gpu_list(proc_root: &Path, gpus: usize) {
+    for index in 0..gpus {
+        let dir = proc_root.join(format!("driver/nvidia/gpus/0000:{index:02x}:00.0"));
+        std::fs::create_dir_all(&dir).expect("create the driver's GPU directory");
+        let text = format!(
+            "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 0\nGPU UUID: \t {}\nVideo BIOS: \t 96.00.99.00.01\nBus Type: \t PCIe\nDMA Size: \t 52 bits\nDMA Mask: \t 0xfffffffffffff\nBus Location: \t 0000:{index:02x}:00.0\nDevice Minor: \t {index}\nGPU Firmware: \t 580.65.06\nGPU Excluded:\t No\n",
+            fake_nvml_gpu(index)
+        );
+        std::fs::write(dir.join("information"), text).expect("write the driver's GPU information");
+    }
+}
+
 /// A fake kubelet and the plugin binary on the fake NVML library, registered and listing. The plugin keeps
 /// its state (checkpoint) and boot id file in the node's directory, so it can be restarted as on a node.
 pub struct NvmlNode {
