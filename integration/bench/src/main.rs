@@ -10,6 +10,7 @@
 mod measure;
 mod report;
 mod rig;
+mod soak;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -52,6 +53,14 @@ pub(crate) struct Args {
     /// Run only these measures (comma-separated), e.g. to profile one [default: all]
     #[arg(long, value_enum, value_delimiter = ',')]
     pub(crate) only: Vec<Measure>,
+    /// Instead of the measures, soak this workspace's plugin for this long (e.g. `1h`): random faults of
+    /// every kind, recoveries, plugin and kubelet restarts and Allocate traffic, the kubelet's view compared
+    /// with a model of the health policy throughout (see soak.rs)
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub(crate) soak_for: Option<Duration>,
+    /// Seed of the soak's random choices, to run the same soak again [default: the time]
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
 }
 
 /// The measures, by name for `--only`.
@@ -181,6 +190,20 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
     }
     let rig = Rig::new(args).await?;
     let mut report = Report::new(&rig.plugin_command(), args.quick);
+    if let Some(duration) = args.soak_for {
+        if !rig.is_ours() {
+            anyhow::bail!(
+                "--soak-for runs this workspace's plugin only (its config file and flags)"
+            );
+        }
+        let seed = args.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        });
+        soak::run(&rig, args.devices, duration, seed, &mut report).await?;
+        return Ok(report);
+    }
     measure::all(&rig, args, counts, &mut report).await?;
     Ok(report)
 }

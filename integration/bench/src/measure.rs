@@ -916,19 +916,19 @@ async fn fault_latency(
 
 /// What procfs says about a process.
 #[derive(Clone, Copy)]
-struct ProcSample {
-    rss_kib: u64,
+pub(crate) struct ProcSample {
+    pub(crate) rss_kib: u64,
     /// The part of RSS that is the process's own memory (heap, stacks); the rest is mapped files, mostly the
     /// binary's code pages, which the kernel can drop and read again.
     rss_anon_kib: u64,
     hwm_kib: u64,
-    threads: u64,
+    pub(crate) threads: u64,
     cpu: Duration,
     voluntary_switches: u64,
 }
 
 impl ProcSample {
-    fn read(pid: u32) -> anyhow::Result<Self> {
+    pub(crate) fn read(pid: u32) -> anyhow::Result<Self> {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
             .context("plugin process is gone")?;
         let field = |text: &str, name: &str| -> u64 {

@@ -57,6 +57,11 @@ impl Plugin {
         }
     }
 
+    /// SIGKILL, and waits for it to be gone.
+    pub(crate) async fn kill(mut self) {
+        let _ = self.child.kill().await;
+    }
+
     /// SIGTERM, then SIGKILL if it has not exited within 5 s.
     pub(crate) async fn stop(mut self) {
         self.terminate();
@@ -218,6 +223,31 @@ impl Rig {
         extra_args: &[String],
         envs: &[(&str, &std::ffi::OsStr)],
     ) -> anyhow::Result<Plugin> {
+        self.spawn_process(devices, migs, shared_state, extra_args, envs, true)
+    }
+
+    /// Starts the plugin on `devices` fake GPUs and the state directory `state`; unless `fresh`, the fake
+    /// driver's event file is kept, so that what it set (a GPU lost, a recovery action) holds in the new
+    /// process as it would on a real GPU.
+    pub(crate) fn spawn_keeping(
+        &self,
+        devices: usize,
+        state: &Path,
+        extra_args: &[String],
+        fresh: bool,
+    ) -> anyhow::Result<Plugin> {
+        self.spawn_process(devices, None, Some(state), extra_args, &[], fresh)
+    }
+
+    fn spawn_process(
+        &self,
+        devices: usize,
+        migs: Option<&[&str]>,
+        shared_state: Option<&Path>,
+        extra_args: &[String],
+        envs: &[(&str, &std::ffi::OsStr)],
+        fresh_events: bool,
+    ) -> anyhow::Result<Plugin> {
         let mig = migs.map_or(String::new(), |profiles| {
             let each: Vec<String> = profiles
                 .iter()
@@ -232,7 +262,9 @@ impl Rig {
             self.config(),
             format!(r#"{{"devices":[{}]}}"#, list.join(",")),
         )?;
-        std::fs::write(self.events(), "")?;
+        if fresh_events {
+            std::fs::write(self.events(), "")?;
+        }
         let state = tempfile::tempdir()?;
         let log = state.path().join("plugin.log");
         let state_dir = shared_state.map_or_else(|| state.path().join("state"), Path::to_path_buf);
