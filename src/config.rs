@@ -158,6 +158,11 @@ pub struct Args {
     #[arg(long, env = "KUBECONFIG", value_name = "FILE")]
     pub kubeconfig: Option<String>,
 
+    /// A directory where detectors report faulty GPUs, one JSON file each ({"device", "reason", "by"}):
+    /// a file fences its GPU, removing it releases the GPU [default: none]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_FENCE_DIR", value_name = "DIR")]
+    pub fence_dir: Option<PathBuf>,
+
     /// The node's name, for its Events and condition (from the downward API: spec.nodeName)
     #[arg(long, env = "NODE_NAME", value_name = "NAME")]
     pub node_name: Option<String>,
@@ -324,6 +329,8 @@ pub struct FileConfig {
     /// See `--stuck-after`.
     #[serde(default, with = "humantime_serde")]
     pub stuck_after: Option<std::time::Duration>,
+    /// See `--fence-dir`.
+    pub fence_dir: Option<PathBuf>,
 }
 
 /// Checked settings the plugin runs with.
@@ -363,6 +370,8 @@ pub struct Settings {
     pub stuck_after: std::time::Duration,
     /// The kubelet's pod-resources socket; `None` turns the lookup off.
     pub pod_resources_socket: Option<PathBuf>,
+    /// Where detectors' fence reports are read from, if anywhere.
+    pub fence_dir: Option<PathBuf>,
     /// The Kubernetes API side.
     pub cluster: crate::cluster::ClusterConfig,
     /// Settings read and ignored (keys of NVIDIA's config file it ignores too), one line each, for the log.
@@ -600,6 +609,21 @@ impl Settings {
                 Some(path) => Some(path),
                 None => Some(crate::api::pod_resources::DEFAULT_SOCKET.into()),
             },
+            fence_dir: match args
+                .fence_dir
+                .or(file.fence_dir)
+                .filter(|d| !d.as_os_str().is_empty())
+            {
+                Some(dir) if !dir.is_dir() => {
+                    return Err(ConfigError::Invalid {
+                        setting: "fenceDir (--fence-dir, GPU_DEVICE_PLUGIN_FENCE_DIR)",
+                        value: dir.display().to_string(),
+                        why: "not a directory (detectors' reports are read from an existing one)"
+                            .into(),
+                    });
+                }
+                dir => dir,
+            },
             cluster: crate::cluster::ClusterConfig {
                 enabled: args.kube_api.or(file.kube_api).unwrap_or(true),
                 kubeconfig: args
@@ -639,8 +663,17 @@ pub fn usage_error_line(error: &clap::Error, argv: &[OsString]) -> String {
     use clap::error::{ContextKind, ContextValue};
 
     let rendered = error.render().to_string();
-    let first = rendered.lines().next().unwrap_or("invalid arguments");
-    let mut line = first.strip_prefix("error: ").unwrap_or(first).to_string();
+    // The message is the first paragraph (a list of missing arguments continues it on indented lines).
+    let message: Vec<&str> = rendered
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let first = message.join(" ");
+    let mut line = first.strip_prefix("error: ").unwrap_or(&first).to_string();
+    if line.is_empty() {
+        line = "invalid arguments".into();
+    }
     let flag = match error.get(ContextKind::InvalidArg) {
         Some(ContextValue::String(arg)) => arg.split([' ', '=']).next().unwrap_or_default(),
         _ => "",

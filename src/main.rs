@@ -23,8 +23,14 @@ use gpu_device_plugin::resources::ResourcePlan;
 use std::sync::Arc;
 
 fn main() -> ExitCode {
-    if std::env::args_os().nth(1).is_some_and(|a| a == "status") {
-        return status_command();
+    match std::env::args_os()
+        .nth(1)
+        .as_deref()
+        .and_then(|a| a.to_str())
+    {
+        Some("status") => return status_command(),
+        Some(command @ ("fence" | "release")) => return control_command(command == "fence"),
+        _ => {}
     }
     let argv: Vec<_> = std::env::args_os().collect();
     let settings = match Settings::from_args(&argv) {
@@ -252,6 +258,20 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         };
         http::spawn(addr, context, shutdown.clone());
     }
+    if let Err(e) = gpu_device_plugin::control::spawn(
+        &settings.state_dir,
+        monitored.status.clone(),
+        shutdown.clone(),
+    ) {
+        tracing::warn!(error = %e, "no control socket: gpu-device-plugin fence and release cannot reach this plugin");
+    }
+    if let Some(dir) = &settings.fence_dir {
+        gpu_device_plugin::fence_dir::spawn(
+            dir.clone(),
+            monitored.status.clone(),
+            shutdown.clone(),
+        )?;
+    }
     let status = monitored.status.clone();
     // Every resource is served until shutdown; one that cannot be served stops them all (the DaemonSet
     // restarts the pod), as a node half-served would hide the other half's capacity without a word.
@@ -360,14 +380,109 @@ struct StatusArgs {
     watch: bool,
 }
 
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "gpu-device-plugin fence",
+    about = "Take a GPU (or every MIG device of a GPU) out of service until it is released: the running plugin \
+             lists it Unhealthy with the reason, and keeps it so across restarts and reboots"
+)]
+struct FenceArgs {
+    /// The GPU or MIG device UUID (a GPU's UUID fences all its MIG devices)
+    device: String,
+    /// Why, as operators will read it in the device's message
+    #[arg(long)]
+    reason: String,
+    /// The running plugin's --state-dir (its control socket is there)
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_STATE_DIR", default_value = config::DEFAULT_STATE_DIR, value_name = "DIR")]
+    state_dir: std::path::PathBuf,
+}
+
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "gpu-device-plugin release",
+    about = "Put a fenced GPU back in service, or clear one condition stuck on a repaired GPU (--condition)"
+)]
+struct ReleaseArgs {
+    /// The GPU or MIG device UUID
+    device: String,
+    /// Why (logged with who released it)
+    #[arg(long)]
+    reason: Option<String>,
+    /// The condition to clear instead of the fence: xid-<N>, ecc-dbe, gpu-lost, ecc-sbe-burst,
+    /// recovery-action, unmonitored (a `recover: never` one is logged at warn level)
+    #[arg(long, value_name = "CONDITION")]
+    condition: Option<String>,
+    /// The running plugin's --state-dir (its control socket is there)
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_STATE_DIR", default_value = config::DEFAULT_STATE_DIR, value_name = "DIR")]
+    state_dir: std::path::PathBuf,
+}
+
+/// `gpu-device-plugin fence` and `release`: one request to the running plugin's control socket.
+fn control_command(fence: bool) -> ExitCode {
+    use clap::Parser as _;
+    let argv = std::env::args_os().skip(1);
+    let parsed = if fence {
+        FenceArgs::try_parse_from(argv).map(|a| {
+            let request = gpu_device_plugin::control::ControlRequest {
+                device: a.device,
+                reason: Some(a.reason),
+                ..Default::default()
+            };
+            (a.state_dir, request)
+        })
+    } else {
+        ReleaseArgs::try_parse_from(argv).map(|a| {
+            let request = gpu_device_plugin::control::ControlRequest {
+                device: a.device,
+                reason: a.reason,
+                condition: a.condition,
+                ..Default::default()
+            };
+            (a.state_dir, request)
+        })
+    };
+    let (state_dir, mut request) = match parsed {
+        Ok(parsed) => parsed,
+        Err(e) if e.use_stderr() => {
+            let argv: Vec<_> = std::env::args_os().skip(1).collect();
+            return fail(&config::usage_error_line(&e, &argv));
+        }
+        Err(e) => {
+            let _printed = e.print();
+            return ExitCode::SUCCESS;
+        }
+    };
+    request.user = ["SUDO_USER", "USER", "LOGNAME"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|u| !u.is_empty()));
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
+    };
+    match runtime.block_on(gpu_device_plugin::control::send(
+        &state_dir, fence, &request,
+    )) {
+        Ok(devices) => {
+            let done = if fence { "fenced" } else { "released" };
+            for device in devices {
+                println!("{done} {}: {}", device.id, device.health);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e.to_string()),
+    }
+}
+
 fn status_command() -> ExitCode {
     use clap::Parser as _;
     let args = match StatusArgs::try_parse_from(std::env::args_os().skip(1)) {
         Ok(args) => args,
         Err(e) if e.use_stderr() => {
-            let rendered = e.render().to_string();
-            let first = rendered.lines().next().unwrap_or("invalid arguments");
-            return fail(first.strip_prefix("error: ").unwrap_or(first));
+            let argv: Vec<_> = std::env::args_os().skip(1).collect();
+            return fail(&config::usage_error_line(&e, &argv));
         }
         Err(e) => {
             let _printed = e.print();

@@ -73,6 +73,9 @@ pub struct ConditionStatus {
     pub effect: String,
     /// `auto` or `never`.
     pub recover: String,
+    /// Extra words: who fenced the device and why, why it is unmonitored, the burst's size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
     /// Times observed.
     pub count: u64,
     /// First observation, RFC 3339.

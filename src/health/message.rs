@@ -124,6 +124,15 @@ fn meaning(kind: &ConditionKind, detail: Option<&str>) -> (String, String) {
                 todo.into(),
             )
         }
+        ConditionKind::Fenced => (
+            format!(
+                "fenced {}",
+                detail.unwrap_or("by an operator")
+            ),
+            "kept out of service until an operator releases it (gpu-device-plugin release, the node \
+             annotation or the fence directory, as it was set)"
+                .into(),
+        ),
         ConditionKind::Unmonitored => (
             format!(
                 "health events are not watched: {}",

@@ -42,6 +42,80 @@ pub enum Observation {
     Monitored,
     /// The answer to a probe the engine asked for.
     Probe(ProbeResult),
+    /// An operator (or a detector acting for one) takes the device out of service: `fenced` until released.
+    Fence {
+        /// Why, in the operator's words.
+        reason: String,
+        /// Who: the way in and, where known, the user.
+        by: String,
+    },
+    /// An operator clears the conditions `which` names (`fenced`, or one stuck on a repaired GPU).
+    Release {
+        /// The conditions to clear.
+        which: ConditionSelector,
+    },
+}
+
+/// Conditions named the way the config file and `release --condition` name them: `fenced`, `gpu-lost`,
+/// `ecc-dbe`, `ecc-sbe-burst`, `unmonitored`, `recovery-action`, `xid-<N>`, or `xid` for every XID.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConditionSelector {
+    name: &'static str,
+    value: Option<u64>,
+}
+
+impl ConditionSelector {
+    /// The `fenced` condition.
+    pub fn fenced() -> Self {
+        ConditionSelector {
+            name: "fenced",
+            value: None,
+        }
+    }
+
+    /// Reads a condition's name; the error lists the names there are.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        const NAMES: [&str; 7] = [
+            "fenced",
+            "gpu-lost",
+            "ecc-dbe",
+            "ecc-sbe-burst",
+            "unmonitored",
+            "recovery-action",
+            "xid",
+        ];
+        if let Some(name) = NAMES.iter().find(|n| **n == text) {
+            return Ok(ConditionSelector { name, value: None });
+        }
+        if let Some(xid) = text.strip_prefix("xid-") {
+            let xid = xid
+                .parse()
+                .map_err(|_| format!("{text:?}: the XID after xid- is not a number"))?;
+            return Ok(ConditionSelector {
+                name: "xid",
+                value: Some(xid),
+            });
+        }
+        Err(format!(
+            "{:?} is not a condition (one of {}, xid-<N>)",
+            crate::text::cut_bytes(text, 80),
+            NAMES.join(", ")
+        ))
+    }
+
+    /// Whether `kind` is one of the conditions named.
+    pub fn matches(&self, kind: &ConditionKind) -> bool {
+        kind.name() == self.name && self.value.is_none_or(|v| kind.value() == Some(v))
+    }
+}
+
+impl fmt::Display for ConditionSelector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.value {
+            Some(value) => write!(f, "{}-{value}", self.name),
+            None => f.write_str(self.name),
+        }
+    }
 }
 
 /// What probing a GPU found.
@@ -83,6 +157,8 @@ pub enum ConditionKind {
     EccSbeBurst,
     /// `recovery-action`, value = the driver's recovery action (never 0: None is no condition).
     RecoveryAction(u32),
+    /// `fenced`: taken out of service by an operator until released; no probe, reboot or setting clears it.
+    Fenced,
 }
 
 impl ConditionKind {
@@ -95,6 +171,7 @@ impl ConditionKind {
             ConditionKind::EccDbe => "ecc-dbe",
             ConditionKind::EccSbeBurst => "ecc-sbe-burst",
             ConditionKind::RecoveryAction(_) => "recovery-action",
+            ConditionKind::Fenced => "fenced",
         }
     }
 
@@ -118,6 +195,7 @@ impl ConditionKind {
             ("recovery-action", Some(action)) => {
                 ConditionKind::RecoveryAction(u32::try_from(action).ok()?)
             }
+            ("fenced", _) => ConditionKind::Fenced,
             _ => return None,
         })
     }
@@ -127,7 +205,7 @@ impl ConditionKind {
     fn cleared_by_quiet_probe(&self) -> bool {
         !matches!(
             self,
-            ConditionKind::Unmonitored | ConditionKind::RecoveryAction(_)
+            ConditionKind::Unmonitored | ConditionKind::RecoveryAction(_) | ConditionKind::Fenced
         )
     }
 }
@@ -314,6 +392,14 @@ impl HealthEngine {
                 self.answered(&mut state, *recovery_action, now);
             }
             Observation::Probe(ProbeResult::Failed(_)) => {}
+            Observation::Fence { reason, by } => {
+                let detail = format!("by {by}: {reason}");
+                self.record(&mut state, ConditionKind::Fenced, Some(detail), now);
+            }
+            Observation::Release { which } => {
+                state.conditions.retain(|c| !which.matches(&c.kind));
+                self.reschedule(&mut state, now);
+            }
         }
         let conditions_changed = !state.conditions.iter().map(|c| &c.kind).eq(before.iter());
         let outcome = self.outcome(old, &state, conditions_changed, probe_now);

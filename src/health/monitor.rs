@@ -17,7 +17,7 @@ use tokio::time::MissedTickBehavior;
 use super::Effect;
 use super::checkpoint::{self, Checkpoint, DeviceRecord, Durability, Store};
 use super::policy::Recover;
-use super::{ConditionKind, HealthEngine, Observation, Outcome, Policy};
+use super::{ConditionKind, ConditionSelector, HealthEngine, Observation, Outcome, Policy};
 use crate::devices::{
     DeviceEvent, DeviceSource, Heartbeat, Inventory, InventoryWatch, SourceError,
 };
@@ -61,9 +61,90 @@ enum Query {
     Devices(oneshot::Sender<Vec<DeviceStatus>>),
     /// Save the checkpoint now; the answer follows the writer until it is idle.
     Flush(oneshot::Sender<Option<watch::Receiver<bool>>>),
+    /// An operator's fence or release.
+    Operate {
+        target: String,
+        request: OperatorRequest,
+        reply: oneshot::Sender<Result<Vec<Operated>, OperatorError>>,
+    },
+}
+
+/// What an operator asks of a device (or of every MIG device of a GPU, named by the GPU's UUID).
+#[derive(Debug, Clone)]
+pub enum OperatorRequest {
+    /// Take it out of service: the `fenced` condition.
+    Fence {
+        /// Why.
+        reason: String,
+        /// Who, and by which way in.
+        by: String,
+    },
+    /// Clear conditions: `fenced`, or one stuck on a repaired GPU when named.
+    Release {
+        /// Which conditions.
+        which: ConditionSelector,
+        /// Why (logged).
+        reason: String,
+        /// Who, and by which way in.
+        by: String,
+    },
+}
+
+/// A device an operator's request changed, and its health after.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Operated {
+    /// The device.
+    pub id: String,
+    /// `Healthy` or `Unhealthy`.
+    pub health: String,
+}
+
+/// Why an operator's request did nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OperatorError {
+    /// No device has that ID, and no GPU of MIG devices has that UUID.
+    #[error("no device {target} on this node (devices: {known})")]
+    UnknownDevice {
+        /// What was asked for.
+        target: String,
+        /// The devices there are, comma-separated (cut short on a large node).
+        known: String,
+    },
+    /// The device holds no condition of that name.
+    #[error("{target} has no {which} condition (it has: {has})")]
+    NoSuchCondition {
+        /// The device.
+        target: String,
+        /// The condition asked for.
+        which: String,
+        /// The conditions it has.
+        has: String,
+    },
+    /// The monitor is gone (the plugin is stopping).
+    #[error("the plugin is stopping")]
+    Stopping,
 }
 
 impl StatusQueries {
+    /// Applies an operator's request to `target`: a device ID, or a GPU's UUID for all its MIG devices.
+    pub async fn operate(
+        &self,
+        target: &str,
+        request: OperatorRequest,
+    ) -> Result<Vec<Operated>, OperatorError> {
+        let (reply, answer) = oneshot::channel();
+        let query = Query::Operate {
+            target: target.to_string(),
+            request,
+            reply,
+        };
+        self.0
+            .send(query)
+            .await
+            .map_err(|_| OperatorError::Stopping)?;
+        answer.await.unwrap_or(Err(OperatorError::Stopping))
+    }
+
     /// Every device's status, or `None` if the monitor is gone.
     pub async fn devices(&self) -> Option<Vec<DeviceStatus>> {
         let (reply, answer) = oneshot::channel();
@@ -323,6 +404,14 @@ impl Monitor {
                         let busy = self.writer.as_ref().map(|w| w.busy.subscribe());
                         let _asker_gone = reply.send(busy);
                     }
+                    Query::Operate { target, request, reply } => {
+                        let answer = self.operate(&target, request);
+                        if let Ok(changed) = &answer && !changed.is_empty() {
+                            tokio::task::yield_now().await;
+                            self.save();
+                        }
+                        let _asker_gone = reply.send(answer);
+                    }
                 },
                 _ = poll.tick() => {
                     let ids = self.inventory.borrow().devices().iter()
@@ -333,6 +422,105 @@ impl Monitor {
                 }
             }
         }
+    }
+
+    /// An operator's fence or release of `target` (a device, or every MIG device of a GPU): applied as an
+    /// observation, so the kubelet, the log and every surface learn it as they learn a fault. Returns the
+    /// devices changed (before the checkpoint is saved, which the caller does).
+    fn operate(
+        &mut self,
+        target: &str,
+        request: OperatorRequest,
+    ) -> Result<Vec<Operated>, OperatorError> {
+        let devices: Vec<String> = self
+            .inventory
+            .borrow()
+            .devices()
+            .iter()
+            .filter(|d| {
+                d.info.id == target || d.info.mig.as_ref().is_some_and(|m| m.parent == target)
+            })
+            .map(|d| d.info.id.clone())
+            .collect();
+        if devices.is_empty() {
+            let inventory = self.inventory.borrow();
+            let ids: Vec<&String> = inventory.devices().iter().map(|d| &d.info.id).collect();
+            return Err(OperatorError::UnknownDevice {
+                target: crate::text::cut_bytes(target, 80),
+                known: crate::text::cut_bytes(
+                    &ids.iter()
+                        .map(|s| s.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    400,
+                ),
+            });
+        }
+        let (observation, devices) = match request {
+            OperatorRequest::Fence { reason, by } => {
+                tracing::warn!(device = %target, %by, %reason, "fenced by an operator: out of service until released");
+                (Observation::Fence { reason, by }, devices)
+            }
+            OperatorRequest::Release { which, reason, by } => {
+                let holding: Vec<String> = devices
+                    .iter()
+                    .filter(|id| {
+                        self.engine
+                            .device(id)
+                            .is_some_and(|h| h.conditions().iter().any(|c| which.matches(&c.kind)))
+                    })
+                    .cloned()
+                    .collect();
+                if holding.is_empty() {
+                    let has: Vec<String> = devices
+                        .iter()
+                        .filter_map(|id| self.engine.device(id))
+                        .flat_map(|h| h.conditions().iter().map(|c| c.kind.to_string()))
+                        .collect();
+                    return Err(OperatorError::NoSuchCondition {
+                        target: target.to_string(),
+                        which: which.to_string(),
+                        has: if has.is_empty() {
+                            "none".into()
+                        } else {
+                            has.join(", ")
+                        },
+                    });
+                }
+                let never = holding
+                    .iter()
+                    .filter_map(|id| self.engine.device(id))
+                    .any(|h| {
+                        h.conditions().iter().any(|c| {
+                            which.matches(&c.kind)
+                                && c.kind != ConditionKind::Fenced
+                                && self.engine.policy().recover(&c.kind) == Recover::Never
+                        })
+                    });
+                if never {
+                    tracing::warn!(device = %target, condition = %which, %by, %reason, "an operator released a recover: never condition");
+                } else {
+                    tracing::info!(device = %target, condition = %which, %by, %reason, "released by an operator");
+                }
+                (Observation::Release { which }, holding)
+            }
+        };
+        let mut changed = Vec::new();
+        for id in devices {
+            let event = DeviceEvent::Observed {
+                id: id.clone(),
+                observation: observation.clone(),
+                at: SystemTime::now(),
+            };
+            if let Some(after) = self.handle(event) {
+                log(&after.id, &after.observation, &after.outcome);
+            }
+            changed.push(Operated {
+                health: self.engine.health(&id).as_api_str().to_string(),
+                id,
+            });
+        }
+        Ok(changed)
     }
 
     /// Every device's status, in the inventory's order.
@@ -362,6 +550,7 @@ impl Monitor {
                             Recover::Auto => "auto".into(),
                             Recover::Never => "never".into(),
                         },
+                        detail: c.detail.clone(),
                         count: c.count,
                         first_seen: time(c.first_seen),
                         last_seen: time(c.last_seen),

@@ -305,6 +305,10 @@ impl Policy {
 
     /// The effect of a condition under this policy.
     pub fn effect(&self, kind: &ConditionKind) -> Effect {
+        // An operator's decision: no setting overrides it.
+        if *kind == ConditionKind::Fenced {
+            return Effect::Unhealthy;
+        }
         if self.disable_all {
             return Effect::None;
         }
@@ -382,6 +386,9 @@ impl Policy {
 
     /// Whether a condition may clear by itself.
     pub fn recover(&self, kind: &ConditionKind) -> Recover {
+        if *kind == ConditionKind::Fenced {
+            return Recover::Never;
+        }
         self.rule(kind).recover.unwrap_or_default()
     }
 
@@ -408,9 +415,10 @@ impl Policy {
 
 fn default_effect(kind: &ConditionKind) -> Effect {
     match kind {
-        ConditionKind::GpuLost | ConditionKind::EccDbe | ConditionKind::RecoveryAction(_) => {
-            Effect::Unhealthy
-        }
+        ConditionKind::GpuLost
+        | ConditionKind::EccDbe
+        | ConditionKind::RecoveryAction(_)
+        | ConditionKind::Fenced => Effect::Unhealthy,
         ConditionKind::Unmonitored | ConditionKind::EccSbeBurst | ConditionKind::Xid(_) => {
             Effect::None
         }

@@ -449,3 +449,83 @@ fn only_a_condition_a_reboot_keeps_makes_the_checkpoint_wait_for_the_disk() {
         "the next boot must still see a recover: never condition"
     );
 }
+
+fn fence() -> Observation {
+    Observation::Fence {
+        reason: "burn-in failed".into(),
+        by: "alice".into(),
+    }
+}
+
+#[test]
+fn a_fence_holds_against_probes_quiet_periods_reboots_and_disabled_health_checks() {
+    let mut e = engine("quietPeriod: 1s\nprobeInterval: 1s\n");
+    let fenced = e.observe(GPU, &fence(), t(0));
+    assert_eq!(fenced.new, Health::Unhealthy);
+    assert!(
+        fenced
+            .message
+            .is_some_and(|m| m.contains("fenced by alice: burn-in failed"))
+    );
+    let later = e.observe(GPU, &answered(Some(0)), t(3600));
+    assert_eq!(
+        later.new,
+        Health::Unhealthy,
+        "a probe does not clear a fence"
+    );
+    assert_eq!(e.next_deadline(), None, "nothing waits for a probe");
+    assert_eq!(e.policy().recover(&ConditionKind::Fenced), Recover::Never);
+    let restored = e.restore(
+        GPU,
+        e.device(GPU)
+            .map(|d| d.conditions().to_vec())
+            .unwrap_or_default(),
+        None,
+        true,
+        t(7200),
+    );
+    assert_eq!(restored.new, Health::Unhealthy, "a reboot keeps it");
+
+    let config: HealthConfig = serde_norway::from_str("{}").unwrap_or_default();
+    let disabled = Policy::new(&config, Some("all"), None).unwrap_or_default();
+    assert_eq!(disabled.effect(&ConditionKind::Fenced), Effect::Unhealthy);
+}
+
+#[test]
+fn a_release_clears_the_conditions_it_names_and_nothing_else() {
+    let mut e = default_engine();
+    e.observe(GPU, &Observation::Xid(79), t(0));
+    e.observe(GPU, &fence(), t(1));
+    let fenced_only = ConditionSelector::fenced();
+    let out = e.observe(GPU, &Observation::Release { which: fenced_only }, t(2));
+    assert_eq!(out.conditions, ["xid=79"]);
+    assert_eq!(out.new, Health::Unhealthy, "XID 79 still holds");
+    let which = ConditionSelector::parse("xid-79").unwrap_or_else(|e| panic!("{e}"));
+    let out = e.observe(GPU, &Observation::Release { which }, t(3));
+    assert!(out.conditions.is_empty());
+    assert_eq!(out.new, Health::Healthy);
+}
+
+#[test]
+fn condition_names_for_a_release_are_read_as_the_config_file_names_them() {
+    let xid = |n| ConditionKind::Xid(n);
+    let any_xid = ConditionSelector::parse("xid").unwrap_or_else(|e| panic!("{e}"));
+    assert!(any_xid.matches(&xid(13)) && any_xid.matches(&xid(79)));
+    let xid79 = ConditionSelector::parse("xid-79").unwrap_or_else(|e| panic!("{e}"));
+    assert!(xid79.matches(&xid(79)) && !xid79.matches(&xid(13)));
+    assert_eq!(xid79.to_string(), "xid-79");
+    let action = ConditionSelector::parse("recovery-action").unwrap_or_else(|e| panic!("{e}"));
+    assert!(action.matches(&ConditionKind::RecoveryAction(2)));
+    assert!(ConditionSelector::fenced().matches(&ConditionKind::Fenced));
+    let bad = ConditionSelector::parse("xid-seventy")
+        .err()
+        .unwrap_or_default();
+    assert!(bad.contains("not a number"), "{bad}");
+    let bad = ConditionSelector::parse("thermal")
+        .err()
+        .unwrap_or_default();
+    assert!(
+        bad.contains("\"thermal\"") && bad.contains("ecc-dbe"),
+        "{bad}"
+    );
+}
