@@ -135,6 +135,32 @@ async fn a_lost_gpu_that_answers_again_is_watched_again() -> TestResult {
 }
 
 #[tokio::test]
+async fn a_gpu_lost_when_the_plugin_starts_is_watched_once_it_answers() -> TestResult {
+    // Found by the soak: a GPU lost at start was never put in the event set, so after it came back its
+    // faults went unseen for the life of the process.
+    let mut node = NvmlNode::start(None, &["--proc-root", "{dir}/proc"]).await?;
+    support::write_driver_gpu_list(&node.dir.path().join("proc"), 4);
+    node.stop_plugin().await?;
+    node.inject(&[format!("lost {}", gpu(1))]);
+    node.start_plugin().await?;
+    node.wait_unhealthy(&gpu(1)).await?;
+    node.inject(&[format!("restore {}", gpu(1))]);
+    let watched = node
+        .plugin
+        .wait_log(WAIT, |l| l.contains("its events are watched again"))
+        .await;
+    assert!(watched.is_some(), "{}", node.plugin.log());
+    node.inject(&[format!("xid {} 48", gpu(1))]);
+    let id = gpu(1);
+    let seen = node
+        .plugin
+        .wait_log(WAIT, |l| l.contains("xid=48") && l.contains(&id))
+        .await;
+    assert!(seen.is_some(), "{}", node.plugin.log());
+    Ok(())
+}
+
+#[tokio::test]
 async fn a_gpu_registered_without_dbe_support_gets_no_dbe() -> TestResult {
     let config = format!(
         r#"{{"devices":[{{"uuid":"{}","supported_events":["xid","sbe"]}},{{"uuid":"{}"}},{{"uuid":"{}"}},{{"uuid":"{}"}}]}}"#,

@@ -560,7 +560,7 @@ fn watch_events(
 ) {
     let outcome = register_all(nvml, gpus, events);
     let _told = registered.try_send(());
-    let (mut set, watched) = match outcome {
+    let (mut set, mut watched, lost_now) = match outcome {
         Ok(registered) => registered,
         Err(e) => {
             let why = format!("NVML cannot create an event set: {e}");
@@ -571,14 +571,15 @@ fn watch_events(
             return;
         }
     };
-    if set.is_none() {
+    // GPUs lost (at start, or while watched): left out of the event set (the driver answers GPU_IS_LOST to
+    // every wait on a set holding one), and put back once they answer again.
+    let mut lost: Vec<u32> = lost_now;
+    watched.extend(&lost);
+    if set.is_none() && lost.is_empty() {
         tracing::warn!("no GPU can report health events; nothing to watch");
         return;
     }
     let by_index: HashMap<u32, &Watched> = gpus.iter().map(|g| (g.index, g)).collect();
-    // GPUs lost while watched: left out of the event set (the driver answers GPU_IS_LOST to every wait on a
-    // set holding one), and put back once they answer again.
-    let mut lost: Vec<u32> = Vec::new();
     let mut unexpected = 0u32;
     let mut unserved_instances: HashSet<(u32, u32, u32)> = HashSet::new();
     let tell_all = |observation: Observation, lost: &[u32]| {
@@ -666,7 +667,7 @@ fn watch_events(
                 }
                 if newly_lost {
                     unexpected = 0;
-                    set = rebuild_set(nvml, gpus, &watched, &lost, events);
+                    set = rebuild_set(nvml, gpus, &watched, &mut lost, events);
                 } else {
                     // Lost, but no GPU says so: pace the waits as for any failing wait.
                     unexpected += 1;
@@ -745,7 +746,7 @@ fn watch_again<'n>(
         return None;
     }
     let set = rebuild_set(nvml, gpus, watched, lost, events);
-    for gpu in back {
+    for gpu in back.iter().filter(|gpu| !lost.contains(gpu)) {
         tracing::info!(gpu, "lost GPU answers again; its events are watched again");
     }
     Some(set)
@@ -758,7 +759,7 @@ fn rebuild_set<'n>(
     nvml: &'n Nvml,
     gpus: &[Watched],
     watched: &[u32],
-    lost: &[u32],
+    lost: &mut Vec<u32>,
     events: &mpsc::Sender<DeviceEvent>,
 ) -> Option<EventSet<'n>> {
     let keep: Vec<Watched> = still_watched(gpus, watched, lost).cloned().collect();
@@ -766,7 +767,11 @@ fn rebuild_set<'n>(
         return None;
     }
     match register_all(nvml, &keep, events) {
-        Ok((set, _)) => set,
+        Ok((set, _, lost_again)) => {
+            // Lost again between answering and registering: checked again with the others.
+            lost.extend(lost_again);
+            set
+        }
         Err(e) => {
             tracing::error!(error = %e, "NVML cannot create an event set; the GPUs' events are not watched");
             let why = format!("NVML cannot create an event set: {e}");
@@ -780,14 +785,17 @@ fn rebuild_set<'n>(
 
 /// Creates the event set and registers every GPU for the events it supports. A GPU whose registration fails
 /// is reported `unmonitored` (every device on it); as a failed registration frees the whole set, the set is
-/// then created again and the GPUs registered so far registered again.
+/// then created again and the GPUs registered so far registered again. Returns the set (`None` if no GPU is
+/// in it), the GPUs registered, and the GPUs left out because they are lost (GPU_IS_LOST): the caller
+/// watches those again once they answer.
 fn register_all<'n>(
     nvml: &'n Nvml,
     gpus: &[Watched],
     events: &mpsc::Sender<DeviceEvent>,
-) -> Result<(Option<EventSet<'n>>, Vec<u32>), NvmlError> {
+) -> Result<(Option<EventSet<'n>>, Vec<u32>, Vec<u32>), NvmlError> {
     let mut set = nvml.create_event_set()?;
     let mut registered: Vec<(u32, EventTypes)> = Vec::new();
+    let mut lost = Vec::new();
     let unmonitored = |gpu: &Watched, why: String| {
         for id in &gpu.devices {
             observe(events, id, Observation::Unmonitored(why.clone()));
@@ -796,7 +804,11 @@ fn register_all<'n>(
     for gpu in gpus {
         let (device, mask) = match watchable_events(nvml, gpu.index) {
             Ok(found) => found,
-            Err(why) => {
+            Err(Unwatchable::Lost) => {
+                lost.push(gpu.index);
+                continue;
+            }
+            Err(Unwatchable::Other(why)) => {
                 unmonitored(gpu, why);
                 continue;
             }
@@ -825,20 +837,32 @@ fn register_all<'n>(
         }
     }
     let indices: Vec<u32> = registered.iter().map(|(i, _)| *i).collect();
-    Ok(((!indices.is_empty()).then_some(set), indices))
+    Ok(((!indices.is_empty()).then_some(set), indices, lost))
+}
+
+/// Why a GPU's events cannot be watched.
+enum Unwatchable {
+    /// It does not answer (GPU_IS_LOST): watched again when it does.
+    Lost,
+    /// Anything else, in words.
+    Other(String),
 }
 
 /// GPU `index` and the health events it can report, or why it cannot be watched.
-fn watchable_events(nvml: &Nvml, index: u32) -> Result<(Device<'_>, EventTypes), String> {
-    let device = nvml
-        .device_by_index(index)
-        .map_err(|e| format!("NVML cannot open the GPU: {e}"))?;
-    let supported = device
-        .supported_event_types()
-        .map_err(|e| format!("NVML cannot list its event types: {e}"))?;
+fn watchable_events(nvml: &Nvml, index: u32) -> Result<(Device<'_>, EventTypes), Unwatchable> {
+    let device = nvml.device_by_index(index).map_err(|e| match e {
+        NvmlError::GpuLost => Unwatchable::Lost,
+        e => Unwatchable::Other(format!("NVML cannot open the GPU: {e}")),
+    })?;
+    let supported = device.supported_event_types().map_err(|e| match e {
+        NvmlError::GpuLost => Unwatchable::Lost,
+        e => Unwatchable::Other(format!("NVML cannot list its event types: {e}")),
+    })?;
     let mask = supported & wanted_events();
     if mask.is_empty() {
-        return Err("it supports none of the XID and ECC events".into());
+        return Err(Unwatchable::Other(
+            "it supports none of the XID and ECC events".into(),
+        ));
     }
     Ok((device, mask))
 }
