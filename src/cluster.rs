@@ -27,6 +27,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use crate::devices::{Health, Inventory, InventoryWatch};
+use crate::health::monitor::StatusQueries;
 use crate::metrics::Metrics;
 use crate::pods::{Holder, PodResources};
 
@@ -188,6 +189,9 @@ impl ApiAccess {
     /// condition, and from then on follows `inventory`: the condition on every change of health, Events on
     /// every transition. A transition between `before` (the inventory as the plugin started) and the
     /// start is reported too. Runs on a thread of its own, which ends when the inventory's sender does.
+    ///
+    /// With `fences`, it also follows the Node's fence annotation ([`crate::fence_annotation`]) and applies
+    /// it through them.
     pub fn spawn(
         self,
         start: impl std::future::Future<Output = ()> + Send + 'static,
@@ -195,11 +199,16 @@ impl ApiAccess {
         inventory: InventoryWatch,
         pods: Option<Arc<PodResources>>,
         metrics: Option<Arc<Metrics>>,
+        fences: Option<StatusQueries>,
     ) {
         let budget = self.budget;
         let report = async move {
             start.await;
             let server = self.config.cluster_url.to_string();
+            // A watch waits for changes for minutes: its client has no read timeout (the server ends each
+            // watch within its own timeout, and the watcher starts a new one).
+            let mut watch_config = self.config.clone();
+            watch_config.read_timeout = None;
             let client = match Client::try_from(self.config) {
                 Ok(client) => client,
                 Err(e) => {
@@ -215,6 +224,22 @@ impl ApiAccess {
             let first = condition_of(&inventory.borrow());
             let (conditions, wanted) = watch::channel(first);
             let (notes, queue) = mpsc::channel(QUEUE);
+            if let Some(queries) = fences {
+                match Client::try_from(watch_config) {
+                    Ok(watch_client) => {
+                        let follow = crate::fence_annotation::follow(
+                            watch_client,
+                            cluster.node.clone(),
+                            queries,
+                            notes.clone(),
+                        );
+                        tokio::spawn(follow);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot build a client to watch the node's fence annotation");
+                    }
+                }
+            }
             tokio::spawn(cluster.clone().keep_condition(wanted, metrics.clone()));
             tokio::spawn(cluster.send_events(queue, budget, metrics.clone()));
             follow(before, inventory, conditions, notes, pods, metrics).await;

@@ -25,7 +25,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::health::ConditionSelector;
-use crate::health::monitor::{OperatorRequest, StatusQueries};
+use crate::health::monitor::{OperatorError, OperatorRequest, StatusQueries};
 
 /// The largest report read.
 const MAX_REPORT_BYTES: u64 = 64 * 1024;
@@ -99,62 +99,96 @@ async fn reconcile(
     warned: &mut HashSet<(String, Option<SystemTime>)>,
 ) {
     let reports = read_reports(dir, warned);
-    let Some(devices) = queries.devices().await else {
-        return;
-    };
-    // Fences this directory set, by device: the file each came from, and its detail.
-    let mut fenced: BTreeMap<String, (String, String)> = BTreeMap::new();
-    for device in &devices {
-        for condition in &device.conditions {
-            if condition.kind != "fenced" {
-                continue;
-            }
-            let Some(detail) = &condition.detail else {
-                continue;
+    let wanted: BTreeMap<String, Wanted> = reports
+        .into_iter()
+        .map(|(file, report)| {
+            let wanted = Wanted {
+                device: report.device,
+                reason: report.reason,
+                who: report.by.unwrap_or_else(|| "a detector".into()),
             };
-            // "by <detector><FROM_FILE><file>: <reason>": neither the detector's name nor the file's holds a
-            // colon, so the first ": " ends the part that says where the fence came from.
-            let source = detail.split_once(": ").map_or(detail.as_str(), |(s, _)| s);
-            if let Some((_, file)) = source.split_once(FROM_FILE) {
-                fenced.insert(device.id.clone(), (file.to_string(), detail.clone()));
-            }
+            (file, wanted)
+        })
+        .collect();
+    let released_by = format!("the fence directory {}", dir.display());
+    for (file, e) in apply(queries, FROM_FILE, &wanted, &released_by).await {
+        if warned.insert((format!("{file}: {e}"), None)) {
+            tracing::warn!(file = %dir.join(&file).display(), error = %e, "fence report not applied");
         }
     }
-    for (file, report) in &reports {
-        let by = format!(
-            "{}{FROM_FILE}{file}",
-            report.by.as_deref().unwrap_or("a detector")
-        );
-        let detail = format!("by {by}: {}", report.reason);
-        let done = fenced.values().any(|(_, d)| *d == detail);
-        if done {
+}
+
+/// One fence a source (the fence directory, the node annotation) wants, under its key there (a file name,
+/// an entry).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wanted {
+    /// The device, or a GPU's UUID for all its MIG devices.
+    pub device: String,
+    /// Why.
+    pub reason: String,
+    /// Who, as the source names them.
+    pub who: String,
+}
+
+/// Makes the fences of one source what it wants. A source's fences are told apart by `marker` in who set
+/// them (`<who><marker><key>`, the part of the `fenced` condition's detail before its first ": "; neither
+/// `who` nor the key may hold a colon): a wanted fence not in place is set, a fence of the source no longer
+/// wanted is released, and fences set any other way are left alone. Returns the keys that could not be
+/// applied, with why.
+pub async fn apply(
+    queries: &StatusQueries,
+    marker: &str,
+    wanted: &BTreeMap<String, Wanted>,
+    released_by: &str,
+) -> Vec<(String, OperatorError)> {
+    let mut failed = Vec::new();
+    let Some(devices) = queries.devices().await else {
+        return failed;
+    };
+    // This source's fences in place, by device: the key each came from, and its detail.
+    let mut in_place: BTreeMap<String, (String, String)> = BTreeMap::new();
+    for device in &devices {
+        let fence = device
+            .conditions
+            .iter()
+            .find(|c| c.kind == "fenced")
+            .and_then(|c| c.detail.as_ref());
+        let Some(detail) = fence else {
+            continue;
+        };
+        let source = detail.split_once(": ").map_or(detail.as_str(), |(s, _)| s);
+        if let Some((_, key)) = source.split_once(marker) {
+            in_place.insert(device.id.clone(), (key.to_string(), detail.clone()));
+        }
+    }
+    for (key, fence) in wanted {
+        let by = format!("{}{marker}{key}", fence.who.replace(':', "-"));
+        let detail = format!("by {by}: {}", fence.reason);
+        if in_place.values().any(|(_, d)| *d == detail) {
             continue;
         }
         let request = OperatorRequest::Fence {
-            reason: report.reason.clone(),
+            reason: fence.reason.clone(),
             by,
         };
-        if let Err(e) = queries.operate(&report.device, request).await {
-            let key = (format!("{file}: {e}"), None);
-            if warned.insert(key) {
-                tracing::warn!(file = %dir.join(file).display(), error = %e, "fence report not applied");
-            }
+        if let Err(e) = queries.operate(&fence.device, request).await {
+            failed.push((key.clone(), e));
         }
     }
-    let files: HashSet<&str> = reports.keys().map(String::as_str).collect();
-    for (device, (file, _)) in &fenced {
-        if files.contains(file.as_str()) {
+    for (device, (key, _)) in &in_place {
+        if wanted.contains_key(key) {
             continue;
         }
         let request = OperatorRequest::Release {
             which: ConditionSelector::fenced(),
-            reason: format!("report {file} removed from the fence directory"),
-            by: format!("the fence directory {}", dir.display()),
+            reason: format!("{}{key} withdrawn", marker.trim_start()),
+            by: released_by.to_string(),
         };
         if let Err(e) = queries.operate(device, request).await {
-            tracing::warn!(device = %device, error = %e, "cannot release a fence whose report was removed");
+            tracing::warn!(device = %device, error = %e, "cannot release a fence its source withdrew");
         }
     }
+    failed
 }
 
 /// The directory's reports by file name; a file that cannot be used is said once (per file and
@@ -220,7 +254,7 @@ fn read_report(path: &Path) -> Result<Report, String> {
     report.reason = crate::text::cut_bytes(report.reason.trim(), MAX_TEXT_BYTES);
     report.by = report
         .by
-        .map(|b| crate::text::cut_bytes(&b.trim().replace(':', "-"), MAX_TEXT_BYTES))
+        .map(|b| crate::text::cut_bytes(b.trim(), MAX_TEXT_BYTES))
         .filter(|b| !b.is_empty());
     if report.device.is_empty() {
         return Err("\"device\" is empty".into());

@@ -21,6 +21,7 @@ pub mod cluster;
 pub mod config;
 pub mod control;
 pub mod devices;
+pub mod fence_annotation;
 pub mod fence_dir;
 pub mod health;
 pub mod http;

@@ -239,6 +239,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             monitored.inventory.clone(),
             pods.clone(),
             Some(metrics.clone()),
+            Some(monitored.status.clone()),
         );
     }
 

@@ -472,6 +472,7 @@ async fn a_storm_of_faults_is_held_to_the_event_budget() -> TestResult {
         watch,
         None,
         Some(metrics.clone()),
+        None,
     );
 
     // Every GPU fails at once, then every one recovers: 16 Events wanted, 5 allowed.
@@ -559,6 +560,7 @@ async fn a_fault_before_the_api_client_starts_is_still_reported() -> TestResult 
         },
         start,
         watch,
+        None,
         None,
         None,
     );
@@ -674,5 +676,81 @@ async fn a_pod_holding_a_replica_is_told_when_its_gpu_fails() -> TestResult {
         .find(|d| d["id"] == gpu(3).as_str())
         .ok_or("GPU 3 not in /status")?;
     assert_eq!(device["pods"][0]["pod"], "infer-0", "{device}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_node_annotation_fences_and_releases_and_bad_entries_are_an_event_on_the_node()
+-> TestResult {
+    let node = ApiNode::start(QUICK_RECOVERY).await?;
+    node.wait("a watch on the node", |r| {
+        r.iter()
+            .any(|r| r.path == "/api/v1/nodes" && r.query.contains("watch=true"))
+    })
+    .await?;
+    let value = format!(
+        "{}=burn-in failed, GPU-not-on-this-node=x, no-reason=",
+        gpu(1)
+    );
+    node.api
+        .set_annotation(NODE, "gpu-device-plugin/fenced", Some(&value));
+    node.kubelet
+        .wait_list("GPU 1 fenced", WAIT, |l| {
+            l.health(&gpu(1)) == Some("Unhealthy")
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    // What `kubectl describe node` shows: the condition names the GPU, who fenced it and why.
+    let requests = node
+        .wait("the condition True with the fence", |r| {
+            condition_patches(r).iter().any(|p| {
+                let c = patched_condition(p);
+                c["status"] == "True"
+                    && c["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("burn-in failed"))
+            })
+        })
+        .await?;
+    let patch = condition_patches(&requests)
+        .into_iter()
+        .rev()
+        .find(|p| patched_condition(p)["status"] == "True")
+        .unwrap();
+    let message = patched_condition(patch)["message"].as_str().unwrap_or("");
+    assert!(
+        message.contains(&gpu(1))
+            && message.contains("fenced by the node annotation gpu-device-plugin/fenced"),
+        "{message}"
+    );
+    // The entries it could not use: one Warning Event on the Node naming them.
+    let requests = node
+        .wait("a Warning Event for the bad entries", |r| {
+            r.iter()
+                .any(|r| is_event(r, "default", "FenceAnnotationInvalid"))
+        })
+        .await?;
+    let event = &requests
+        .iter()
+        .find(|r| is_event(r, "default", "FenceAnnotationInvalid"))
+        .unwrap()
+        .body;
+    let note = event["note"].as_str().unwrap_or("");
+    assert!(
+        note.contains("no device GPU-not-on-this-node") && note.contains("no reason"),
+        "{note}"
+    );
+    assert_eq!(event["type"], "Warning");
+
+    // The entry removed: released.
+    node.api
+        .set_annotation(NODE, "gpu-device-plugin/fenced", None);
+    node.kubelet
+        .wait_list("GPU 1 released", WAIT, |l| {
+            l.health(&gpu(1)) == Some("Healthy")
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    assert!(node.plugin.log().contains("released by an operator"));
     Ok(())
 }

@@ -5,6 +5,9 @@
 //!
 //! - `GET /api/v1/nodes/{name}`, `PATCH /api/v1/nodes/{name}/status` (strategic merge: conditions merge by
 //!   type, as the API server merges them);
+//! - `GET /api/v1/nodes?fieldSelector=metadata.name=<name>`, as a list and with `watch=true` as a watch: the
+//!   stream sends `MODIFIED` with the whole Node on every change of it (a status patch,
+//!   [`FakeApiServer::set_annotation`]) until the client goes;
 //! - `GET /api/v1/namespaces/{ns}/pods/{name}` (metadata only when asked for `as=PartialObjectMetadata`);
 //! - `POST /apis/events.k8s.io/v1/namespaces/{ns}/events`, `PATCH .../events/{name}` (JSON merge patch).
 //!
@@ -27,6 +30,7 @@ use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio_stream::StreamExt as _;
 
 /// One request as it arrived, with the answer's status.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,6 +39,8 @@ pub struct Recorded {
     pub method: String,
     /// Path, without the query.
     pub path: String,
+    /// The query, as sent (`watch=true&fieldSelector=...`), empty when none.
+    pub query: String,
     /// `Content-Type`, if any.
     pub content_type: Option<String>,
     /// The body as JSON (`Null` when empty).
@@ -53,6 +59,20 @@ struct State {
     forbidden: bool,
     fail_next: u32,
     version: u64,
+    /// Open watches on one node each: the node's name and where its changes go.
+    watches: Vec<(String, tokio::sync::mpsc::UnboundedSender<Value>)>,
+}
+
+impl State {
+    /// Sends `name`'s current object to every watch on it, forgetting watches whose client went.
+    fn changed(&mut self, name: &str) {
+        let Some(node) = self.nodes.get(name).cloned() else {
+            return;
+        };
+        self.watches.retain(|(watched, tx)| {
+            watched != name || tx.send(json!({"type": "MODIFIED", "object": node})).is_ok()
+        });
+    }
 }
 
 /// A running fake API server.
@@ -122,6 +142,41 @@ impl FakeApiServer {
             ]}
         });
         self.with_state(|s| s.nodes.insert(name.into(), node));
+    }
+
+    /// Sets (`Some`) or removes (`None`) an annotation on node `name`, as `kubectl annotate` does; watches
+    /// on the node see the change.
+    pub fn set_annotation(&self, name: &str, key: &str, value: Option<&str>) {
+        self.with_state(|s| {
+            s.version += 1;
+            let version = s.version.to_string();
+            let Some(node) = s.nodes.get_mut(name) else {
+                return;
+            };
+            let metadata = &mut node["metadata"];
+            if !metadata["annotations"].is_object() {
+                metadata["annotations"] = json!({});
+            }
+            match value {
+                Some(value) => metadata["annotations"][key] = Value::String(value.into()),
+                None => {
+                    if let Some(annotations) = metadata["annotations"].as_object_mut() {
+                        annotations.remove(key);
+                    }
+                }
+            }
+            metadata["resourceVersion"] = Value::String(version);
+            s.changed(name);
+        });
+    }
+
+    /// Whether a watch on node `name` is open.
+    pub fn watching(&self, name: &str) -> bool {
+        self.with_state(|s| {
+            s.watches
+                .iter()
+                .any(|(watched, tx)| watched == name && !tx.is_closed())
+        })
     }
 
     /// Adds a Pod object; returns its UID.
@@ -219,14 +274,18 @@ async fn serve(
     }
 }
 
+/// A response body: whole, or a watch's stream.
+type Body = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
 async fn handle(
     request: Request<Incoming>,
     state: &Mutex<State>,
     requests: &watch::Sender<Vec<Recorded>>,
-) -> Response<Full<Bytes>> {
+) -> Response<Body> {
     let at = Instant::now();
     let method = request.method().clone();
     let path = request.uri().path().to_string();
+    let query = request.uri().query().unwrap_or("").to_string();
     let content_type = request
         .headers()
         .get("content-type")
@@ -253,6 +312,7 @@ async fn handle(
                     Recorded {
                         method: method.to_string(),
                         path,
+                        query,
                         content_type,
                         body: Value::Null,
                         status: 400,
@@ -263,6 +323,34 @@ async fn handle(
             }
         }
     };
+    if method == Method::GET && path.trim_end_matches('/') == "/api/v1/nodes" {
+        let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+        let (status, reply) = nodes(&mut state, &query);
+        let recorded = Recorded {
+            method: method.to_string(),
+            path,
+            query,
+            content_type,
+            body,
+            status: status.as_u16(),
+            at,
+        };
+        return match reply {
+            NodesReply::Whole(value) => answer(requests, recorded, (status, value)),
+            NodesReply::Watch(changes) => {
+                requests.send_modify(|r| r.push(recorded));
+                let frames =
+                    tokio_stream::wrappers::UnboundedReceiverStream::new(changes).map(|v| {
+                        Ok::<_, Infallible>(hyper::body::Frame::data(Bytes::from(format!("{v}\n"))))
+                    });
+                Response::builder()
+                    .status(StatusCode::OK)
+                    .header("content-type", "application/json")
+                    .body(http_body_util::StreamBody::new(frames).boxed())
+                    .unwrap_or_default()
+            }
+        };
+    }
     let (status, mut reply) = {
         let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
         route(&mut state, &method, &path, content_type.as_deref(), &body)
@@ -279,6 +367,7 @@ async fn handle(
         Recorded {
             method: method.to_string(),
             path,
+            query,
             content_type,
             body,
             status: status.as_u16(),
@@ -288,16 +377,64 @@ async fn handle(
     )
 }
 
+/// A list of nodes, or a watch's stream of changes.
+enum NodesReply {
+    Whole(Value),
+    Watch(tokio::sync::mpsc::UnboundedReceiver<Value>),
+}
+
+/// `GET /api/v1/nodes`, with a `metadata.name` field selector (the only one the plugin uses): the list, or
+/// with `watch=true` a watch on that node.
+fn nodes(state: &mut State, query: &str) -> (StatusCode, NodesReply) {
+    let whole = |(status, value): (StatusCode, Value)| (status, NodesReply::Whole(value));
+    if state.forbidden {
+        return whole(failure(
+            StatusCode::FORBIDDEN,
+            "Forbidden",
+            "nodes is forbidden: User \"system:serviceaccount:kube-system:gpu-device-plugin\" cannot list or watch it",
+        ));
+    }
+    let params: BTreeMap<&str, String> = query
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .map(|(k, v)| (k, v.replace("%3D", "=").replace("%3d", "=")))
+        .collect();
+    let Some(name) = params
+        .get("fieldSelector")
+        .and_then(|f| f.strip_prefix("metadata.name="))
+        .map(str::to_string)
+    else {
+        return whole(invalid(
+            "this fake serves nodes by fieldSelector=metadata.name=<name> only",
+        ));
+    };
+    if params.get("watch").is_some_and(|w| w == "true" || w == "1") {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        state.watches.push((name, tx));
+        return (StatusCode::OK, NodesReply::Watch(rx));
+    }
+    let items: Vec<Value> = state.nodes.get(&name).cloned().into_iter().collect();
+    whole((
+        StatusCode::OK,
+        json!({
+            "apiVersion": "v1",
+            "kind": "NodeList",
+            "metadata": {"resourceVersion": state.version.to_string()},
+            "items": items,
+        }),
+    ))
+}
+
 fn answer(
     requests: &watch::Sender<Vec<Recorded>>,
     recorded: Recorded,
     (status, body): (StatusCode, Value),
-) -> Response<Full<Bytes>> {
+) -> Response<Body> {
     requests.send_modify(|r| r.push(recorded));
     Response::builder()
         .status(status)
         .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
+        .body(Full::new(Bytes::from(body.to_string())).boxed())
         .unwrap_or_default()
 }
 
@@ -381,7 +518,9 @@ fn route(
             }
             node["status"]["conditions"] = Value::Array(merged);
             node["metadata"]["resourceVersion"] = Value::String(version);
-            (StatusCode::OK, node.clone())
+            let node = node.clone();
+            state.changed(name);
+            (StatusCode::OK, node)
         }
         (&Method::GET, ["api", "v1", "namespaces", ns, "pods", name]) => {
             match state.pods.get(&((*ns).into(), (*name).into())) {
