@@ -58,6 +58,33 @@ async fn a_fence_by_command_holds_through_restarts_and_reboots_until_released() 
         "{message}"
     );
 
+    // /metrics counts it, /status says who and why.
+    let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
+    let (_, metrics) = gpu_device_plugin::http::get(&addr, "/metrics").await?;
+    let metrics = String::from_utf8_lossy(&metrics).into_owned();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.contains("devices_with_condition{kind=\"fenced\"}") && l.ends_with(" 1")),
+        "{metrics}"
+    );
+    let (_, status) = gpu_device_plugin::http::get(&addr, "/status").await?;
+    let status: serde_json::Value = serde_json::from_slice(&status)?;
+    let fenced = status["devices"]
+        .as_array()
+        .and_then(|d| d.iter().find(|d| d["id"] == gpu(2)))
+        .map(|d| d["conditions"][0].clone())
+        .unwrap_or_default();
+    assert_eq!(fenced["kind"], "fenced");
+    assert_eq!(fenced["recover"], "never");
+    assert!(
+        fenced["detail"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("by alice (uid 0)")
+                && d.ends_with("burn-in failed on 2026-11-24")),
+        "{fenced}"
+    );
+
     let first = node.restart_plugin().await?;
     assert_eq!(
         first.health(&gpu(2)),
