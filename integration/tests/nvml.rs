@@ -135,6 +135,23 @@ async fn a_lost_gpu_that_answers_again_is_watched_again() -> TestResult {
 }
 
 #[tokio::test]
+async fn a_lost_gpu_is_watched_again_while_other_gpus_keep_the_event_wait_busy() -> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    node.inject(&[format!("lost {}", gpu(2))]);
+    node.wait_unhealthy(&gpu(2)).await?;
+    node.inject(&[format!("restore {}", gpu(2))]);
+    // Harmless XIDs on GPU 0 every 20 ms: the event wait never times out while they come.
+    let watched_again = |l: &str| l.contains("its events are watched again");
+    let started = std::time::Instant::now();
+    while !watched_again(&node.plugin.log()) && started.elapsed() < WAIT {
+        node.inject(&[format!("xid {} 13", gpu(0))]);
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(watched_again(&node.plugin.log()), "{}", node.plugin.log());
+    Ok(())
+}
+
+#[tokio::test]
 async fn a_gpu_lost_when_the_plugin_starts_is_watched_once_it_answers() -> TestResult {
     // Found by the soak: a GPU lost at start was never put in the event set, so after it came back its
     // faults went unseen for the life of the process.

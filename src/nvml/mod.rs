@@ -581,6 +581,10 @@ fn watch_events(
     }
     let by_index: HashMap<u32, &Watched> = gpus.iter().map(|g| (g.index, g)).collect();
     let mut unexpected = 0u32;
+    // When the lost GPUs were last asked whether they answer: also while events keep the wait from ever
+    // timing out.
+    let mut rechecked = std::time::Instant::now();
+    let recheck_every = Duration::from_millis(u64::from(LOST_RECHECK_MS));
     let mut unserved_instances: HashSet<(u32, u32, u32)> = HashSet::new();
     let tell_all = |observation: Observation, lost: &[u32]| {
         for gpu in still_watched(gpus, &watched, lost) {
@@ -641,9 +645,16 @@ fn watch_events(
                         }
                     }
                 }
+                if !lost.is_empty() && rechecked.elapsed() >= recheck_every {
+                    rechecked = std::time::Instant::now();
+                    if let Some(again) = watch_again(nvml, gpus, &watched, &mut lost, events) {
+                        set = again;
+                    }
+                }
             }
             Err(NvmlError::Timeout) => {
                 unexpected = 0;
+                rechecked = std::time::Instant::now();
                 if let Some(again) = watch_again(nvml, gpus, &watched, &mut lost, events) {
                     set = again;
                 }
