@@ -270,10 +270,6 @@ async fn exchange(
         path: path.to_owned(),
         cause,
     };
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| http(e.to_string()))?;
-    tokio::spawn(connection);
     let body = serde_json::to_vec(request).map_err(|e| http(e.to_string()))?;
     let uri = if fence { "/fence" } else { "/release" };
     let request = Request::post(uri)
@@ -281,17 +277,9 @@ async fn exchange(
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| http(e.to_string()))?;
-    let response = sender
-        .send_request(request)
+    let (status, body) = crate::http::round_trip(stream, request)
         .await
-        .map_err(|e| http(e.to_string()))?;
-    let status = response.status();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| http(e.to_string()))?
-        .to_bytes();
+        .map_err(http)?;
     let answer: ControlAnswer = serde_json::from_slice(&body)
         .map_err(|e| http(format!("not an answer ({status}): {e}")))?;
     match answer.error {

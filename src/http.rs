@@ -316,24 +316,36 @@ async fn fetch(addr: &str, path: &str) -> Result<(StatusCode, Bytes), ClientErro
             addr: addr.to_string(),
             cause,
         })?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| http(e.to_string()))?;
-    tokio::spawn(connection);
     let request = Request::get(path)
         .header("host", addr)
-        .body(http_body_util::Empty::<Bytes>::new())
+        .body(Full::new(Bytes::new()))
         .map_err(|e| http(e.to_string()))?;
+    round_trip(stream, request).await.map_err(http)
+}
+
+/// One HTTP/1.1 request over `stream` (TCP, or the control socket): the status code and the whole body, or
+/// what failed, in words.
+pub async fn round_trip<S>(
+    stream: S,
+    request: Request<Full<Bytes>>,
+) -> Result<(StatusCode, Bytes), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(connection);
     let response = sender
         .send_request(request)
         .await
-        .map_err(|e| http(e.to_string()))?;
+        .map_err(|e| e.to_string())?;
     let status = response.status();
     let body = response
         .into_body()
         .collect()
         .await
-        .map_err(|e| http(e.to_string()))?
+        .map_err(|e| e.to_string())?
         .to_bytes();
     Ok((status, body))
 }

@@ -418,6 +418,24 @@ struct ReleaseArgs {
     state_dir: std::path::PathBuf,
 }
 
+/// How a command ends on a command-line error: one line and a failure, or the help or version printed.
+fn usage_exit(error: &clap::Error) -> ExitCode {
+    if error.use_stderr() {
+        let argv: Vec<_> = std::env::args_os().skip(1).collect();
+        return fail(&config::usage_error_line(error, &argv));
+    }
+    let _printed = error.print();
+    ExitCode::SUCCESS
+}
+
+/// The one-thread runtime a command (`status`, `fence`, `release`) runs on.
+fn command_runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| fail(&format!("cannot start the async runtime: {e}")))
+}
+
 /// `gpu-device-plugin fence` and `release`: one request to the running plugin's control socket.
 fn control_command(fence: bool) -> ExitCode {
     use clap::Parser as _;
@@ -444,24 +462,14 @@ fn control_command(fence: bool) -> ExitCode {
     };
     let (state_dir, mut request) = match parsed {
         Ok(parsed) => parsed,
-        Err(e) if e.use_stderr() => {
-            let argv: Vec<_> = std::env::args_os().skip(1).collect();
-            return fail(&config::usage_error_line(&e, &argv));
-        }
-        Err(e) => {
-            let _printed = e.print();
-            return ExitCode::SUCCESS;
-        }
+        Err(e) => return usage_exit(&e),
     };
     request.user = ["SUDO_USER", "USER", "LOGNAME"]
         .iter()
         .find_map(|v| std::env::var(v).ok().filter(|u| !u.is_empty()));
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match command_runtime() {
         Ok(runtime) => runtime,
-        Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
+        Err(exit) => return exit,
     };
     match runtime.block_on(gpu_device_plugin::control::send(
         &state_dir, fence, &request,
@@ -481,21 +489,11 @@ fn status_command() -> ExitCode {
     use clap::Parser as _;
     let args = match StatusArgs::try_parse_from(std::env::args_os().skip(1)) {
         Ok(args) => args,
-        Err(e) if e.use_stderr() => {
-            let argv: Vec<_> = std::env::args_os().skip(1).collect();
-            return fail(&config::usage_error_line(&e, &argv));
-        }
-        Err(e) => {
-            let _printed = e.print();
-            return ExitCode::SUCCESS;
-        }
+        Err(e) => return usage_exit(&e),
     };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match command_runtime() {
         Ok(runtime) => runtime,
-        Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
+        Err(exit) => return exit,
     };
     runtime.block_on(async {
         let mut last = None;

@@ -117,15 +117,20 @@ async fn a_lost_gpu_that_answers_again_is_watched_again() -> TestResult {
     let node = NvmlNode::start(None, &[]).await?;
     node.inject(&[format!("lost {}", gpu(2))]);
     node.wait_unhealthy(&gpu(2)).await?;
-    node.inject(&[format!("restore {}", gpu(2))]);
+    restored_and_watched_again(&node, 2).await
+}
+
+/// Restores GPU `index`, which is lost; waits until it is watched again and checks that its next fault is
+/// seen (the GPU is still Unhealthy from the loss, so the log is looked at for the condition).
+async fn restored_and_watched_again(node: &NvmlNode, index: usize) -> TestResult {
+    node.inject(&[format!("restore {}", gpu(index))]);
     let watched = node
         .plugin
         .wait_log(WAIT, |l| l.contains("its events are watched again"))
         .await;
     assert!(watched.is_some(), "{}", node.plugin.log());
-    // Its next fault is seen (the GPU is still Unhealthy from the loss, so look for the condition).
-    node.inject(&[format!("xid {} 48", gpu(2))]);
-    let id = gpu(2);
+    node.inject(&[format!("xid {} 48", gpu(index))]);
+    let id = gpu(index);
     let seen = node
         .plugin
         .wait_log(WAIT, |l| l.contains("xid=48") && l.contains(&id))
@@ -161,20 +166,7 @@ async fn a_gpu_lost_when_the_plugin_starts_is_watched_once_it_answers() -> TestR
     node.inject(&[format!("lost {}", gpu(1))]);
     node.start_plugin().await?;
     node.wait_unhealthy(&gpu(1)).await?;
-    node.inject(&[format!("restore {}", gpu(1))]);
-    let watched = node
-        .plugin
-        .wait_log(WAIT, |l| l.contains("its events are watched again"))
-        .await;
-    assert!(watched.is_some(), "{}", node.plugin.log());
-    node.inject(&[format!("xid {} 48", gpu(1))]);
-    let id = gpu(1);
-    let seen = node
-        .plugin
-        .wait_log(WAIT, |l| l.contains("xid=48") && l.contains(&id))
-        .await;
-    assert!(seen.is_some(), "{}", node.plugin.log());
-    Ok(())
+    restored_and_watched_again(&node, 1).await
 }
 
 #[tokio::test]

@@ -560,7 +560,11 @@ fn watch_events(
 ) {
     let outcome = register_all(nvml, gpus, events);
     let _told = registered.try_send(());
-    let (mut set, mut watched, lost_now) = match outcome {
+    let Registration {
+        mut set,
+        mut watched,
+        lost: lost_now,
+    } = match outcome {
         Ok(registered) => registered,
         Err(e) => {
             let why = format!("NVML cannot create an event set: {e}");
@@ -778,10 +782,10 @@ fn rebuild_set<'n>(
         return None;
     }
     match register_all(nvml, &keep, events) {
-        Ok((set, _, lost_again)) => {
+        Ok(registration) => {
             // Lost again between answering and registering: checked again with the others.
-            lost.extend(lost_again);
-            set
+            lost.extend(registration.lost);
+            registration.set
         }
         Err(e) => {
             tracing::error!(error = %e, "NVML cannot create an event set; the GPUs' events are not watched");
@@ -803,7 +807,7 @@ fn register_all<'n>(
     nvml: &'n Nvml,
     gpus: &[Watched],
     events: &mpsc::Sender<DeviceEvent>,
-) -> Result<(Option<EventSet<'n>>, Vec<u32>, Vec<u32>), NvmlError> {
+) -> Result<Registration<'n>, NvmlError> {
     let mut set = nvml.create_event_set()?;
     let mut registered: Vec<(u32, EventTypes)> = Vec::new();
     let mut lost = Vec::new();
@@ -848,7 +852,21 @@ fn register_all<'n>(
         }
     }
     let indices: Vec<u32> = registered.iter().map(|(i, _)| *i).collect();
-    Ok(((!indices.is_empty()).then_some(set), indices, lost))
+    Ok(Registration {
+        set: (!indices.is_empty()).then_some(set),
+        watched: indices,
+        lost,
+    })
+}
+
+/// What [`register_all`] made.
+struct Registration<'n> {
+    /// The event set, `None` if no GPU is in it.
+    set: Option<EventSet<'n>>,
+    /// The GPUs in it.
+    watched: Vec<u32>,
+    /// The GPUs left out because they are lost.
+    lost: Vec<u32>,
 }
 
 /// Why a GPU's events cannot be watched.
