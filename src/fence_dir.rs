@@ -39,11 +39,14 @@ const FROM_FILE: &str = " via the fence directory, file ";
 /// One report.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Report {
-    device: String,
-    reason: String,
+pub struct Report {
+    /// The device, or a GPU's UUID for all its MIG devices.
+    pub device: String,
+    /// Why.
+    pub reason: String,
+    /// The detector.
     #[serde(default)]
-    by: Option<String>,
+    pub by: Option<String>,
 }
 
 /// The directory could not be watched.
@@ -247,7 +250,12 @@ fn read_report(path: &Path) -> Result<Report, String> {
     if text.len() as u64 > MAX_REPORT_BYTES {
         return Err(format!("larger than {MAX_REPORT_BYTES} bytes"));
     }
-    let mut report: Report = serde_json::from_slice(&text).map_err(|e| {
+    parse_report(&text)
+}
+
+/// A report's content, checked: the device and reason present, texts trimmed and cut to size.
+pub fn parse_report(text: &[u8]) -> Result<Report, String> {
+    let mut report: Report = serde_json::from_slice(text).map_err(|e| {
         format!("not a report ({{\"device\": ..., \"reason\": ..., \"by\": ...}}): {e}")
     })?;
     report.device = report.device.trim().to_string();

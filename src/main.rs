@@ -44,7 +44,7 @@ fn main() -> ExitCode {
         }
     };
     init_logging(settings.log_format);
-    exit_on_panic();
+    gpu_device_plugin::runtime::exit_on_panic();
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
@@ -99,21 +99,6 @@ fn fail(message: &str) -> ExitCode {
     eprintln!("gpu-device-plugin: error: {message}");
     ExitCode::FAILURE
 }
-
-/// A panic anywhere ends the process with a non-zero exit, whatever the build's panic strategy: a task that
-/// died alone (the async runtime would catch it) could leave the plugin registered with nothing watching the
-/// GPUs. The DaemonSet restarts the pod, and the checkpoint keeps what was known.
-fn exit_on_panic() {
-    let report = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        report(info);
-        tracing::error!("{info}; exiting so that the plugin is restarted");
-        std::process::exit(PANIC_EXIT_CODE);
-    }));
-}
-
-/// The exit code after a panic (Rust's own for a panicking main thread).
-const PANIC_EXIT_CODE: i32 = 101;
 
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
