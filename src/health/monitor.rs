@@ -444,16 +444,14 @@ impl Monitor {
             .collect();
         if devices.is_empty() {
             let inventory = self.inventory.borrow();
-            let ids: Vec<&String> = inventory.devices().iter().map(|d| &d.info.id).collect();
+            let ids: Vec<&str> = inventory
+                .devices()
+                .iter()
+                .map(|d| d.info.id.as_str())
+                .collect();
             return Err(OperatorError::UnknownDevice {
                 target: crate::text::cut_bytes(target, 80),
-                known: crate::text::cut_bytes(
-                    &ids.iter()
-                        .map(|s| s.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    400,
-                ),
+                known: crate::text::cut_bytes(&ids.join(", "), 400),
             });
         }
         let (observation, devices) = match request {

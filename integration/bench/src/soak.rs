@@ -430,24 +430,20 @@ impl Soak<'_> {
             self.tally.sigterm_restarts += 1;
         }
         let plugin = self.start(false).await?;
-        let away = began.elapsed();
+        self.postpone(began.elapsed());
         let now = Instant::now();
         for expect in &mut self.expect {
             if let Expect::Faulted {
                 kind,
                 quiet_from,
                 step,
-                healthy_by,
-                deliver_by,
                 ..
             } = expect
-            {
-                *deliver_by += away;
-                *healthy_by += away;
                 // Still lost: the new process reports it lost at start, a new Unhealthy event.
-                if *kind == LOST && step.is_some() {
-                    *quiet_from = now;
-                }
+                && *kind == LOST
+                && step.is_some()
+            {
+                *quiet_from = now;
             }
         }
         Ok((plugin, true))
@@ -470,7 +466,12 @@ impl Soak<'_> {
             self.registration = kubelet.registrations().len();
         }
         self.tally.kubelet_restarts += 1;
-        let away = began.elapsed();
+        self.postpone(began.elapsed());
+        Ok(())
+    }
+
+    /// Moves every fault's deadlines by `away`, the time the plugin or the kubelet was gone.
+    fn postpone(&mut self, away: Duration) {
         for expect in &mut self.expect {
             if let Expect::Faulted {
                 deliver_by,
@@ -482,7 +483,6 @@ impl Soak<'_> {
                 *healthy_by += away;
             }
         }
-        Ok(())
     }
 
     /// Allocates one GPU the model holds Healthy and the kubelet lists Healthy.
