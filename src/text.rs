@@ -1,5 +1,6 @@
 //! Text cut to a size limit in bytes, at a character boundary: what a request echoes, a refused start's
-//! description, an Event's note, the node condition's message.
+//! description, an Event's note, the node condition's message. And text from outside made safe to print:
+//! a reason written by anyone who may patch a Node must not forge a log line or drive a terminal.
 
 /// The longest prefix of `text` of at most `max` bytes that ends on a character boundary, as a byte length.
 pub fn floor(text: &str, max: usize) -> usize {
@@ -21,9 +22,47 @@ pub fn cut_bytes(text: &str, max: usize) -> String {
     format!("{}...", &text[..floor(text, max.saturating_sub(3))])
 }
 
+/// Whether `c` would change how a line prints rather than print as itself: control characters (newline,
+/// carriage return, escape, C1) and the bidirectional overrides and isolates that reorder what follows.
+fn unprintable(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `text` with every character that would change how a line prints written as an escape (`\n`,
+/// `\u{1b}`), so that it stays one line and shows as itself in a log or a terminal. Everything else is kept.
+pub fn printable(text: &str) -> String {
+    if !text.chars().any(unprintable) {
+        return text.to_string();
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if unprintable(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outside_text_prints_on_one_line_as_itself() {
+        assert_eq!(
+            printable("SXID 20034 on NVSwitch 3"),
+            "SXID 20034 on NVSwitch 3"
+        );
+        assert_eq!(
+            printable("ok\n2026-11-26T00:00:00Z INFO forged"),
+            "ok\\n2026-11-26T00:00:00Z INFO forged"
+        );
+        assert_eq!(printable("\u{1b}[2J\r"), "\\u{1b}[2J\\r");
+        assert_eq!(printable("a\u{202E}b"), "a\\u{202e}b");
+        assert_eq!(printable("tab\there é"), "tab\\there é");
+    }
 
     #[test]
     fn text_is_cut_on_a_character_boundary() {
