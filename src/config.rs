@@ -716,12 +716,18 @@ fn parse_http_addr(value: &str) -> Result<Option<std::net::SocketAddr>, ConfigEr
     })
 }
 
+/// The largest config file read. NVIDIA's and ours are a few kilobytes; past this a file is a mistake (or
+/// worse), and reading it would cost memory and parse time on a node agent.
+pub const MAX_CONFIG_BYTES: u64 = 1024 * 1024;
+
+/// The deepest nesting of flow collections (`[...]`, `{...}`) a config file may have. Real ones nest two or
+/// three deep; the YAML parser's time grows with the square of a file nested thousands deep (a 200 KB file
+/// took seconds), so such a file is refused before it is parsed.
+pub const MAX_FLOW_DEPTH: usize = 32;
+
 /// Reads the config file, in our format or NVIDIA's (`version: v1`).
 fn load_file(path: &Path) -> Result<nvidia::Loaded, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
-        path: path.to_owned(),
-        source,
-    })?;
+    let text = read_config_text(path)?;
     if text.trim().is_empty() {
         return Ok(nvidia::Loaded::default());
     }
@@ -729,6 +735,14 @@ fn load_file(path: &Path) -> Result<nvidia::Loaded, ConfigError> {
         path: path.to_owned(),
         message: e.to_string().replace('\n', " "),
     };
+    if let Some(line) = too_deep(&text, MAX_FLOW_DEPTH) {
+        return Err(ConfigError::ParseFile {
+            path: path.to_owned(),
+            message: format!(
+                "nests [ ] and {{ }} collections more than {MAX_FLOW_DEPTH} deep (line {line}); refused before parsing"
+            ),
+        });
+    }
     let document: serde_norway::Value = serde_norway::from_str(&text).map_err(parse)?;
     if nvidia::is_v1(&document) {
         return nvidia::load(&text, path);
@@ -738,6 +752,78 @@ fn load_file(path: &Path) -> Result<nvidia::Loaded, ConfigError> {
         file: serde_norway::from_str(&text).map_err(parse)?,
         ..nvidia::Loaded::default()
     })
+}
+
+/// The config file's text: a regular file (a FIFO or device would block the read) of at most
+/// [`MAX_CONFIG_BYTES`], in UTF-8.
+fn read_config_text(path: &Path) -> Result<String, ConfigError> {
+    use std::io::Read as _;
+    let read_error = |source: std::io::Error| ConfigError::ReadFile {
+        path: path.to_owned(),
+        source,
+    };
+    // Followed through links: a ConfigMap mount is a link to a regular file.
+    let metadata = std::fs::metadata(path).map_err(read_error)?;
+    if !metadata.is_file() {
+        return Err(read_error(std::io::Error::other("not a regular file")));
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .map_err(read_error)?
+        .take(MAX_CONFIG_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read_error)?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(read_error(std::io::Error::other(format!(
+            "larger than {MAX_CONFIG_BYTES} bytes (a config file is a few kilobytes)"
+        ))));
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| read_error(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
+}
+
+/// The line where `text` first nests flow collections deeper than `max`, if it does. Brackets inside quoted
+/// scalars and comments do not count.
+fn too_deep(text: &str, max: usize) -> Option<usize> {
+    let mut depth = 0usize;
+    // A quoted scalar may go on over several lines: the brackets in it are text.
+    let mut quote: Option<char> = None;
+    for (number, line) in text.lines().enumerate() {
+        let mut previous = ' ';
+        let mut chars = line.chars().peekable();
+        while let Some(c) = chars.next() {
+            match quote {
+                Some('"') if c == '\\' => {
+                    chars.next();
+                }
+                Some(q) if c == q => {
+                    // '' inside a single-quoted scalar is a quote, not its end.
+                    if q == '\'' && chars.peek() == Some(&'\'') {
+                        chars.next();
+                    } else {
+                        quote = None;
+                    }
+                }
+                Some(_) => {}
+                None => match c {
+                    '#' if previous.is_whitespace() => break,
+                    '"' | '\'' if previous.is_whitespace() || "[{,:-".contains(previous) => {
+                        quote = Some(c);
+                    }
+                    '[' | '{' => {
+                        depth += 1;
+                        if depth > max {
+                            return Some(number + 1);
+                        }
+                    }
+                    ']' | '}' => depth = depth.saturating_sub(1),
+                    _ => {}
+                },
+            }
+            previous = c;
+        }
+    }
+    None
 }
 
 /// Makes sure the state directory exists and is writable, so a read-only mount is reported at start rather
@@ -824,6 +910,44 @@ fn check_socket_name(name: &str) -> Result<(), ConfigError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn config_files_nested_too_deep_or_too_large_are_refused_before_parsing()
+    -> Result<(), Box<dyn std::error::Error>> {
+        use super::{MAX_CONFIG_BYTES, MAX_FLOW_DEPTH, load_file, too_deep};
+        assert_eq!(too_deep("a: [1, {b: [2]}]\n", MAX_FLOW_DEPTH), None);
+        assert_eq!(too_deep("a: \"[[[[\"\nb: '[[[''[['\n# [[[[\n", 2), None);
+        assert_eq!(too_deep("a: 1\nb: [[[\n", 2), Some(2));
+        let dir = tempfile::tempdir()?;
+        let deep = dir.path().join("deep.yaml");
+        let nested = 20_000;
+        std::fs::write(&deep, "{a: ".repeat(nested) + &"}".repeat(nested))?;
+        let started = std::time::Instant::now();
+        let e = load_file(&deep)
+            .err()
+            .ok_or("a deep file loads")?
+            .to_string();
+        assert!(e.contains("more than 32 deep (line 1)"), "{e}");
+        // Refused without parsing (the parser took seconds on this file); a generous bound.
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+        let large = dir.path().join("large.yaml");
+        let line = "# padding\n";
+        std::fs::write(
+            &large,
+            line.repeat(usize::try_from(MAX_CONFIG_BYTES)? / line.len() + 1),
+        )?;
+        let e = load_file(&large)
+            .err()
+            .ok_or("a large file loads")?
+            .to_string();
+        assert!(e.contains("larger than 1048576 bytes"), "{e}");
+        let fifo = dir.path().join("fifo.yaml");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status()?;
+        assert!(made.success());
+        let e = load_file(&fifo).err().ok_or("a FIFO loads")?.to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        Ok(())
+    }
+
     use super::*;
     use clap::CommandFactory;
 

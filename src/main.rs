@@ -231,6 +231,12 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     if let Some(heartbeat) = monitored.heartbeat.clone() {
         heartbeat.watch(settings.stuck_after);
     }
+    // The bulkhead: every side surface (HTTP, the control socket, the fence directory) runs on a thread and
+    // runtime of its own, so that nothing they meet (slow clients, a stuck file, a flood of requests) takes
+    // a turn from the monitor and the kubelet streams on this one.
+    let side = gpu_device_plugin::runtime::SideRuntime::start("side-surfaces", shutdown.clone())
+        .context("cannot start the side surfaces' thread")?;
+    let inside = side.enter();
     if let Some(addr) = settings.http_addr {
         let context = http::Context {
             devices: monitored.status.clone(),
@@ -258,6 +264,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             shutdown.clone(),
         )?;
     }
+    drop(inside);
     let status = monitored.status.clone();
     // Every resource is served until shutdown; one that cannot be served stops them all (the DaemonSet
     // restarts the pod), as a node half-served would hide the other half's capacity without a word.
@@ -282,6 +289,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             "the health checkpoint was not written within {FLUSH_AT_EXIT:?} of shutdown"
         );
     }
+    side.join().await;
     if let Some(e) = failed {
         return Err(e.into());
     }
@@ -311,6 +319,10 @@ fn socket_name_for(name: &str, resource: &str) -> String {
 /// SIGTERM (the kubelet stopping the pod) and SIGINT (Ctrl-C) both start a clean shutdown. SIGHUP (config
 /// reloaders) reads the config again: one that does not load is refused with one error line and the plugin
 /// goes on as it is; one that loads stops the plugin cleanly and the returned flag says to start it again.
+///
+/// The new config is read and parsed on a thread of its own, never on this runtime's, which carries faults to
+/// the kubelet: a huge or pathological file costs that thread alone, is refused past [`RELOAD_CHECK_LIMIT`],
+/// and SIGTERM is answered meanwhile. One check runs at a time; a SIGHUP during one is said and ignored.
 fn spawn_signal_handler(
     shutdown: CancellationToken,
 ) -> anyhow::Result<Arc<std::sync::atomic::AtomicBool>> {
@@ -321,21 +333,38 @@ fn spawn_signal_handler(
     let reload = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let reloading = reload.clone();
     tokio::spawn(async move {
+        // The check of the config a SIGHUP asked for, while one runs, and until when it may.
+        let mut checking: Option<(
+            tokio::sync::oneshot::Receiver<Result<(), String>>,
+            tokio::time::Instant,
+        )> = None;
+        // True while a check's thread runs, even one given up on: never more than one at a time.
+        let busy = Arc::new(std::sync::atomic::AtomicBool::new(false));
         loop {
             let name = tokio::select! {
                 _ = term.recv() => "SIGTERM",
                 _ = int.recv() => "SIGINT",
                 _ = hup.recv() => {
-                    let argv: Vec<_> = std::env::args_os().collect();
-                    match Settings::from_args(&argv) {
-                        Ok(Ok(_)) => {
+                    if busy.load(std::sync::atomic::Ordering::SeqCst) {
+                        tracing::warn!(signal = "SIGHUP", "the config of an earlier SIGHUP is still being read; this one is ignored");
+                        continue;
+                    }
+                    match check_config_off_thread(busy.clone()) {
+                        Ok(answer) => checking = Some((answer, tokio::time::Instant::now() + RELOAD_CHECK_LIMIT)),
+                        Err(e) => tracing::error!(signal = "SIGHUP", "new config refused, the running one is kept: cannot start a thread to read it: {e}"),
+                    }
+                    continue;
+                }
+                outcome = config_checked(&mut checking) => {
+                    checking = None;
+                    match outcome {
+                        Ok(()) => {
                             tracing::info!(signal = "SIGHUP", "config loads; restarting with it");
                             reloading.store(true, std::sync::atomic::Ordering::SeqCst);
                             shutdown.cancel();
                             return;
                         }
-                        Ok(Err(e)) => tracing::error!(signal = "SIGHUP", "new config refused, the running one is kept: {e}"),
-                        Err(e) => tracing::error!(signal = "SIGHUP", "new config refused, the running one is kept: {}", config::usage_error_line(&e, &argv)),
+                        Err(e) => tracing::error!(signal = "SIGHUP", "new config refused, the running one is kept: {e}"),
                     }
                     continue;
                 }
@@ -346,6 +375,57 @@ fn spawn_signal_handler(
         }
     });
     Ok(reload)
+}
+
+/// How long reading and parsing the config after a SIGHUP may take before it is refused.
+const RELOAD_CHECK_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Loads the config from this process's own arguments on a new thread; the answer says whether it loads, or
+/// why not in one line. `busy` is true until the thread ends.
+fn check_config_off_thread(
+    busy: Arc<std::sync::atomic::AtomicBool>,
+) -> std::io::Result<tokio::sync::oneshot::Receiver<Result<(), String>>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    busy.store(true, std::sync::atomic::Ordering::SeqCst);
+    let running = busy.clone();
+    let started = std::thread::Builder::new()
+        .name("config-reload".into())
+        .spawn(move || {
+            let argv: Vec<_> = std::env::args_os().collect();
+            let outcome = match Settings::from_args(&argv) {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(e) => Err(config::usage_error_line(&e, &argv)),
+            };
+            // Free before the answer is read: a SIGHUP sent once the refusal is logged starts a new check.
+            running.store(false, std::sync::atomic::Ordering::SeqCst);
+            let _gave_up = tx.send(outcome);
+        });
+    if let Err(e) = started {
+        busy.store(false, std::sync::atomic::Ordering::SeqCst);
+        return Err(e);
+    }
+    Ok(rx)
+}
+
+/// The outcome of the config check in progress; pending while there is none.
+async fn config_checked(
+    checking: &mut Option<(
+        tokio::sync::oneshot::Receiver<Result<(), String>>,
+        tokio::time::Instant,
+    )>,
+) -> Result<(), String> {
+    let Some((answer, deadline)) = checking else {
+        return std::future::pending().await;
+    };
+    match tokio::time::timeout_at(*deadline, answer).await {
+        Ok(Ok(outcome)) => outcome,
+        Ok(Err(_)) => Err("the config check ended without an answer".into()),
+        Err(_) => Err(format!(
+            "reading it took more than {} s",
+            RELOAD_CHECK_LIMIT.as_secs()
+        )),
+    }
 }
 
 /// `gpu-device-plugin status`: a running agent's devices, as a table or JSON.

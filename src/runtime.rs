@@ -18,6 +18,62 @@ where
     Ok(())
 }
 
+/// A thread and single-threaded runtime of their own for the side surfaces (HTTP, the control socket, the
+/// fence directory): the bulkhead between them and the fault path. A slow client, a stuck file or a flood
+/// of requests there costs that thread alone; the runtime carrying faults to the kubelet never runs their
+/// tasks. They reach the health monitor only through its bounded channels.
+pub struct SideRuntime {
+    handle: tokio::runtime::Handle,
+    thread: std::thread::JoinHandle<()>,
+}
+
+/// How long the side runtime's tasks get to finish (a socket removed, a connection closed) once `until`
+/// is cancelled, before the rest are dropped.
+const SIDE_GRACE: std::time::Duration = std::time::Duration::from_millis(200);
+
+impl SideRuntime {
+    /// Starts the runtime on a new thread named `name`; it runs its tasks until `until` is cancelled.
+    pub fn start(
+        name: &str,
+        until: tokio_util::sync::CancellationToken,
+    ) -> std::io::Result<SideRuntime> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let handle = runtime.handle().clone();
+        let thread = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                runtime.block_on(async {
+                    until.cancelled().await;
+                    // Tasks that end on the cancellation take their last turn (a control socket removes
+                    // its file); a connection still open is dropped after the grace period.
+                    let metrics = tokio::runtime::Handle::current().metrics();
+                    let _ended = tokio::time::timeout(SIDE_GRACE, async {
+                        while metrics.num_alive_tasks() > 0 {
+                            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+                        }
+                    })
+                    .await;
+                });
+                runtime.shutdown_timeout(std::time::Duration::ZERO);
+            })?;
+        Ok(SideRuntime { handle, thread })
+    }
+
+    /// Enters the runtime: what is spawned or bound while the guard lives (`tokio::spawn`, a listener's
+    /// bind) belongs to the side thread.
+    pub fn enter(&self) -> tokio::runtime::EnterGuard<'_> {
+        self.handle.enter()
+    }
+
+    /// Waits, off the async runtime, for the side thread to end (once `until` was cancelled).
+    pub async fn join(self) {
+        let thread = self.thread;
+        let _ended = tokio::task::spawn_blocking(move || thread.join()).await;
+    }
+}
+
 /// The exit code after a panic (Rust's own for a panicking main thread).
 pub const PANIC_EXIT_CODE: i32 = 101;
 
@@ -36,6 +92,36 @@ pub fn exit_on_panic() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn side_tasks_run_on_their_own_thread_and_end_with_it() -> Result<(), Box<dyn std::error::Error>>
+    {
+        let main = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        main.block_on(async {
+            let until = tokio_util::sync::CancellationToken::new();
+            let side = SideRuntime::start("side-test", until.clone())?;
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let stopped = until.clone();
+            let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+            {
+                let _inside = side.enter();
+                tokio::spawn(async move {
+                    let _sent = tx.send(std::thread::current().name().map(String::from));
+                    stopped.cancelled().await;
+                    // The last turn after cancellation still runs.
+                    let _sent = done_tx.send(());
+                });
+            }
+            let name = tokio::time::timeout(std::time::Duration::from_secs(10), rx).await??;
+            assert_eq!(name.as_deref(), Some("side-test"));
+            until.cancel();
+            side.join().await;
+            assert!(done_rx.await.is_ok(), "the task's last turn never ran");
+            Ok::<_, Box<dyn std::error::Error>>(())
+        })
+    }
 
     /// Set in the child process of the test below, which then panics in a task.
     const CHILD: &str = "GPU_DEVICE_PLUGIN_TEST_PANIC_CHILD";

@@ -64,3 +64,62 @@ async fn sighup_refuses_a_bad_config_and_restarts_with_a_good_one_keeping_health
     assert!(restarted.is_some(), "{}", node.plugin.log());
     Ok(())
 }
+
+#[tokio::test]
+async fn sighup_with_a_huge_or_deeply_nested_config_refuses_it_and_faults_still_reach_the_kubelet()
+-> TestResult {
+    let config_dir = tempfile::tempdir()?;
+    let config = config_dir.path().join("config.yaml");
+    std::fs::write(&config, "health:\n  quietPeriod: 10m\n")?;
+    let config_arg = config.to_string_lossy().into_owned();
+    let node = ScriptedNode::start(2, &["--config", &config_arg]).await?;
+    let gpus: Vec<String> = node
+        .kubelet
+        .list()
+        .devices
+        .iter()
+        .map(|d| d.id.clone())
+        .collect();
+
+    // 400 KB of nesting: the YAML parser alone took longer than a test waits for such a file, and did it on
+    // the thread that carries faults to the kubelet.
+    let nested = 100_000;
+    std::fs::write(&config, "{a: ".repeat(nested) + &"}".repeat(nested))?;
+    node.plugin.signal(Signal::SIGHUP);
+    node.inject(&[format!("xid {} 79", gpus[0])]);
+    node.kubelet
+        .wait_list("GPU 0 Unhealthy after the SIGHUP", WAIT, |l| {
+            l.health(&gpus[0]) == Some("Unhealthy")
+        })
+        .await?;
+    let refused = node
+        .plugin
+        .wait_log(WAIT, |l| {
+            l.contains("new config refused") && l.contains("more than 32 deep")
+        })
+        .await;
+    assert!(refused.is_some(), "{}", node.plugin.log());
+
+    // 10 MB: refused by its size, without reading it all.
+    std::fs::write(&config, "# padding line\n".repeat(700_000))?;
+    node.plugin.signal(Signal::SIGHUP);
+    node.inject(&[format!("xid {} 79", gpus[1])]);
+    node.kubelet
+        .wait_list("GPU 1 Unhealthy after the SIGHUP", WAIT, |l| {
+            l.health(&gpus[1]) == Some("Unhealthy")
+        })
+        .await?;
+    let refused = node
+        .plugin
+        .wait_log(WAIT, |l| {
+            l.contains("new config refused") && l.contains("larger than 1048576 bytes")
+        })
+        .await;
+    assert!(refused.is_some(), "{}", node.plugin.log());
+    assert_eq!(
+        node.kubelet.registrations().len(),
+        1,
+        "no restart on a refused config"
+    );
+    Ok(())
+}
