@@ -189,6 +189,12 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         } else {
             monitored.inventory.clone()
         };
+        let size = kubelet::server::check_list_size(
+            &served.name,
+            &inventory.borrow(),
+            &plugin.allocate.naming,
+        )?;
+        tracing::debug!(resource = %served.name, bytes = size, "largest device list");
         plugins.push((plugin, inventory));
     }
     let links: Vec<_> = plugins.iter().map(|(p, _)| p.status.subscribe()).collect();

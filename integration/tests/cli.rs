@@ -316,3 +316,42 @@ fn a_sharing_entry_the_node_cannot_meet_stops_the_plugin_before_it_registers() {
     let sockets = std::fs::read_dir(&kubelet_dir).unwrap().count();
     assert_eq!(sockets, 0, "no socket left behind");
 }
+
+#[test]
+fn a_device_list_larger_than_the_kubelet_accepts_stops_the_plugin_before_it_registers() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet_dir = dir.path().join("device-plugins");
+    std::fs::create_dir(&kubelet_dir).unwrap();
+    let config = dir.path().join("nvidia.yaml");
+    // 80 GPUs with 1024 replicas each: 81 920 devices, about 5 MB encoded.
+    std::fs::write(
+        &config,
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 1024\n",
+    )
+    .unwrap();
+    let out = run(
+        &[
+            "--simulate",
+            "80",
+            "--http-addr",
+            "",
+            "--kubelet-dir",
+            kubelet_dir.to_str().unwrap(),
+            "--state-dir",
+            dir.path().join("state").to_str().unwrap(),
+            "--config-file",
+            config.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("the device list of nvidia.com/gpu is")
+            && last.contains("(81920 devices), more than the 4194304 bytes the kubelet accepts"),
+        "{stderr}"
+    );
+    let sockets = std::fs::read_dir(&kubelet_dir).unwrap().count();
+    assert_eq!(sockets, 0, "no socket left behind");
+}

@@ -95,6 +95,25 @@ pub enum KubeletError {
         .0.display()
     )]
     DirReplaced(PathBuf),
+    /// The resource's device list would not fit in one ListAndWatch message the kubelet accepts.
+    #[error(
+        "the device list of {resource} is {bytes} bytes encoded ({devices} devices), more than the {limit} bytes \
+         the kubelet accepts in one ListAndWatch message: it would drop the stream and never see a fault; serve \
+         fewer devices under this name (about {fit} fit: fewer sharing replicas, or MIG profiles under names of \
+         their own)"
+    )]
+    ListTooLarge {
+        /// The resource.
+        resource: String,
+        /// The largest list's encoded size.
+        bytes: usize,
+        /// Devices in it.
+        devices: usize,
+        /// The kubelet's limit.
+        limit: usize,
+        /// About how many devices fit.
+        fit: usize,
+    },
     /// The gRPC server stopped while the plugin meant to serve.
     #[error("the device plugin gRPC server stopped unexpectedly")]
     ServerStopped,

@@ -132,6 +132,40 @@ pub fn list_response(inventory: &Inventory, naming: &Naming) -> ListAndWatchResp
     }
 }
 
+/// The largest message the kubelet reads from a device plugin: gRPC's default receive limit, which the
+/// kubelet's device-plugin client keeps. A larger ListAndWatch message fails the kubelet's stream with
+/// RESOURCE_EXHAUSTED; the kubelet drops it, and no list (and no fault) gets through after.
+pub const KUBELET_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+/// gRPC's frame header before each message (a flag byte and a 4-byte length), counted by the limit too.
+const GRPC_FRAME_HEADER: usize = 5;
+
+/// Checks that every list `inventory` can make under `naming` fits in one message the kubelet accepts: the
+/// largest is the one with every device Unhealthy (the longer word). Returns its size in bytes.
+pub fn check_list_size(
+    resource: &str,
+    inventory: &Inventory,
+    naming: &Naming,
+) -> Result<usize, super::KubeletError> {
+    use prost::Message as _;
+    let mut worst = list_response(inventory, naming);
+    for device in &mut worst.devices {
+        device.health = crate::devices::Health::Unhealthy.as_api_str().to_string();
+    }
+    let bytes = worst.encoded_len() + GRPC_FRAME_HEADER;
+    if bytes <= KUBELET_MAX_MESSAGE_BYTES {
+        return Ok(bytes);
+    }
+    let devices = worst.devices.len();
+    Err(super::KubeletError::ListTooLarge {
+        resource: resource.to_string(),
+        bytes,
+        devices,
+        limit: KUBELET_MAX_MESSAGE_BYTES,
+        fit: KUBELET_MAX_MESSAGE_BYTES * devices / bytes,
+    })
+}
+
 impl From<PreStartError> for Status {
     fn from(e: PreStartError) -> Self {
         Status::failed_precondition(e.to_string())
@@ -381,6 +415,27 @@ mod tests {
         assert!(
             matches!(end, Ok(None)),
             "expected a clean end of stream, got {end:?}"
+        );
+    }
+
+    #[test]
+    fn a_device_list_over_the_kubelets_message_limit_is_refused_with_its_size() {
+        let inventory = inventory(12);
+        let naming = |replicas| Naming {
+            replicas,
+            ..Naming::default()
+        };
+        let fits = check_list_size("nvidia.com/gpu", &inventory, &naming(64));
+        assert!(fits.is_ok_and(|bytes| bytes < KUBELET_MAX_MESSAGE_BYTES));
+        let refused = check_list_size("nvidia.com/gpu", &inventory, &naming(100_000))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            refused.contains("nvidia.com/gpu")
+                && refused.contains("(1200000 devices)")
+                && refused.contains("more than the 4194304 bytes"),
+            "{refused}"
         );
     }
 
