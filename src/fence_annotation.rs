@@ -34,12 +34,13 @@ pub fn parse(value: &str) -> (BTreeMap<String, String>, Vec<String>) {
     let mut entries = BTreeMap::new();
     let mut problems = Vec::new();
     for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-        let shown = crate::text::cut_bytes(entry, 120);
+        // Anyone who may patch the Node writes this: made printable before it reaches a log or a message.
+        let shown = crate::text::printable(&crate::text::cut_bytes(entry, 120));
         let Some((device, reason)) = entry.split_once('=') else {
             problems.push(format!("{shown:?}: not <device>=<reason>"));
             continue;
         };
-        let (device, reason) = (device.trim(), reason.trim());
+        let (device, reason) = (crate::text::printable(device.trim()), reason.trim());
         if device.is_empty() || device.contains(':') {
             problems.push(format!("{shown:?}: no device UUID before '='"));
             continue;
@@ -50,8 +51,8 @@ pub fn parse(value: &str) -> (BTreeMap<String, String>, Vec<String>) {
         }
         if entries
             .insert(
-                device.to_string(),
-                crate::text::cut_bytes(reason, MAX_REASON_BYTES),
+                device.clone(),
+                crate::text::printable(&crate::text::cut_bytes(reason, MAX_REASON_BYTES)),
             )
             .is_some()
         {
@@ -158,5 +159,20 @@ mod tests {
         assert!(problems[2].contains("no reason"));
         assert!(problems[3].contains("listed twice"));
         assert_eq!(parse(""), (BTreeMap::new(), Vec::new()));
+    }
+
+    #[test]
+    fn an_entry_cannot_forge_a_log_line_or_drive_a_terminal() {
+        let (entries, problems) =
+            parse("GPU-a=ok\nlevel=INFO msg=forged, GPU-b\u{1b}[2J=x, GPU-b\u{1b}[2J=y");
+        assert_eq!(
+            entries.get("GPU-a").map(String::as_str),
+            Some("ok\\nlevel=INFO msg=forged")
+        );
+        assert!(entries.contains_key("GPU-b\\u{1b}[2J"));
+        assert!(
+            problems.iter().all(|p| !p.contains('\u{1b}')),
+            "{problems:?}"
+        );
     }
 }

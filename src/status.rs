@@ -127,7 +127,11 @@ pub struct PolicySummary {
 impl Report {
     /// The table an operator reads at a glance: one line per device (index, ID, health, what is wrong in
     /// short), the kubelet link, then each Unhealthy or noted device's full message.
+    /// Every string in it came from the running plugin, and many from outside it (a fence's reason from a
+    /// Node annotation, a detector's file): each is printed escaped, so that none can drive the terminal
+    /// or forge a line.
     pub fn table(&self) -> String {
+        use crate::text::printable;
         let rows: Vec<[String; 5]> = self
             .devices
             .iter()
@@ -161,6 +165,7 @@ impl Report {
                         conditions.join(",")
                     },
                 ]
+                .map(|cell| printable(&cell))
             })
             .collect();
         let header = ["INDEX", "DEVICE", "HEALTH", "PODS", "CONDITIONS"];
@@ -197,7 +202,7 @@ impl Report {
             .map(|o| {
                 format!(
                     "; {}: {}",
-                    o.resource,
+                    printable(&o.resource),
                     if o.registered {
                         "registered"
                     } else {
@@ -220,8 +225,8 @@ impl Report {
             } else {
                 "NOT registered"
             },
-            k.resource,
-            k.endpoint,
+            printable(&k.resource),
+            printable(&k.endpoint),
             k.streams_open,
             if k.streams_open == 1 { "" } else { "s" },
             k.registrations,
@@ -230,7 +235,12 @@ impl Report {
         ));
         for d in &self.devices {
             if let Some(message) = &d.message {
-                out.push_str(&format!("\n{} ({}):\n  {message}\n", d.id, d.index));
+                out.push_str(&format!(
+                    "\n{} ({}):\n  {}\n",
+                    printable(&d.id),
+                    d.index,
+                    printable(message)
+                ));
             }
         }
         out
@@ -327,6 +337,25 @@ mod tests {
             table.ends_with("GPU-bb (1):\n  Unhealthy: XID 79: the GPU has fallen off the bus\n"),
             "{table}"
         );
+    }
+
+    #[test]
+    fn outside_text_in_the_table_is_escaped_and_forges_no_line() {
+        let plain = report().table();
+        let mut report = report();
+        report.devices[1].message =
+            Some("Unhealthy: fenced by x: ok\nGPU-a (0):\n  Healthy\u{1b}[2J".into());
+        report.devices[1].pods[0].pod = "train-0\u{1b}]0;owned\u{7}".into();
+        let table = report.table();
+        assert!(
+            !table.contains('\u{1b}') && !table.contains('\u{7}'),
+            "{table:?}"
+        );
+        assert!(
+            table.ends_with("  Unhealthy: fenced by x: ok\\nGPU-a (0):\\n  Healthy\\u{1b}[2J\n"),
+            "{table}"
+        );
+        assert_eq!(table.lines().count(), plain.lines().count());
     }
 
     #[test]

@@ -450,7 +450,7 @@ impl Monitor {
                 .map(|d| d.info.id.as_str())
                 .collect();
             return Err(OperatorError::UnknownDevice {
-                target: crate::text::cut_bytes(target, 80),
+                target: crate::text::printable(&crate::text::cut_bytes(target, 80)),
                 known: crate::text::cut_bytes(&ids.join(", "), 400),
             });
         }
