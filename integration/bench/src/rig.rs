@@ -47,14 +47,21 @@ impl Plugin {
         tail.into_iter().rev().collect::<Vec<_>>().join("\n")
     }
 
+    /// The plugin's whole stderr so far.
+    pub(crate) fn full_log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends `signal`; does not wait.
+    pub(crate) fn signal(&self, signal: nix::sys::signal::Signal) {
+        if let Some(pid) = self.child.id() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
+        }
+    }
+
     /// Sends SIGTERM, as the kubelet does to the old pod of a rolling update; does not wait.
     pub(crate) fn terminate(&self) {
-        if let Some(pid) = self.child.id() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            );
-        }
+        self.signal(nix::sys::signal::Signal::SIGTERM);
     }
 
     /// SIGKILL, and waits for it to be gone.
@@ -163,6 +170,11 @@ impl Rig {
     /// The plugin command as run (with placeholders), for the report.
     pub(crate) fn plugin_command(&self) -> String {
         shell_words::join(&self.command)
+    }
+
+    /// The plugin's program, for its own commands (`gpu-device-plugin fence`).
+    pub(crate) fn plugin_program(&self) -> &str {
+        self.command.first().map_or("", String::as_str)
     }
 
     /// Whether the plugin measured is this workspace's (whose flags the measures may add to).

@@ -1,12 +1,15 @@
 //! The soak: this workspace's plugin run for a given time on fake GPUs under random faults of every kind
 //! (fatal and harmless XIDs, double-bit ECC errors, single-bit bursts, a GPU lost and back, the driver's
-//! recovery action set and cleared), plugin restarts by SIGTERM and SIGKILL, kubelet restarts and a steady
-//! trickle of Allocate calls. Beside it runs a model of the health policy: what each GPU's health must be,
+//! recovery action set and cleared), operators' fences by command and detectors' fences by file, each
+//! released again, plugin restarts by SIGTERM, SIGKILL and SIGHUP, SIGHUPs with a config that is refused,
+//! kubelet restarts, a steady trickle of Allocate calls and HTTP scrapes of `/status` and `/metrics`: every
+//! surface on. Beside it runs a model of the health policy: what each GPU's health must be,
 //! and from when to when it may change. Every list the kubelet receives is compared with the model, and
 //! every divergence is counted with what it was:
 //!
 //! - a GPU the model holds Healthy listed Unhealthy (or missing);
-//! - a fault that does not reach the kubelet within [`DELIVERY`];
+//! - a fault that does not reach the kubelet within [`DELIVERY`] (whatever else happened meanwhile: a
+//!   GPU lost or back beside it is no excuse);
 //! - a GPU listed Healthy again before its fault could have cleared;
 //! - a GPU still Unhealthy [`SLACK`] past the latest time its fault clears (quiet period, a probe, the
 //!   recovery action read again).
@@ -42,12 +45,25 @@ const SLACK: Duration = Duration::from_secs(3);
 const EARLY: Duration = Duration::from_millis(100);
 /// Time between two steps of the chaos.
 const STEP: Duration = Duration::from_millis(400);
-/// How long after a GPU is lost or back the plugin may still be making its event set again.
-const REBUILD_WINDOW: Duration = Duration::from_secs(1);
 const SAMPLE_EVERY: Duration = Duration::from_secs(10);
 const ALLOCATE_EVERY: Duration = Duration::from_millis(100);
+/// How often `/status` or `/metrics` is read (in turn).
+const SCRAPE_EVERY: Duration = Duration::from_millis(250);
 
 const LOST: &str = "the GPU lost";
+const FENCED_BY_COMMAND: &str = "a fence by command";
+const FENCED_BY_FILE: &str = "a fence by a detector's file";
+
+/// What ends a fault when its time comes.
+#[derive(Debug, Clone)]
+enum Ending {
+    /// A line for the fake driver (`restore`, `action 0`).
+    Line(String),
+    /// `gpu-device-plugin release` of the GPU.
+    Release(String),
+    /// The detector's report removed.
+    RemoveReport(PathBuf),
+}
 
 /// XIDs the catalog makes Unhealthy, and XIDs it leaves Healthy (an application's faults, notices).
 const FATAL_XIDS: &[u64] = &[48, 62, 64, 74, 79, 95, 109, 119, 140, 999];
@@ -65,8 +81,8 @@ enum Expect {
         /// The GPU's latest Unhealthy event, from which its quiet period counts.
         quiet_from: Instant,
         seen: bool,
-        /// The line that ends the fault (`restore`, `action 0`) and when it is due.
-        step: Option<(Instant, String)>,
+        /// What ends the fault and when it is due.
+        step: Option<(Instant, Ending)>,
         not_before: Instant,
         healthy_by: Instant,
         deliver_by: Instant,
@@ -85,9 +101,14 @@ struct Tally {
     /// Allocate of a GPU the model holds Healthy, refused.
     allocations_refused: usize,
     divergences: Vec<String>,
-    /// Faults not listed that were raised while the event set was being made again (a GPU lost or back).
-    missed_in_rebuild: usize,
     recovery_after_earliest: Vec<Duration>,
+    fences_by_command: usize,
+    fences_by_file: usize,
+    sighup_reloads: usize,
+    sighup_refused: usize,
+    scrapes_ok: usize,
+    /// Scrapes that got no answer or a failed one while the plugin was running.
+    scrapes_failed: usize,
 }
 
 /// One sample of the plugin process and its checkpoint.
@@ -109,9 +130,16 @@ struct Soak<'a> {
     tally: Tally,
     /// The registration the checks follow: the latest of the running plugin.
     registration: usize,
-    /// When a GPU was lost or restored, and which: the plugin makes its event set again then.
-    rebuilds: Vec<(Instant, usize)>,
     started: Instant,
+    /// The plugin's config file (SIGHUP reads it again).
+    config: PathBuf,
+    /// The config's text as the plugin runs with it.
+    config_text: String,
+    /// Detectors' reports.
+    fence_dir: PathBuf,
+    /// The plugin's HTTP surfaces.
+    http: std::net::SocketAddr,
+    scrapes: usize,
 }
 
 /// Runs the soak for `duration` with `seed`, adding its results to `report`.
@@ -127,15 +155,18 @@ pub(crate) async fn run(
     let state = work.join("soak-state");
     std::fs::create_dir_all(&state)?;
     let config = work.join("soak-config.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "health:\n  quietPeriod: {}ms\n  probeInterval: {}ms\n  recoveryActionInterval: {}ms\n  sbeBurst: {{count: {SBE_BURST}, window: {SBE_WINDOW}}}\n  conditions:\n    ecc-sbe-burst: {{effect: unhealthy}}\n",
-            QUIET.as_millis(),
-            PROBE.as_millis(),
-            ACTION_INTERVAL.as_millis()
-        ),
-    )?;
+    let config_text = format!(
+        "health:\n  quietPeriod: {}ms\n  probeInterval: {}ms\n  recoveryActionInterval: {}ms\n  sbeBurst: {{count: {SBE_BURST}, window: {SBE_WINDOW}}}\n  conditions:\n    ecc-sbe-burst: {{effect: unhealthy}}\n",
+        QUIET.as_millis(),
+        PROBE.as_millis(),
+        ACTION_INTERVAL.as_millis()
+    );
+    std::fs::write(&config, &config_text)?;
+    let fence_dir = work.join("soak-fence-dir");
+    std::fs::create_dir_all(&fence_dir)?;
+    // A port of its own for the HTTP surfaces, the same across restarts (SIGHUP restarts in place with the
+    // same arguments).
+    let http = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
     let proc_root = work.join("soak-proc");
     write_driver_gpu_list(&proc_root, gpus)?;
     let boot_id = work.join("soak-boot-id");
@@ -147,6 +178,10 @@ pub(crate) async fn run(
         proc_root.as_os_str(),
         "--boot-id-file".as_ref(),
         boot_id.as_os_str(),
+        "--fence-dir".as_ref(),
+        fence_dir.as_os_str(),
+        "--http-addr".as_ref(),
+        http.to_string().as_ref(),
     ]
     .iter()
     .map(|a| a.to_string_lossy().into_owned())
@@ -159,8 +194,12 @@ pub(crate) async fn run(
         expect: vec![Expect::Healthy; gpus],
         tally: Tally::default(),
         registration: 0,
-        rebuilds: Vec::new(),
         started: Instant::now(),
+        config,
+        config_text,
+        fence_dir,
+        http,
+        scrapes: 0,
     };
     let mut plugin = soak.start(true).await?;
     let mut samples = vec![soak.sample(&plugin)?];
@@ -169,9 +208,14 @@ pub(crate) async fn run(
     let mut next_step = Instant::now() + STEP;
     let mut next_sample = Instant::now() + SAMPLE_EVERY;
     let mut next_allocate = Instant::now() + ALLOCATE_EVERY;
+    let mut next_scrape = Instant::now() + SCRAPE_EVERY;
     let mut lists = rig.kubelet.lock().await.watch_list();
     while Instant::now() < end {
-        let wake = next_step.min(next_sample).min(next_allocate).min(end);
+        let wake = next_step
+            .min(next_sample)
+            .min(next_allocate)
+            .min(next_scrape)
+            .min(end);
         tokio::select! {
             changed = lists.changed() => {
                 if changed.is_err() {
@@ -183,10 +227,14 @@ pub(crate) async fn run(
             () = tokio::time::sleep_until(wake.into()) => {}
         }
         let now = Instant::now();
-        soak.overdue(now);
+        soak.overdue(now).await;
         if now >= next_allocate {
             soak.allocate().await;
             next_allocate = now + ALLOCATE_EVERY;
+        }
+        if now >= next_scrape {
+            soak.scrape().await;
+            next_scrape = Instant::now() + SCRAPE_EVERY;
         }
         if now >= next_sample {
             samples.push(soak.sample(&plugin)?);
@@ -283,9 +331,7 @@ impl Soak<'_> {
     }
 
     /// Faults past their deadlines; due recovery steps.
-    fn overdue(&mut self, now: Instant) {
-        self.rebuilds
-            .retain(|(t, _)| now.saturating_duration_since(*t) < Duration::from_secs(60));
+    async fn overdue(&mut self, now: Instant) {
         for i in 0..self.gpus {
             let Expect::Faulted {
                 kind,
@@ -304,44 +350,32 @@ impl Soak<'_> {
             if let Some((due, line)) = step
                 && *due <= now
             {
-                let line = std::mem::take(line);
+                let ending = line.clone();
                 *step = None;
-                if kind == LOST {
-                    self.rebuilds.push((now, i));
-                }
                 // A lost GPU clears once it answers a probe after its quiet period; a recovery action as
-                // soon as the driver reads None (the XID 154 that announces it makes the plugin read it).
+                // soon as the driver reads None (the XID 154 that announces it makes the plugin read it); a
+                // fence as soon as it is released.
                 let quiet_end = *quiet_from + QUIET;
                 *not_before = if kind == LOST {
                     now.max(quiet_end)
                 } else {
                     now
                 };
-                *healthy_by = now.max(quiet_end) + PROBE + ACTION_INTERVAL + SLACK;
-                if let Err(e) = self.rig.inject(&[line]) {
-                    self.diverged(format!("cannot write the fault script: {e}"));
+                *healthy_by = match ending {
+                    Ending::Line(_) => now.max(quiet_end) + PROBE + ACTION_INTERVAL + SLACK,
+                    Ending::Release(_) | Ending::RemoveReport(_) => now + SLACK,
+                };
+                if let Err(e) = self.end(ending).await {
+                    self.diverged(format!("cannot end {kind} on {}: {e}", uuid(i)));
                 }
                 continue;
             }
             let id = uuid(i);
             if !*seen && now > *deliver_by {
                 let waited = now.duration_since(*at);
-                let at = *at;
-                // A known limit of the event path, not of this model: NVML cannot take one GPU out of an
-                // event set, so the plugin makes a new set when a GPU is lost or back, and events raised on
-                // the others meanwhile may be lost (README "Not done yet"). Counted apart.
-                let in_rebuild = self
-                    .rebuilds
-                    .iter()
-                    .any(|&(t, gpu)| gpu != i && t + REBUILD_WINDOW >= at && t <= at + DELIVERY);
-                if in_rebuild {
-                    eprintln!("soak: {kind} on {id} missed while the event set was made again");
-                    self.tally.missed_in_rebuild += 1;
-                } else {
-                    self.diverged(format!(
-                        "{kind} on {id} not listed Unhealthy after {waited:?}"
-                    ));
-                }
+                self.diverged(format!(
+                    "{kind} on {id} not listed Unhealthy after {waited:?}"
+                ));
                 self.expect[i] = Expect::Healthy;
             } else if step.is_none() && now > *healthy_by {
                 let waited = now.duration_since(*at);
@@ -375,6 +409,14 @@ impl Soak<'_> {
             self.restart_kubelet(&plugin).await?;
             return Ok((plugin, false));
         }
+        if roll < 0.032 {
+            self.sighup_refused(&plugin).await?;
+            return Ok((plugin, false));
+        }
+        if roll < 0.036 && !undelivered {
+            self.sighup_reload(&plugin).await?;
+            return Ok((plugin, true));
+        }
         if roll < 0.15 {
             let gpu = fastrand::usize(..self.gpus);
             let xid = HARMLESS_XIDS[fastrand::usize(..HARMLESS_XIDS.len())];
@@ -387,45 +429,181 @@ impl Soak<'_> {
             .collect();
         if roll < 0.6 && !healthy.is_empty() {
             let gpu = healthy[fastrand::usize(..healthy.len())];
-            self.fault(gpu)?;
+            self.fault(gpu).await?;
         }
         Ok((plugin, false))
     }
 
-    fn fault(&mut self, gpu: usize) -> anyhow::Result<()> {
+    /// Ends a fault: a line for the driver, a release by command, a report removed.
+    async fn end(&self, ending: Ending) -> anyhow::Result<()> {
+        match ending {
+            Ending::Line(line) => {
+                self.rig.inject(&[line])?;
+            }
+            Ending::Release(id) => self.command(&["release", &id]).await?,
+            Ending::RemoveReport(path) => std::fs::remove_file(&path)
+                .with_context(|| format!("cannot remove {}", path.display()))?,
+        }
+        Ok(())
+    }
+
+    /// `gpu-device-plugin <args> --state-dir <the soak's>`, as an operator on the node runs it.
+    async fn command(&self, args: &[&str]) -> anyhow::Result<()> {
+        let out = tokio::process::Command::new(self.rig.plugin_program())
+            .args(args)
+            .arg("--state-dir")
+            .arg(&self.state)
+            .env_remove("RUST_LOG")
+            .output()
+            .await?;
+        if !out.status.success() {
+            anyhow::bail!(
+                "gpu-device-plugin {} failed: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(())
+    }
+
+    /// Reads `/status` or `/metrics` (in turn) as a scraper would: one request on a new connection.
+    async fn scrape(&mut self) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let path = if self.scrapes % 2 == 0 {
+            "/status"
+        } else {
+            "/metrics"
+        };
+        self.scrapes += 1;
+        let exchange = async {
+            let mut stream = tokio::net::TcpStream::connect(self.http).await?;
+            stream
+                .write_all(
+                    format!("GET {path} HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n\r\n")
+                        .as_bytes(),
+                )
+                .await?;
+            let mut answer = Vec::new();
+            stream.read_to_end(&mut answer).await?;
+            Ok::<_, std::io::Error>(answer.starts_with(b"HTTP/1.1 200"))
+        };
+        match tokio::time::timeout(Duration::from_secs(2), exchange).await {
+            Ok(Ok(true)) => self.tally.scrapes_ok += 1,
+            // The HTTP surfaces start a little after registration, and a restart drops them: a refused
+            // connection is not a failed scrape.
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+            outcome => {
+                self.tally.scrapes_failed += 1;
+                eprintln!("soak: {path} scrape failed: {outcome:?}");
+            }
+        }
+    }
+
+    /// SIGHUP with a config that does not load: refused, the plugin goes on as it is. The good config is
+    /// put back once the plugin has said so.
+    async fn sighup_refused(&mut self, plugin: &Plugin) -> anyhow::Result<()> {
+        let refusals = |log: &str| log.matches("new config refused").count();
+        let before = refusals(&plugin.full_log());
+        std::fs::write(&self.config, format!("{}  bogus: 1\n", self.config_text))?;
+        plugin.signal(nix::sys::signal::Signal::SIGHUP);
+        let deadline = Instant::now() + WAIT;
+        while refusals(&plugin.full_log()) == before {
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "a refused config was never said to be refused:\n{}",
+                    plugin.log()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        std::fs::write(&self.config, &self.config_text)?;
+        self.tally.sighup_refused += 1;
+        Ok(())
+    }
+
+    /// SIGHUP with the config it runs with: the plugin restarts in place (same process), registers again,
+    /// and lists from its checkpoint.
+    async fn sighup_reload(&mut self, plugin: &Plugin) -> anyhow::Result<()> {
+        let began = Instant::now();
+        let n = self.rig.next_registration().await;
+        plugin.signal(nix::sys::signal::Signal::SIGHUP);
+        self.rig.wait_registered(n, plugin).await?;
+        self.registration = self.rig.kubelet.lock().await.registrations().len();
+        self.tally.sighup_reloads += 1;
+        self.restarted(began.elapsed());
+        Ok(())
+    }
+
+    async fn fault(&mut self, gpu: usize) -> anyhow::Result<()> {
         let id = uuid(gpu);
         let hold = Duration::from_millis(fastrand::u64(500..4000));
-        let (kind, lines, step): (&'static str, Vec<String>, Option<String>) =
-            match fastrand::u8(..5) {
-                0 => {
-                    let xid = FATAL_XIDS[fastrand::usize(..FATAL_XIDS.len())];
-                    ("a fatal XID", vec![format!("xid {id} {xid}")], None)
+        let roll = fastrand::u8(..7);
+        if roll >= 5 {
+            let (kind, ending) = if roll == 5 {
+                let fenced = self
+                    .command(&["fence", &id, "--reason", "soak: burn-in failed"])
+                    .await;
+                if let Err(e) = fenced {
+                    self.diverged(format!("cannot fence {id}: {e}"));
+                    return Ok(());
                 }
-                1 => ("a double-bit ECC error", vec![format!("dbe {id}")], None),
-                2 => (
-                    "a single-bit ECC burst",
-                    vec![format!("sbe {id}"); SBE_BURST + 1],
-                    None,
-                ),
-                3 => (
-                    LOST,
-                    vec![format!("lost {id}")],
-                    Some(format!("restore {id}")),
-                ),
-                _ => {
-                    let action = fastrand::u32(1..=4);
-                    (
-                        "a recovery action",
-                        vec![format!("action {id} {action}")],
-                        Some(format!("action {id} 0")),
-                    )
-                }
+                self.tally.fences_by_command += 1;
+                (FENCED_BY_COMMAND, Ending::Release(id.clone()))
+            } else {
+                let report = self.fence_dir.join(format!("gpu{gpu}.json"));
+                let staged = self.fence_dir.join(format!(".gpu{gpu}.json.tmp"));
+                std::fs::write(
+                    &staged,
+                    format!(
+                        r#"{{"device": "{id}", "reason": "soak: NVLink errors", "by": "soak"}}"#
+                    ),
+                )?;
+                std::fs::rename(&staged, &report)?;
+                self.tally.fences_by_file += 1;
+                (FENCED_BY_FILE, Ending::RemoveReport(report))
             };
-        let at = self.rig.inject(&lines)?;
-        if kind == LOST {
-            self.rebuilds.push((at, gpu));
+            let at = Instant::now();
+            self.expect[gpu] = Expect::Faulted {
+                kind,
+                at,
+                quiet_from: at,
+                seen: false,
+                // Released at once when its ending comes.
+                not_before: at + hold,
+                healthy_by: at + hold + SLACK,
+                deliver_by: at + DELIVERY,
+                step: Some((at + hold, ending)),
+            };
+            self.tally.faults += 1;
+            return Ok(());
         }
-        let step = step.map(|line| (at + hold, line));
+        let (kind, lines, step): (&'static str, Vec<String>, Option<String>) = match roll {
+            0 => {
+                let xid = FATAL_XIDS[fastrand::usize(..FATAL_XIDS.len())];
+                ("a fatal XID", vec![format!("xid {id} {xid}")], None)
+            }
+            1 => ("a double-bit ECC error", vec![format!("dbe {id}")], None),
+            2 => (
+                "a single-bit ECC burst",
+                vec![format!("sbe {id}"); SBE_BURST + 1],
+                None,
+            ),
+            3 => (
+                LOST,
+                vec![format!("lost {id}")],
+                Some(format!("restore {id}")),
+            ),
+            _ => {
+                let action = fastrand::u32(1..=4);
+                (
+                    "a recovery action",
+                    vec![format!("action {id} {action}")],
+                    Some(format!("action {id} 0")),
+                )
+            }
+        };
+        let at = self.rig.inject(&lines)?;
+        let step = step.map(|line| (at + hold, Ending::Line(line)));
         let not_before = at + QUIET;
         self.expect[gpu] = Expect::Faulted {
             kind,
@@ -458,7 +636,14 @@ impl Soak<'_> {
             self.tally.sigterm_restarts += 1;
         }
         let plugin = self.start(false).await?;
-        self.postpone(began.elapsed());
+        self.restarted(began.elapsed());
+        Ok((plugin, true))
+    }
+
+    /// After a new process or a restart in place: deadlines move by the time it was away, and a lost GPU is
+    /// reported lost again at start (a new event: its quiet period starts again).
+    fn restarted(&mut self, away: Duration) {
+        self.postpone(away);
         let now = Instant::now();
         for expect in &mut self.expect {
             if let Expect::Faulted {
@@ -474,7 +659,6 @@ impl Soak<'_> {
                 *quiet_from = now;
             }
         }
-        Ok((plugin, true))
     }
 
     async fn restart_kubelet(&mut self, plugin: &Plugin) -> anyhow::Result<()> {
@@ -586,10 +770,27 @@ impl Soak<'_> {
         report.value("soak: kubelet restarts", t.kubelet_restarts as f64, "");
         report.value("soak: Allocate calls granted", t.allocations_ok as f64, "");
         report.value(
-            "soak: faults missed while the event set was made again (a GPU lost or back)",
-            t.missed_in_rebuild as f64,
+            "soak: fences by command (released by command)",
+            t.fences_by_command as f64,
             "",
         );
+        report.value(
+            "soak: fences by a detector's file (released by removing it)",
+            t.fences_by_file as f64,
+            "",
+        );
+        report.value(
+            "soak: plugin restarts by SIGHUP",
+            t.sighup_reloads as f64,
+            "",
+        );
+        report.value(
+            "soak: SIGHUPs with a config refused",
+            t.sighup_refused as f64,
+            "",
+        );
+        report.value("soak: HTTP scrapes answered", t.scrapes_ok as f64, "");
+        report.value("soak: HTTP scrapes failed", t.scrapes_failed as f64, "");
         report.latency(
             "soak: recovery seen after its earliest time",
             &t.recovery_after_earliest,
