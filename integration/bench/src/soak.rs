@@ -469,7 +469,7 @@ impl Soak<'_> {
     /// Reads `/status` or `/metrics` (in turn) as a scraper would: one request on a new connection.
     async fn scrape(&mut self) {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        let path = if self.scrapes % 2 == 0 {
+        let path = if self.scrapes.is_multiple_of(2) {
             "/status"
         } else {
             "/metrics"
