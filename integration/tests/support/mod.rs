@@ -517,15 +517,13 @@ impl NvmlNode {
         }
     }
 
-    /// Injects `lines`, then XID 79 on GPU 3 as a marker: events are handled in order, so once the kubelet
-    /// sees GPU 3 Unhealthy, every earlier line has had its effect. Returns the list then.
+    /// Injects `lines`, then XID 79 on GPU 3 as a marker, and returns the list once the kubelet sees GPU 3
+    /// Unhealthy and every earlier line has had its effect (see [`NvmlNode::marked_after`]).
     pub async fn list_after(
         &self,
         lines: &[String],
     ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
-        let mut all = lines.to_vec();
-        all.push(format!("xid {} 79", fake_nvml_gpu(3)));
-        self.inject(&all);
+        self.marked_after(lines).await?;
         self.wait_unhealthy(&fake_nvml_gpu(3)).await
     }
 
@@ -539,5 +537,46 @@ impl NvmlNode {
             .health(&fake_nvml_gpu(0))
             .unwrap_or("missing")
             .to_string())
+    }
+}
+
+impl NvmlNode {
+    /// Injects `lines`, then a harmless XID 43 (harmless under either XID policy) on every other device their
+    /// faults name and XID 79 on GPU 3, and waits until the plugin has recorded each XID 43. Each GPU's events
+    /// arrive in order, but GPUs' events do not arrive in the order written (each GPU has an event thread
+    /// of its own): a marker on GPU 3 alone would not say that the other GPUs' lines have had their effect.
+    pub async fn marked_after(&self, lines: &[String]) -> Result<(), Box<dyn std::error::Error>> {
+        let gpu3 = fake_nvml_gpu(3);
+        let from = self.plugin.log().len();
+        // Only faults: a lost GPU raises no event to mark it with.
+        let mut named: Vec<String> = lines
+            .iter()
+            .filter_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {
+                ["xid" | "dbe" | "sbe", id, ..] => Some(id),
+                _ => None,
+            })
+            .filter(|id| *id != gpu3)
+            .map(str::to_string)
+            .collect();
+        named.sort();
+        named.dedup();
+        let mut all = lines.to_vec();
+        all.extend(named.iter().map(|id| format!("xid {id} 43")));
+        all.push(format!("xid {gpu3} 79"));
+        self.inject(&all);
+        // The first XID 43 on a device adds a condition (`xid=43`); a later one is an observation (`Xid(43)`).
+        let recorded = |log: &str| {
+            let new = log.get(from..).unwrap_or_default();
+            named.iter().all(|id| {
+                new.lines().any(|l| {
+                    l.contains(id.as_str()) && (l.contains("xid=43") || l.contains("Xid(43)"))
+                })
+            })
+        };
+        self.plugin
+            .wait_log(WAIT, recorded)
+            .await
+            .ok_or_else(|| format!("the marker XIDs were never recorded\n{}", self.plugin.log()))?;
+        Ok(())
     }
 }
