@@ -622,31 +622,30 @@ async fn node_ordered(
 }
 
 /// Writes `change` (a `lost` or `restore` line) and `fault` as `when` says: two writes, or one.
-fn write_around(node: &NvmlNode, change: String, fault: String, when: When) {
+fn write_around(node: &NvmlNode, change: String, fault: String, when: When) -> std::io::Result<()> {
     match when {
         When::JustBefore => {
             node.inject(&[fault]);
             node.inject(&[change]);
         }
-        When::SameWrite => write_at_once(node, &[change, fault]),
+        When::SameWrite => write_at_once(node, &[change, fault])?,
         When::JustAfter => {
             node.inject(&[change]);
             node.inject(&[fault]);
         }
     }
+    Ok(())
 }
 
 /// Appends `lines` to the fake's event file in one `write`, so that the driver takes them in together
 /// (`NvmlNode::inject` writes line by line).
-fn write_at_once(node: &NvmlNode, lines: &[String]) {
+fn write_at_once(node: &NvmlNode, lines: &[String]) -> std::io::Result<()> {
     use std::io::Write;
     let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
-    let mut file = std::fs::OpenOptions::new()
+    std::fs::OpenOptions::new()
         .append(true)
-        .open(&node.events)
-        .expect("open the fake's event file");
-    file.write_all(text.as_bytes())
-        .expect("append to the fake's event file");
+        .open(&node.events)?
+        .write_all(text.as_bytes())
 }
 
 /// How many times the plugin counted double-bit ECC errors on GPU `index`, once every event raised on it so far
@@ -690,7 +689,7 @@ async fn a_fault_around_another_gpus_loss(order: Order, when: When) -> TestResul
         format!("lost {}", gpu(CHANGED)),
         format!("dbe {}", gpu(FAULTED)),
         when,
-    );
+    )?;
     node.wait_unhealthy(&gpu(FAULTED)).await?;
     node.wait_unhealthy(&gpu(CHANGED)).await?;
     assert_eq!(dbe_count(&node, FAULTED).await?, 1, "{}", node.plugin.log());
@@ -707,7 +706,7 @@ async fn a_fault_around_another_gpus_return(order: Order, when: When) -> TestRes
         format!("restore {}", gpu(CHANGED)),
         format!("dbe {}", gpu(FAULTED)),
         when,
-    );
+    )?;
     node.wait_unhealthy(&gpu(FAULTED)).await?;
     assert_eq!(dbe_count(&node, FAULTED).await?, 1, "{}", node.plugin.log());
     Ok(())
@@ -785,7 +784,7 @@ async fn a_fault_just_after_a_lost_gpu_comes_back_reaches_the_kubelet_once_when_
 async fn a_gpus_own_fault_before_its_loss(order: Order) -> TestResult {
     let (node, _config) = node_ordered(order).await?;
     let id = gpu(CHANGED);
-    write_at_once(&node, &[format!("dbe {id}"), format!("lost {id}")]);
+    write_at_once(&node, &[format!("dbe {id}"), format!("lost {id}")])?;
     node.wait_unhealthy(&id).await?;
     node.inject(&[format!("restore {id}")]);
     node.plugin

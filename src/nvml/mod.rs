@@ -4,15 +4,16 @@
 //! events the GPU supports, and an OS thread of its own that blocks in `nvmlEventSetWait` on it (a blocking
 //! call has no place on the async runtime; one more thread answers probes). One set per GPU because the
 //! driver answers GPU_IS_LOST to every wait on a set holding a lost GPU, before or after the events queued
-//! in it: a set shared by every GPU had to be freed and made again when one was lost or came back, and the
-//! faults of the others queued in it were lost with it. Now a loss stops its own GPU's waits only; its set
-//! is kept, not waited on, until the GPU answers again (asked every [`LOST_RECHECK_MS`]), and then waited on
-//! again, so the events queued in it before the loss still arrive; a set is made again only where the driver
-//! keeps answering GPU_IS_LOST on it, after it is freed, so no event ever reaches two sets. The cost: a
-//! thread per GPU, each waking once per [`WAIT_TIMEOUT_MS`] when idle. Every thread beats its own
-//! [`Beat`] of the source's [`Heartbeat`], so `/healthz` names a GPU whose thread is stuck or whose every wait
-//! fails. When NVML cannot be loaded at all, [`UnmonitoredGpus`] can serve the GPUs the driver lists in
-//! procfs, marked `unmonitored`, instead.
+//! in it: a set shared by several GPUs would have to be freed and made again when one is lost or comes back,
+//! and the other GPUs' faults queued in it would be lost with it. So a loss stops its own GPU's waits only;
+//! its set is kept, not waited on, until the GPU answers again (asked every [`LOST_RECHECK_MS`]), and then
+//! waited on again, so that the events queued in it before the loss still arrive. A set is made again only
+//! where the driver holds it dead (GPU_IS_LOST while the GPU answers, or every wait failing just after the
+//! GPU came back), and only after it is freed, so that no event reaches two sets. The cost: a thread per
+//! GPU, each waking once per [`WAIT_TIMEOUT_MS`] when idle. Every thread beats its own [`Beat`] of the
+//! source's [`Heartbeat`], so `/healthz` names a GPU whose thread is stuck or whose every wait fails. When
+//! NVML cannot be loaded at all, [`UnmonitoredGpus`] can serve the GPUs the driver lists in procfs, marked
+//! `unmonitored`, instead.
 //!
 //! With a MIG strategy, a GPU in MIG mode is served as its MIG devices. Events are still registered on the
 //! GPU; an XID attributed to a GPU and compute instance reaches that MIG device only, and anything else on
@@ -317,7 +318,7 @@ impl DeviceSource for NvmlGpus {
         let thread_error =
             |e: std::io::Error| SourceError::Discovery(format!("cannot start an NVML thread: {e}"));
         let (probe_nvml, probe_gpus, probe_events) = (nvml.clone(), gpus.clone(), events.clone());
-        // Probes get a thread of their own: the event thread spends its life blocked in the event wait.
+        // Probes get a thread of their own: the event threads spend their lives blocked in the event wait.
         std::thread::Builder::new()
             .name("nvml-probe".into())
             .spawn(move || answer_probes(&probe_nvml, &probe_gpus, &probe_events, probes))
@@ -617,6 +618,7 @@ fn watch_gpu(
         beat,
         failures: 0,
         stale_losses: 0,
+        resumed: false,
         unserved_instances: HashSet::new(),
     };
     while !events.is_closed() {
@@ -644,9 +646,10 @@ enum Watch<'n> {
     Lost(Option<EventSet<'n>>),
 }
 
-/// A GPU's event set is answered GPU_IS_LOST this many times in a row while the GPU itself answers, and is
-/// then made again: the first answers are notices of a loss already over, queued before the events behind
-/// them; past a few, the driver holds the set dead.
+/// A GPU's event set is answered GPU_IS_LOST this many times in a row while the GPU itself answers (or, just
+/// after the GPU came back, fails this many waits in a row in any way), and is then made again: the first
+/// answers are notices of a loss already over, queued before the events behind them; past a few, the driver
+/// holds the set dead, and only a new one can watch the GPU again.
 const STALE_LOSSES: u32 = 3;
 
 /// One GPU's event thread, between waits.
@@ -657,8 +660,12 @@ struct Waiter<'a, 'n> {
     beat: &'a Beat,
     /// Event waits failed in a row (not timed out, not GPU_IS_LOST for a lost GPU).
     failures: u32,
-    /// GPU_IS_LOST answers in a row while the GPU answers.
+    /// GPU_IS_LOST answers in a row while the GPU answers, and failed waits in a row on a set kept through
+    /// a loss (see [`STALE_LOSSES`]).
     stale_losses: u32,
+    /// The set is the one kept through the GPU's loss, and no wait on it has worked since the GPU came back:
+    /// the driver may hold it dead after a reset, so its failures count toward making it again.
+    resumed: bool,
     /// MIG instances already warned about as not served.
     unserved_instances: HashSet<(u32, u32)>,
 }
@@ -668,8 +675,10 @@ impl<'n> Waiter<'_, 'n> {
     /// watched any more.
     fn wait(&mut self, set: EventSet<'n>) -> Option<Watch<'n>> {
         let waited = raw::wait(self.nvml, &set, WAIT_TIMEOUT_MS);
-        if !matches!(waited, Err(NvmlError::GpuLost)) {
+        if matches!(waited, Ok(_) | Err(NvmlError::Timeout)) {
             self.stale_losses = 0;
+            self.resumed = false;
+            self.failures = 0;
         }
         // The heartbeat says whether the GPU was reported `unmonitored` because every wait failed.
         if self.beat.is_blind() && matches!(waited, Ok(_) | Err(NvmlError::Timeout)) {
@@ -682,47 +691,54 @@ impl<'n> Waiter<'_, 'n> {
         }
         match waited {
             Ok(event) => {
-                self.failures = 0;
                 self.forward(&event)?;
                 Some(Watch::Set(set))
             }
-            Err(NvmlError::Timeout) => {
+            Err(NvmlError::Timeout) => Some(Watch::Set(set)),
+            Err(NvmlError::GpuLost) if is_lost(self.nvml, self.gpu.index) => {
                 self.failures = 0;
-                Some(Watch::Set(set))
-            }
-            Err(NvmlError::GpuLost) if !answers(self.nvml, self.gpu.index) => {
-                self.failures = 0;
+                self.stale_losses = 0;
+                self.resumed = false;
                 for id in &self.gpu.devices {
                     tracing::error!(device = %id, "GPU is lost");
                 }
                 self.tell(&Observation::GpuLost)?;
                 Some(Watch::Lost(Some(set)))
             }
-            Err(NvmlError::GpuLost) => {
+            Err(e) => {
+                let stale_loss = matches!(e, NvmlError::GpuLost);
+                if !stale_loss && !self.resumed {
+                    self.failed(&e)?;
+                    return Some(Watch::Set(set));
+                }
                 self.stale_losses += 1;
                 if self.stale_losses == 1 {
                     tracing::warn!(
                         gpu = self.gpu.index,
-                        "NVML event wait answers GPU_IS_LOST, yet the GPU answers"
+                        error = %e,
+                        "NVML event wait fails on the GPU's event set, yet the GPU answers"
                     );
                 }
                 if self.stale_losses < STALE_LOSSES {
+                    // A queued notice of a loss already over is answered at once, with the events behind it:
+                    // wait again now. Any other failure is paced as usual.
+                    if !stale_loss {
+                        self.failed(&e)?;
+                    }
                     return Some(Watch::Set(set));
                 }
                 // The driver holds the set dead: free it before making another, so that no event reaches
                 // both. Paced, and counted as failing waits, in case every new set is answered the same.
                 self.stale_losses = 0;
+                self.resumed = false;
                 drop(set);
                 tracing::warn!(
                     gpu = self.gpu.index,
-                    "the GPU's event set still answers GPU_IS_LOST; it is made again"
+                    error = %e,
+                    "the GPU's event set keeps failing while the GPU answers; it is made again"
                 );
-                self.failed(&NvmlError::GpuLost)?;
-                self.registered(register(self.nvml, self.gpu, self.events))
-            }
-            Err(e) => {
                 self.failed(&e)?;
-                Some(Watch::Set(set))
+                self.registered(register(self.nvml, self.gpu, self.events))
             }
         }
     }
@@ -754,7 +770,10 @@ impl<'n> Waiter<'_, 'n> {
             return Some(Watch::Lost(kept));
         }
         let next = match kept {
-            Some(set) => Watch::Set(set),
+            Some(set) => {
+                self.resumed = true;
+                Watch::Set(set)
+            }
             None => self.registered(register(self.nvml, self.gpu, self.events))?,
         };
         if matches!(next, Watch::Set(_)) {
@@ -817,13 +836,19 @@ fn retry_pause(failures: u32) -> Duration {
     Duration::from_millis(100 * u64::from(failures.min(50)))
 }
 
-/// Whether GPU `index` answers NVML (anything but GPU_IS_LOST counts as answering: the wait's own error
-/// then says what is wrong).
-fn answers(nvml: &Nvml, index: u32) -> bool {
-    !matches!(
+/// Whether GPU `index` says it is lost (GPU_IS_LOST): only then does a wait's GPU_IS_LOST mean this GPU fell
+/// off the bus; any other answer leaves the wait's error to say what is wrong.
+fn is_lost(nvml: &Nvml, index: u32) -> bool {
+    matches!(
         nvml.device_by_index(index).and_then(|d| d.uuid()),
         Err(NvmlError::GpuLost)
     )
+}
+
+/// Whether lost GPU `index` answers again: it can be opened and names itself. A GPU still coming back (any
+/// error) stays lost and is asked again, rather than being registered and given up on as unwatchable.
+fn answers(nvml: &Nvml, index: u32) -> bool {
+    nvml.device_by_index(index).and_then(|d| d.uuid()).is_ok()
 }
 
 /// What [`register`] made of one GPU.
