@@ -130,8 +130,8 @@ pub struct Args {
     #[arg(long, env = "GPU_DEVICE_PLUGIN_HTTP_ADDR", value_name = "HOST:PORT")]
     pub http_addr: Option<String>,
 
-    /// /healthz turns red when the NVML event thread has not come round its loop for this long (stuck in the
-    /// driver) [default: 30s]
+    /// /healthz turns red when a GPU's NVML event thread has not come round its loop for this long (stuck in
+    /// the driver) [default: 30s]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_STUCK_AFTER", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub stuck_after: Option<std::time::Duration>,
 
@@ -366,7 +366,7 @@ pub struct Settings {
     pub pre_start_check: bool,
     /// Where the HTTP surfaces listen; `None` turns them off.
     pub http_addr: Option<std::net::SocketAddr>,
-    /// How long the NVML event thread may go silent before `/healthz` calls it stuck.
+    /// How long a GPU's NVML event thread may go silent before `/healthz` calls it stuck.
     pub stuck_after: std::time::Duration,
     /// The kubelet's pod-resources socket; `None` turns the lookup off.
     pub pod_resources_socket: Option<PathBuf>,

@@ -47,9 +47,9 @@ pub struct Context {
     pub resources: std::sync::Arc<crate::resources::ResourcePlan>,
     /// The policy in force.
     pub policy: PolicySummary,
-    /// The heartbeat of the thread waiting for the GPUs' events, where there is one.
+    /// The heartbeats of the threads waiting for the GPUs' events (one per GPU), where there are any.
     pub event_thread: Option<Heartbeat>,
-    /// How long that thread may go without coming round its loop before it counts as stuck.
+    /// How long such a thread may go without coming round its loop before it counts as stuck.
     pub stuck_after: Duration,
     /// The metrics `/metrics` serves.
     pub metrics: Arc<Metrics>,
@@ -122,26 +122,47 @@ pub async fn serve(listener: TcpListener, context: Arc<Context>, shutdown: Cance
     }
 }
 
+/// Why the NVML event threads (one per GPU) leave faults unseen, for `/healthz`; `None` while every one comes
+/// round its loop and can wait for events. A thread stuck longer than `stuck_after` is named before one whose
+/// every wait fails.
+fn event_threads(heartbeat: &Heartbeat, stuck_after: Duration) -> Option<String> {
+    let gpus = |of: usize, names: &[String]| {
+        let gpus = if of == 1 { "GPU" } else { "GPUs" };
+        format!("{} of {of} {gpus} ({})", names.len(), names.join(", "))
+    };
+    match heartbeat.age() {
+        Some(age) if age > stuck_after => {
+            let (of, stuck) = heartbeat.stuck(stuck_after);
+            return Some(format!(
+                "the NVML event thread has been stuck for {} s (in the driver?) on {}: their faults are not \
+                 seen\n",
+                age.as_secs(),
+                gpus(of, &stuck)
+            ));
+        }
+        _ => {}
+    }
+    let (of, blind) = heartbeat.blind();
+    (!blind.is_empty()).then(|| {
+        format!(
+            "every NVML event wait fails on {}: their faults are not seen (they are unmonitored)\n",
+            gpus(of, &blind)
+        )
+    })
+}
+
 async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Bytes>> {
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into());
     }
     match request.uri().path() {
         "/healthz" => match tokio::time::timeout(MONITOR_ANSWER, context.devices.devices()).await {
-            Ok(Some(_)) => match context.event_thread.as_ref().and_then(Heartbeat::age) {
-                Some(age) if age > context.stuck_after => text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!(
-                        "the NVML event thread has been stuck for {} s (in the driver?): GPU faults are not \
-                         seen\n",
-                        age.as_secs()
-                    ),
+            Ok(Some(_)) => match context.event_thread.as_ref() {
+                Some(heartbeat) => event_threads(heartbeat, context.stuck_after).map_or_else(
+                    || text(StatusCode::OK, "ok\n".into()),
+                    |why| text(StatusCode::SERVICE_UNAVAILABLE, why),
                 ),
-                _ if context.event_thread.as_ref().is_some_and(Heartbeat::is_blind) => text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "every NVML event wait fails: GPU faults are not seen (the GPUs are unmonitored)\n".into(),
-                ),
-                _ => text(StatusCode::OK, "ok\n".into()),
+                None => text(StatusCode::OK, "ok\n".into()),
             },
             Ok(None) => text(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -348,4 +369,32 @@ where
         .map_err(|e| e.to_string())?
         .to_bytes();
     Ok((status, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn healthz_names_the_gpu_whose_event_thread_is_stuck_before_one_whose_waits_fail() {
+        let stuck_after = Duration::from_secs(30);
+        let heartbeat = Heartbeat::default();
+        let a = heartbeat.waiter("GPU-a");
+        let b = heartbeat.waiter("GPU-b");
+        assert_eq!(event_threads(&heartbeat, stuck_after), None);
+        a.set_blind(true);
+        assert_eq!(
+            event_threads(&heartbeat, stuck_after).as_deref(),
+            Some(
+                "every NVML event wait fails on 1 of 2 GPUs (GPU-a): their faults are not seen (they are \
+                 unmonitored)\n"
+            )
+        );
+        b.silent_for(Duration::from_secs(45));
+        let why = event_threads(&heartbeat, stuck_after).unwrap_or_default();
+        assert!(
+            why.starts_with("the NVML event thread has been stuck for 45 s (in the driver?) on 1 of 2 GPUs (GPU-b)"),
+            "{why}"
+        );
+    }
 }

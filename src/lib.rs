@@ -2,7 +2,7 @@
 //!
 //! - [`kubelet`]: the kubelet protocol: gRPC server, registration, the socket-directory watch.
 //! - [`devices`]: the device model, the [`devices::DeviceSource`] trait and simulated GPUs.
-//! - [`nvml`]: the NVML GPU backend: discovery and the health event thread.
+//! - [`nvml`]: the NVML GPU backend: discovery and the health event threads (one per GPU).
 //! - [`health`]: the health engine (pure: observations and time in, conditions, health and messages out),
 //!   its policy, checkpoint, and the monitor task around it.
 //! - [`allocation`]: pure Allocate / GetPreferredAllocation decisions.

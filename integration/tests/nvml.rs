@@ -576,3 +576,232 @@ async fn an_event_wait_failing_on_every_call_makes_the_gpus_unmonitored_until_it
     node.wait_unhealthy(&gpu(1)).await?;
     Ok(())
 }
+
+/// The GPU whose loss or return a fault on [`FAULTED`] falls around.
+const CHANGED: usize = 1;
+/// The GPU that takes the fault.
+const FAULTED: usize = 2;
+
+/// How the fake driver orders a lost GPU's GPU_IS_LOST and the events queued before it: the real driver may
+/// answer either way.
+#[derive(Debug, Clone, Copy)]
+enum Order {
+    /// The queued events first, then GPU_IS_LOST (the fake's default).
+    QueuedFirst,
+    /// GPU_IS_LOST at once, the queued events left waiting (`FAKE_NVML_LOST_FIRST`).
+    LostFirst,
+}
+
+/// When the fault is written, next to the line that loses or restores the other GPU.
+#[derive(Debug, Clone, Copy)]
+enum When {
+    JustBefore,
+    SameWrite,
+    JustAfter,
+}
+
+/// The plugin on the fake driver ordering its answers as `order`, with double-bit ECC errors `recover: never`
+/// (so that the one fault the test raises is the GPU's only Unhealthy condition for the test's life). The
+/// directory holds the config file.
+async fn node_ordered(
+    order: Order,
+) -> Result<(NvmlNode, tempfile::TempDir), Box<dyn std::error::Error>> {
+    let config_dir = tempfile::tempdir()?;
+    let config = config_dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "health:\n  conditions:\n    ecc-dbe: {recover: never}\n",
+    )?;
+    let config = config.to_str().ok_or("non-UTF-8 path")?;
+    let envs = match order {
+        Order::QueuedFirst => vec![],
+        Order::LostFirst => vec![("FAKE_NVML_LOST_FIRST", std::path::PathBuf::from("1"))],
+    };
+    let node = NvmlNode::start_with_env(None, &["--config", config], &envs).await?;
+    Ok((node, config_dir))
+}
+
+/// Writes `change` (a `lost` or `restore` line) and `fault` as `when` says: two writes, or one.
+fn write_around(node: &NvmlNode, change: String, fault: String, when: When) -> std::io::Result<()> {
+    match when {
+        When::JustBefore => {
+            node.inject(&[fault]);
+            node.inject(&[change]);
+        }
+        When::SameWrite => write_at_once(node, &[change, fault])?,
+        When::JustAfter => {
+            node.inject(&[change]);
+            node.inject(&[fault]);
+        }
+    }
+    Ok(())
+}
+
+/// Appends `lines` to the fake's event file in one `write`, so that the driver takes them in together
+/// (`NvmlNode::inject` writes line by line).
+fn write_at_once(node: &NvmlNode, lines: &[String]) -> std::io::Result<()> {
+    use std::io::Write;
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&node.events)?
+        .write_all(text.as_bytes())
+}
+
+/// How many times the plugin counted double-bit ECC errors on GPU `index`, once every event raised on it so far
+/// has been taken: a harmless XID 13 on the same GPU comes after them (a GPU's events arrive in order), so
+/// once it is recorded, a fault delivered twice would have been counted twice.
+async fn dbe_count(node: &NvmlNode, index: usize) -> Result<u64, Box<dyn std::error::Error>> {
+    let id = gpu(index);
+    node.inject(&[format!("xid {id} 13")]);
+    node.plugin
+        .wait_log(WAIT, |log| {
+            log.lines().any(|l| l.contains(&id) && l.contains("xid=13"))
+        })
+        .await
+        .ok_or_else(|| {
+            format!(
+                "the marker XID on {id} was never recorded\n{}",
+                node.plugin.log()
+            )
+        })?;
+    let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
+    let report = gpu_device_plugin::http::fetch_report(&addr).await?;
+    let device = report
+        .devices
+        .iter()
+        .find(|d| d.id == id)
+        .ok_or("the GPU is missing from /status")?;
+    Ok(device
+        .conditions
+        .iter()
+        .filter(|c| c.kind == "ecc-dbe")
+        .map(|c| c.count)
+        .sum())
+}
+
+/// A double-bit ECC error on one GPU written `when` another GPU is lost: the kubelet sees the faulted GPU
+/// Unhealthy, and the plugin counts the error once.
+async fn a_fault_around_another_gpus_loss(order: Order, when: When) -> TestResult {
+    let (node, _config) = node_ordered(order).await?;
+    write_around(
+        &node,
+        format!("lost {}", gpu(CHANGED)),
+        format!("dbe {}", gpu(FAULTED)),
+        when,
+    )?;
+    node.wait_unhealthy(&gpu(FAULTED)).await?;
+    node.wait_unhealthy(&gpu(CHANGED)).await?;
+    assert_eq!(dbe_count(&node, FAULTED).await?, 1, "{}", node.plugin.log());
+    Ok(())
+}
+
+/// As [`a_fault_around_another_gpus_loss`], around the lost GPU's return.
+async fn a_fault_around_another_gpus_return(order: Order, when: When) -> TestResult {
+    let (node, _config) = node_ordered(order).await?;
+    node.inject(&[format!("lost {}", gpu(CHANGED))]);
+    node.wait_unhealthy(&gpu(CHANGED)).await?;
+    write_around(
+        &node,
+        format!("restore {}", gpu(CHANGED)),
+        format!("dbe {}", gpu(FAULTED)),
+        when,
+    )?;
+    node.wait_unhealthy(&gpu(FAULTED)).await?;
+    assert_eq!(dbe_count(&node, FAULTED).await?, 1, "{}", node.plugin.log());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_fault_just_before_another_gpu_is_lost_reaches_the_kubelet_once() -> TestResult {
+    a_fault_around_another_gpus_loss(Order::QueuedFirst, When::JustBefore).await
+}
+
+#[tokio::test]
+async fn a_fault_in_the_same_write_as_another_gpus_loss_reaches_the_kubelet_once() -> TestResult {
+    a_fault_around_another_gpus_loss(Order::QueuedFirst, When::SameWrite).await
+}
+
+#[tokio::test]
+async fn a_fault_just_after_another_gpu_is_lost_reaches_the_kubelet_once() -> TestResult {
+    a_fault_around_another_gpus_loss(Order::QueuedFirst, When::JustAfter).await
+}
+
+#[tokio::test]
+async fn a_fault_just_before_another_gpu_is_lost_reaches_the_kubelet_once_when_the_driver_tells_the_loss_first()
+-> TestResult {
+    a_fault_around_another_gpus_loss(Order::LostFirst, When::JustBefore).await
+}
+
+#[tokio::test]
+async fn a_fault_in_the_same_write_as_another_gpus_loss_reaches_the_kubelet_once_when_the_driver_tells_the_loss_first()
+-> TestResult {
+    a_fault_around_another_gpus_loss(Order::LostFirst, When::SameWrite).await
+}
+
+#[tokio::test]
+async fn a_fault_just_after_another_gpu_is_lost_reaches_the_kubelet_once_when_the_driver_tells_the_loss_first()
+-> TestResult {
+    a_fault_around_another_gpus_loss(Order::LostFirst, When::JustAfter).await
+}
+
+#[tokio::test]
+async fn a_fault_just_before_a_lost_gpu_comes_back_reaches_the_kubelet_once() -> TestResult {
+    a_fault_around_another_gpus_return(Order::QueuedFirst, When::JustBefore).await
+}
+
+#[tokio::test]
+async fn a_fault_in_the_same_write_as_a_lost_gpus_return_reaches_the_kubelet_once() -> TestResult {
+    a_fault_around_another_gpus_return(Order::QueuedFirst, When::SameWrite).await
+}
+
+#[tokio::test]
+async fn a_fault_just_after_a_lost_gpu_comes_back_reaches_the_kubelet_once() -> TestResult {
+    a_fault_around_another_gpus_return(Order::QueuedFirst, When::JustAfter).await
+}
+
+#[tokio::test]
+async fn a_fault_just_before_a_lost_gpu_comes_back_reaches_the_kubelet_once_when_the_driver_tells_the_loss_first()
+-> TestResult {
+    a_fault_around_another_gpus_return(Order::LostFirst, When::JustBefore).await
+}
+
+#[tokio::test]
+async fn a_fault_in_the_same_write_as_a_lost_gpus_return_reaches_the_kubelet_once_when_the_driver_tells_the_loss_first()
+-> TestResult {
+    a_fault_around_another_gpus_return(Order::LostFirst, When::SameWrite).await
+}
+
+#[tokio::test]
+async fn a_fault_just_after_a_lost_gpu_comes_back_reaches_the_kubelet_once_when_the_driver_tells_the_loss_first()
+-> TestResult {
+    a_fault_around_another_gpus_return(Order::LostFirst, When::JustAfter).await
+}
+
+/// A double-bit ECC error on a GPU in the same write as its own loss, then its return: the error is counted
+/// once, whichever the driver told first (told the loss first, the error waits in the GPU's event set until
+/// the GPU answers again).
+async fn a_gpus_own_fault_before_its_loss(order: Order) -> TestResult {
+    let (node, _config) = node_ordered(order).await?;
+    let id = gpu(CHANGED);
+    write_at_once(&node, &[format!("dbe {id}"), format!("lost {id}")])?;
+    node.wait_unhealthy(&id).await?;
+    node.inject(&[format!("restore {id}")]);
+    node.plugin
+        .wait_log(WAIT, |l| l.contains("its events are watched again"))
+        .await
+        .ok_or_else(|| format!("never watched again\n{}", node.plugin.log()))?;
+    assert_eq!(dbe_count(&node, CHANGED).await?, 1, "{}", node.plugin.log());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_fault_in_the_same_write_as_its_own_gpus_loss_is_counted_once() -> TestResult {
+    a_gpus_own_fault_before_its_loss(Order::QueuedFirst).await
+}
+
+#[tokio::test]
+async fn a_fault_in_the_same_write_as_its_own_gpus_loss_is_counted_once_it_answers_when_the_driver_tells_the_loss_first()
+-> TestResult {
+    a_gpus_own_fault_before_its_loss(Order::LostFirst).await
+}

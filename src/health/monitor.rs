@@ -172,7 +172,7 @@ pub struct Monitored {
     pub inventory: InventoryWatch,
     /// Status queries.
     pub status: StatusQueries,
-    /// The heartbeat of the source's event thread, where it has one.
+    /// The heartbeats of the source's event threads, where it has them.
     pub heartbeat: Option<Heartbeat>,
 }
 

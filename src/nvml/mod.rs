@@ -1,8 +1,17 @@
 //! The NVML GPU backend: discovers GPUs and turns NVML health events into observations for the health engine.
 //!
-//! One dedicated OS thread owns the NVML event set and blocks in `nvmlEventSetWait`; a blocking call has no
-//! place on the async runtime. It registers each GPU for critical XID, double-bit and single-bit ECC events,
-//! masked by what the GPU supports (registering an unsupported type fails and frees the whole set). When
+//! Each GPU has an NVML event set of its own, registered for the critical XID, double-bit and single-bit ECC
+//! events the GPU supports, and an OS thread of its own that blocks in `nvmlEventSetWait` on it (a blocking
+//! call has no place on the async runtime; one more thread answers probes). One set per GPU because the
+//! driver answers GPU_IS_LOST to every wait on a set holding a lost GPU, before or after the events queued
+//! in it: a set shared by several GPUs would have to be freed and made again when one is lost or comes back,
+//! and the other GPUs' faults queued in it would be lost with it. So a loss stops its own GPU's waits only;
+//! its set is kept, not waited on, until the GPU answers again (asked every [`LOST_RECHECK_MS`]), and then
+//! waited on again, so that the events queued in it before the loss still arrive. A set is made again only
+//! where the driver holds it dead (GPU_IS_LOST while the GPU answers, or every wait failing just after the
+//! GPU came back), and only after it is freed, so that no event reaches two sets. The cost: a thread per
+//! GPU, each waking once per [`WAIT_TIMEOUT_MS`] when idle. Every thread beats its own [`Beat`] of the
+//! source's [`Heartbeat`], so `/healthz` names a GPU whose thread is stuck or whose every wait fails. When
 //! NVML cannot be loaded at all, [`UnmonitoredGpus`] can serve the GPUs the driver lists in procfs, marked
 //! `unmonitored`, instead.
 //!
@@ -27,20 +36,22 @@ use nvml_wrapper::{Device, EventSet, Nvml};
 use tokio::sync::mpsc;
 
 use crate::devices::mig::{self, GpuLayout, MigAttributes, MigInfo, MigStrategy, ProfileFacts};
-use crate::devices::{DeviceEvent, DeviceInfo, DeviceSource, Heartbeat, SourceError};
+use crate::devices::{Beat, DeviceEvent, DeviceInfo, DeviceSource, Heartbeat, SourceError};
 use crate::health::{Observation, ProbeResult};
 
 /// The library name NVIDIA's driver installs.
 pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 
-/// How long one `nvmlEventSetWait` blocks. Events wake it at once; the timeout only bounds how long the
-/// thread takes to notice that the plugin is stopping, at the cost of one wake-up per period when idle.
+/// How long one `nvmlEventSetWait` blocks. Events wake it at once; the timeout only bounds how long a GPU's
+/// event thread takes to notice that the plugin is stopping, and how often it beats its heartbeat, at the
+/// cost of one wake-up per period and GPU when idle.
 const WAIT_TIMEOUT_MS: u32 = 2000;
 
-/// Event waits failing in a row (about 0.6 s of tries) after which the GPUs count as `unmonitored`.
+/// Event waits failing in a row (about 0.6 s of tries) after which a GPU counts as `unmonitored`.
 const BLIND_AFTER: u32 = 3;
 
-/// How often a lost GPU is asked whether it answers again, so that its events are watched again.
+/// How often a lost GPU is asked whether it answers again, so that its events are watched again (by its own
+/// event thread, which has nothing else to do meanwhile).
 const LOST_RECHECK_MS: u32 = 250;
 
 /// How long start-up waits for the GPUs' event registration. NVML delivers only events that happen after
@@ -102,11 +113,13 @@ pub enum NvmlInitError {
     },
 }
 
-/// One physical GPU, whose events the event thread watches, and the devices the kubelet sees of it.
+/// One physical GPU, whose events its event thread watches, and the devices the kubelet sees of it.
 #[derive(Debug, Clone, Default)]
 struct Watched {
     /// NVML index.
     index: u32,
+    /// The GPU's UUID (also for a GPU served as its MIG devices): names its event thread to an operator.
+    id: String,
     /// The served devices on it: the GPU itself, or its MIG devices.
     devices: Vec<String>,
     /// Its MIG devices by GPU and compute instance ID, to attribute an event.
@@ -150,7 +163,7 @@ pub struct NvmlGpus {
     lost_at_start: Vec<String>,
     /// GPUs that do not answer at discovery and could not be named: not served.
     unidentified: usize,
-    /// Beaten by the event thread each time round its loop (at least every [`WAIT_TIMEOUT_MS`]).
+    /// Beaten by each GPU's event thread each time round its loop (at least every [`WAIT_TIMEOUT_MS`]).
     heartbeat: Heartbeat,
 }
 
@@ -221,6 +234,7 @@ impl DeviceSource for NvmlGpus {
                 });
                 self.gpus.push(Watched {
                     index,
+                    id: uuid.clone(),
                     devices: vec![uuid],
                     ..Watched::default()
                 });
@@ -230,6 +244,7 @@ impl DeviceSource for NvmlGpus {
             let migs = mig_devices(&self.nvml, &device, index, &info, &minors);
             let mut watched = Watched {
                 index,
+                id: uuid.clone(),
                 ..Watched::default()
             };
             let mut kinds = Vec::new();
@@ -269,6 +284,7 @@ impl DeviceSource for NvmlGpus {
                 self.lost_at_start.push(info.id.clone());
                 self.gpus.push(Watched {
                     index,
+                    id: info.id.clone(),
                     devices: vec![info.id.clone()],
                     ..Watched::default()
                 });
@@ -302,33 +318,53 @@ impl DeviceSource for NvmlGpus {
         let thread_error =
             |e: std::io::Error| SourceError::Discovery(format!("cannot start an NVML thread: {e}"));
         let (probe_nvml, probe_gpus, probe_events) = (nvml.clone(), gpus.clone(), events.clone());
-        // Probes get a thread of their own: the event thread spends its life blocked in the event wait.
+        // Probes get a thread of their own: the event threads spend their lives blocked in the event wait.
         std::thread::Builder::new()
             .name("nvml-probe".into())
             .spawn(move || answer_probes(&probe_nvml, &probe_gpus, &probe_events, probes))
             .map_err(thread_error)?;
-        let (registered_tx, registered) = std::sync::mpsc::sync_channel(1);
-        std::thread::Builder::new()
-            .name("nvml-events".into())
-            .spawn(move || {
-                heartbeat.beat();
-                watch_events(&nvml, &gpus, &events, registered_tx, &heartbeat);
-                heartbeat.retire();
-            })
-            .map_err(thread_error)?;
-        // Return, and so let the GPUs be listed, only once their events are being watched. Blocking here is
-        // start-up, before anything is served. Nothing reads `events` until this returns, and the event thread
-        // sends at most one observation per GPU while registering (two with a GPU lost at start): the
-        // channel's room (1024) is enough for any node.
-        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
-            registered.recv_timeout(REGISTRATION_WAIT)
-        {
-            tracing::warn!(
-                waited_s = REGISTRATION_WAIT.as_secs(),
-                "NVML event registration is still running; serving the GPUs now, but a fault before it \
-                 completes will not be seen"
-            );
+        if gpus.is_empty() {
+            tracing::warn!("no GPU can report health events; nothing to watch");
+            return Ok(());
         }
+        // One event thread per GPU, each on an event set of its own (see `watch_gpu` for why).
+        let (registered_tx, registered) = std::sync::mpsc::sync_channel(gpus.len());
+        for slot in 0..gpus.len() {
+            let beat = heartbeat.waiter(gpus[slot].id.clone());
+            let (nvml, gpus, events) = (nvml.clone(), gpus.clone(), events.clone());
+            let registered = registered_tx.clone();
+            std::thread::Builder::new()
+                .name(format!("nvml-gpu-{}", gpus[slot].index))
+                .spawn(move || {
+                    watch_gpu(&nvml, &gpus[slot], &events, &registered, &beat);
+                    beat.retire();
+                })
+                .map_err(thread_error)?;
+        }
+        drop(registered_tx);
+        // Return, and so let the GPUs be listed, only once their events are being watched. Blocking here is
+        // start-up, before anything is served. Nothing reads `events` until this returns, and each event
+        // thread sends at most one observation per device of its GPU while registering (a GPU lost at start
+        // has one more, sent above): the channel's room (1024) is enough for any node.
+        let deadline = std::time::Instant::now() + REGISTRATION_WAIT;
+        for waiting in (1..=gpus.len()).rev() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match registered.recv_timeout(left) {
+                Ok(()) => {}
+                // Every thread has told, or ended.
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    tracing::warn!(
+                        waited_s = REGISTRATION_WAIT.as_secs(),
+                        gpus = waiting,
+                        "NVML event registration is still running; serving the GPUs now, but a fault before \
+                         it completes will not be seen"
+                    );
+                    break;
+                }
+            }
+        }
+        tracing::info!(gpus = gpus.len(), "watching NVML health events");
         Ok(())
     }
 
@@ -549,173 +585,249 @@ fn recovery_action(device: &Device<'_>) -> Option<u32> {
     }
 }
 
-/// Registers every GPU, says on `registered` that registration is over (whatever came of it), and forwards
-/// events until the plugin stops (the event channel closes).
-fn watch_events(
+/// Watches GPU `gpu`'s events on an event set of its own until the plugin stops (the event channel closes):
+/// registers it, says on `registered` that its registration is over (whatever came of it), then forwards
+/// each event it gets, follows the GPU through a loss and its return, and beats `beat` each time round.
+///
+/// One set per GPU, each waited on by a thread of its own, because the driver answers GPU_IS_LOST to every
+/// wait on a set that holds a lost GPU, before or after the events queued in it: in a set shared with other
+/// GPUs those events would be stuck behind the loss, or lost with the set. Here a loss stops only its own
+/// GPU's waits, and no set is ever made again while another holds the same GPU, so no event reaches two sets.
+fn watch_gpu(
     nvml: &Nvml,
-    gpus: &[Watched],
+    gpu: &Watched,
     events: &mpsc::Sender<DeviceEvent>,
-    registered: std::sync::mpsc::SyncSender<()>,
-    heartbeat: &Heartbeat,
+    registered: &std::sync::mpsc::SyncSender<()>,
+    beat: &Beat,
 ) {
-    let outcome = register_all(nvml, gpus, events);
+    let first = register(nvml, gpu, events);
     let _told = registered.try_send(());
-    let Registration {
-        mut set,
-        mut watched,
-        lost: lost_now,
-    } = match outcome {
-        Ok(registered) => registered,
-        Err(e) => {
-            let why = format!("NVML cannot create an event set: {e}");
-            tracing::error!(error = %e, "health events cannot be watched on any GPU");
-            for id in gpus.iter().flat_map(|g| &g.devices) {
-                observe(events, id, Observation::Unmonitored(why.clone()));
-            }
-            return;
+    let mut watch = match first {
+        Registered::Set(set) => {
+            tracing::debug!(gpu = gpu.index, "watching NVML health events");
+            Watch::Set(set)
         }
+        // Lost at start (or since discovery): watched once it answers.
+        Registered::Lost => Watch::Lost(None),
+        Registered::Unwatchable => return,
     };
-    // GPUs lost (at start, or while watched): left out of the event set (the driver answers GPU_IS_LOST to
-    // every wait on a set holding one), and put back once they answer again.
-    let mut lost: Vec<u32> = lost_now;
-    watched.extend(&lost);
-    if set.is_none() && lost.is_empty() {
-        tracing::warn!("no GPU can report health events; nothing to watch");
-        return;
-    }
-    let by_index: HashMap<u32, &Watched> = gpus.iter().map(|g| (g.index, g)).collect();
-    let mut unexpected = 0u32;
-    // When the lost GPUs were last asked whether they answer: also while events keep the wait from ever
-    // timing out.
-    let mut rechecked = std::time::Instant::now();
-    let recheck_every = Duration::from_millis(u64::from(LOST_RECHECK_MS));
-    let mut unserved_instances: HashSet<(u32, u32, u32)> = HashSet::new();
-    let tell_all = |observation: Observation, lost: &[u32]| {
-        for gpu in still_watched(gpus, &watched, lost) {
-            for id in &gpu.devices {
-                observe(events, id, observation.clone());
-            }
-        }
+    let mut waiter = Waiter {
+        nvml,
+        gpu,
+        events,
+        beat,
+        failures: 0,
+        stale_losses: 0,
+        resumed: false,
+        unserved_instances: HashSet::new(),
     };
-    tracing::info!(gpus = watched.len(), "watching NVML health events");
     while !events.is_closed() {
-        heartbeat.beat();
-        let Some(current) = set.as_ref() else {
-            // Every watched GPU is lost: nothing to wait on until one answers again.
-            std::thread::sleep(Duration::from_millis(u64::from(LOST_RECHECK_MS)));
-            if let Some(again) = watch_again(nvml, gpus, &watched, &mut lost, events) {
-                set = again;
-            }
-            continue;
+        beat.beat();
+        watch = match watch {
+            Watch::Lost(kept) => match waiter.answers_again(kept) {
+                Some(next) => next,
+                None => return,
+            },
+            Watch::Set(set) => match waiter.wait(set) {
+                Some(next) => next,
+                None => return,
+            },
         };
-        // While a GPU is lost, wake more often to see it answer again and watch it again.
-        let timeout = if lost.is_empty() {
-            WAIT_TIMEOUT_MS
-        } else {
-            LOST_RECHECK_MS
-        };
-        let waited = raw::wait(nvml, current, timeout);
-        // The heartbeat says whether the GPUs were reported `unmonitored` because every wait failed.
-        if heartbeat.is_blind() && matches!(waited, Ok(_) | Err(NvmlError::Timeout)) {
-            heartbeat.set_blind(false);
-            tracing::info!("NVML event waits work again; the GPUs' events are watched");
-            tell_all(Observation::Monitored, &lost);
+    }
+    tracing::debug!(gpu = gpu.index, "NVML event thread stopped");
+}
+
+/// Where one GPU's watch stands.
+enum Watch<'n> {
+    /// Waiting on the GPU's event set.
+    Set(EventSet<'n>),
+    /// The GPU does not answer; asked again every [`LOST_RECHECK_MS`]. Its set, if it had one, is kept (not
+    /// waited on) for when it answers: the driver may still hold events raised before the loss in it.
+    Lost(Option<EventSet<'n>>),
+}
+
+/// A GPU's event set is answered GPU_IS_LOST this many times in a row while the GPU itself answers (or, just
+/// after the GPU came back, fails this many waits in a row in any way), and is then made again: the first
+/// answers are notices of a loss already over, queued before the events behind them; past a few, the driver
+/// holds the set dead, and only a new one can watch the GPU again.
+const STALE_LOSSES: u32 = 3;
+
+/// One GPU's event thread, between waits.
+struct Waiter<'a, 'n> {
+    nvml: &'n Nvml,
+    gpu: &'a Watched,
+    events: &'a mpsc::Sender<DeviceEvent>,
+    beat: &'a Beat,
+    /// Event waits failed in a row (not timed out, not GPU_IS_LOST for a lost GPU).
+    failures: u32,
+    /// GPU_IS_LOST answers in a row while the GPU answers, and failed waits in a row on a set kept through
+    /// a loss (see [`STALE_LOSSES`]).
+    stale_losses: u32,
+    /// The set is the one kept through the GPU's loss, and no wait on it has worked since the GPU came back:
+    /// the driver may hold it dead after a reset, so its failures count toward making it again.
+    resumed: bool,
+    /// MIG instances already warned about as not served.
+    unserved_instances: HashSet<(u32, u32)>,
+}
+
+impl<'n> Waiter<'_, 'n> {
+    /// One wait on the GPU's set and what comes of it; `None` once the plugin stops or the GPU cannot be
+    /// watched any more.
+    fn wait(&mut self, set: EventSet<'n>) -> Option<Watch<'n>> {
+        let waited = raw::wait(self.nvml, &set, WAIT_TIMEOUT_MS);
+        if matches!(waited, Ok(_) | Err(NvmlError::Timeout)) {
+            self.stale_losses = 0;
+            self.resumed = false;
+            self.failures = 0;
+        }
+        // The heartbeat says whether the GPU was reported `unmonitored` because every wait failed.
+        if self.beat.is_blind() && matches!(waited, Ok(_) | Err(NvmlError::Timeout)) {
+            self.beat.set_blind(false);
+            tracing::info!(
+                gpu = self.gpu.index,
+                "NVML event waits work again; the GPU's events are watched"
+            );
+            self.tell(&Observation::Monitored)?;
         }
         match waited {
             Ok(event) => {
-                unexpected = 0;
-                let Some(gpu) = event.gpu_index.and_then(|i| by_index.get(&i)) else {
-                    tracing::warn!("NVML event for a GPU that cannot be identified; ignored");
-                    continue;
-                };
-                let instance = (event.gpu_instance != u32::MAX)
-                    .then_some((event.gpu_instance, event.compute_instance));
-                if let Some((gi, ci)) = instance
-                    && !gpu.serves_instance((gi, ci))
-                    && unserved_instances.insert((gpu.index, gi, ci))
-                {
-                    tracing::warn!(
-                        gpu = gpu.index,
-                        gpu_instance = gi,
-                        compute_instance = ci,
-                        "NVML event for a MIG instance this plugin does not serve; its events count against \
-                         every MIG device of its GPU"
-                    );
-                }
-                for observation in observations(event.event_type, event.data) {
-                    for id in gpu.targets(&observation, instance) {
-                        if !observe(events, id, observation.clone()) {
-                            return;
-                        }
-                    }
-                }
-                if !lost.is_empty() && rechecked.elapsed() >= recheck_every {
-                    rechecked = std::time::Instant::now();
-                    if let Some(again) = watch_again(nvml, gpus, &watched, &mut lost, events) {
-                        set = again;
-                    }
-                }
+                self.forward(&event)?;
+                Some(Watch::Set(set))
             }
-            Err(NvmlError::Timeout) => {
-                unexpected = 0;
-                rechecked = std::time::Instant::now();
-                if let Some(again) = watch_again(nvml, gpus, &watched, &mut lost, events) {
-                    set = again;
+            Err(NvmlError::Timeout) => Some(Watch::Set(set)),
+            Err(NvmlError::GpuLost) if is_lost(self.nvml, self.gpu.index) => {
+                self.failures = 0;
+                self.stale_losses = 0;
+                self.resumed = false;
+                for id in &self.gpu.devices {
+                    tracing::error!(device = %id, "GPU is lost");
                 }
-            }
-            Err(NvmlError::GpuLost) => {
-                // The answer does not say which GPU: ask each one still watched.
-                let mut newly_lost = false;
-                for gpu in gpus {
-                    if lost.contains(&gpu.index) || !watched.contains(&gpu.index) {
-                        continue;
-                    }
-                    let answers = nvml.device_by_index(gpu.index).and_then(|d| d.uuid());
-                    if let Err(NvmlError::GpuLost) = answers {
-                        lost.push(gpu.index);
-                        newly_lost = true;
-                        for id in &gpu.devices {
-                            tracing::error!(device = %id, "GPU is lost");
-                            observe(events, id, Observation::GpuLost);
-                        }
-                    }
-                }
-                if newly_lost {
-                    unexpected = 0;
-                    set = rebuild_set(nvml, gpus, &watched, &mut lost, events);
-                } else {
-                    // Lost, but no GPU says so: pace the waits as for any failing wait.
-                    unexpected += 1;
-                    if unexpected == 1 {
-                        tracing::error!(
-                            "NVML event wait answers GPU_IS_LOST, yet every watched GPU answers"
-                        );
-                    }
-                    std::thread::sleep(retry_pause(unexpected));
-                }
+                self.tell(&Observation::GpuLost)?;
+                Some(Watch::Lost(Some(set)))
             }
             Err(e) => {
-                unexpected += 1;
-                if unexpected == 1 {
-                    tracing::error!(error = %e, "NVML event wait failed");
+                let stale_loss = matches!(e, NvmlError::GpuLost);
+                if !stale_loss && !self.resumed {
+                    self.failed(&e)?;
+                    return Some(Watch::Set(set));
                 }
-                if unexpected == BLIND_AFTER && !heartbeat.is_blind() {
-                    // Nothing watches the GPUs now: say so on each of them until a wait works again.
-                    heartbeat.set_blind(true);
-                    tracing::error!(error = %e, failures = unexpected, "every NVML event wait fails; the GPUs' health events are not watched");
-                    tell_all(
-                        Observation::Unmonitored(format!(
-                            "the NVML event wait fails on every call: {e}"
-                        )),
-                        &lost,
+                self.stale_losses += 1;
+                if self.stale_losses == 1 {
+                    tracing::warn!(
+                        gpu = self.gpu.index,
+                        error = %e,
+                        "NVML event wait fails on the GPU's event set, yet the GPU answers"
                     );
                 }
-                // A wait that fails at once would spin; pace the retries.
-                std::thread::sleep(retry_pause(unexpected));
+                if self.stale_losses < STALE_LOSSES {
+                    // A queued notice of a loss already over is answered at once, with the events behind it:
+                    // wait again now. Any other failure is paced as usual.
+                    if !stale_loss {
+                        self.failed(&e)?;
+                    }
+                    return Some(Watch::Set(set));
+                }
+                // The driver holds the set dead: free it before making another, so that no event reaches
+                // both. Paced, and counted as failing waits, in case every new set is answered the same.
+                self.stale_losses = 0;
+                self.resumed = false;
+                drop(set);
+                tracing::warn!(
+                    gpu = self.gpu.index,
+                    error = %e,
+                    "the GPU's event set keeps failing while the GPU answers; it is made again"
+                );
+                self.failed(&e)?;
+                self.registered(register(self.nvml, self.gpu, self.events))
             }
         }
     }
-    tracing::debug!("NVML event thread stopped");
+
+    /// A wait failed at once: says so once, reports the GPU `unmonitored` after [`BLIND_AFTER`] in a row, and
+    /// paces the retries (a wait that fails at once would spin).
+    fn failed(&mut self, e: &NvmlError) -> Option<()> {
+        self.failures += 1;
+        if self.failures == 1 {
+            tracing::error!(gpu = self.gpu.index, error = %e, "NVML event wait failed");
+        }
+        if self.failures == BLIND_AFTER && !self.beat.is_blind() {
+            // Nothing watches the GPU now: say so on each of its devices until a wait works again.
+            self.beat.set_blind(true);
+            tracing::error!(gpu = self.gpu.index, error = %e, failures = self.failures, "every NVML event wait fails; the GPU's health events are not watched");
+            self.tell(&Observation::Unmonitored(format!(
+                "the NVML event wait fails on every call: {e}"
+            )))?;
+        }
+        std::thread::sleep(retry_pause(self.failures));
+        Some(())
+    }
+
+    /// A lost GPU, asked again after [`LOST_RECHECK_MS`]: watched on its kept set (whose queued events then
+    /// come first) or on a new one once it answers.
+    fn answers_again(&mut self, kept: Option<EventSet<'n>>) -> Option<Watch<'n>> {
+        std::thread::sleep(Duration::from_millis(u64::from(LOST_RECHECK_MS)));
+        if !answers(self.nvml, self.gpu.index) {
+            return Some(Watch::Lost(kept));
+        }
+        let next = match kept {
+            Some(set) => {
+                self.resumed = true;
+                Watch::Set(set)
+            }
+            None => self.registered(register(self.nvml, self.gpu, self.events))?,
+        };
+        if matches!(next, Watch::Set(_)) {
+            tracing::info!(
+                gpu = self.gpu.index,
+                "lost GPU answers again; its events are watched again"
+            );
+        }
+        Some(next)
+    }
+
+    /// What a registration leaves to watch.
+    fn registered(&self, registration: Registered<'n>) -> Option<Watch<'n>> {
+        match registration {
+            Registered::Set(set) => Some(Watch::Set(set)),
+            // Lost again between answering and registering.
+            Registered::Lost => Some(Watch::Lost(None)),
+            Registered::Unwatchable => None,
+        }
+    }
+
+    /// Hands an event's observations to the monitor, each to the devices it reaches; `None` once the plugin
+    /// stops.
+    fn forward(&mut self, event: &raw::Event) -> Option<()> {
+        let gpu = self.gpu;
+        let instance = (event.gpu_instance != u32::MAX)
+            .then_some((event.gpu_instance, event.compute_instance));
+        if let Some((gi, ci)) = instance
+            && !gpu.serves_instance((gi, ci))
+            && self.unserved_instances.insert((gi, ci))
+        {
+            tracing::warn!(
+                gpu = gpu.index,
+                gpu_instance = gi,
+                compute_instance = ci,
+                "NVML event for a MIG instance this plugin does not serve; its events count against every MIG \
+                 device of its GPU"
+            );
+        }
+        for observation in observations(event.event_type, event.data) {
+            for id in gpu.targets(&observation, instance) {
+                observe(self.events, id, observation.clone()).then_some(())?;
+            }
+        }
+        Some(())
+    }
+
+    /// Tells every device on the GPU; `None` once the plugin stops.
+    fn tell(&self, observation: &Observation) -> Option<()> {
+        for id in &self.gpu.devices {
+            observe(self.events, id, observation.clone()).then_some(())?;
+        }
+        Some(())
+    }
 }
 
 /// How long to wait before the `failures`-th wait in a row that failed at once is tried again: 100 ms more
@@ -724,149 +836,64 @@ fn retry_pause(failures: u32) -> Duration {
     Duration::from_millis(100 * u64::from(failures.min(50)))
 }
 
-/// The GPUs registered at start (`watched`) that are not lost now.
-fn still_watched<'a>(
-    gpus: &'a [Watched],
-    watched: &'a [u32],
-    lost: &'a [u32],
-) -> impl Iterator<Item = &'a Watched> + 'a {
-    gpus.iter()
-        .filter(|g| watched.contains(&g.index) && !lost.contains(&g.index))
+/// Whether GPU `index` says it is lost (GPU_IS_LOST): only then does a wait's GPU_IS_LOST mean this GPU fell
+/// off the bus; any other answer leaves the wait's error to say what is wrong.
+fn is_lost(nvml: &Nvml, index: u32) -> bool {
+    matches!(
+        nvml.device_by_index(index).and_then(|d| d.uuid()),
+        Err(NvmlError::GpuLost)
+    )
 }
 
-/// Takes out of `lost` the GPUs that answer NVML again, and returns them.
-fn answer_again(nvml: &Nvml, lost: &mut Vec<u32>) -> Vec<u32> {
-    let mut back = Vec::new();
-    lost.retain(|index| {
-        let answers = nvml.device_by_index(*index).and_then(|d| d.uuid()).is_ok();
-        if answers {
-            back.push(*index);
-        }
-        !answers
-    });
-    back
+/// Whether lost GPU `index` answers again: it can be opened and names itself. A GPU still coming back (any
+/// error) stays lost and is asked again, rather than being registered and given up on as unwatchable.
+fn answers(nvml: &Nvml, index: u32) -> bool {
+    nvml.device_by_index(index).and_then(|d| d.uuid()).is_ok()
 }
 
-/// When a lost GPU answers again: a new event set with it, `Some(None)` where no set could be made. `None`
-/// while none answers.
-fn watch_again<'n>(
+/// What [`register`] made of one GPU.
+enum Registered<'n> {
+    /// Its own event set, registered for every health event it supports.
+    Set(EventSet<'n>),
+    /// It does not answer (GPU_IS_LOST): watched once it does.
+    Lost,
+    /// It cannot be watched; its devices were reported `unmonitored`.
+    Unwatchable,
+}
+
+/// Creates an event set for GPU `gpu` alone and registers it for the health events it supports. A GPU that
+/// cannot be registered is reported `unmonitored` (every device on it).
+fn register<'n>(
     nvml: &'n Nvml,
-    gpus: &[Watched],
-    watched: &[u32],
-    lost: &mut Vec<u32>,
+    gpu: &Watched,
     events: &mpsc::Sender<DeviceEvent>,
-) -> Option<Option<EventSet<'n>>> {
-    let back = answer_again(nvml, lost);
-    if back.is_empty() {
-        return None;
-    }
-    let set = rebuild_set(nvml, gpus, watched, lost, events);
-    for gpu in back.iter().filter(|gpu| !lost.contains(gpu)) {
-        tracing::info!(gpu, "lost GPU answers again; its events are watched again");
-    }
-    Some(set)
-}
-
-/// A new event set for the GPUs watched at start that are not lost (NVML cannot take one GPU out of a set).
-/// Events raised while the sets are swapped may be missed; the health probes still see a GPU that stopped
-/// answering.
-fn rebuild_set<'n>(
-    nvml: &'n Nvml,
-    gpus: &[Watched],
-    watched: &[u32],
-    lost: &mut Vec<u32>,
-    events: &mpsc::Sender<DeviceEvent>,
-) -> Option<EventSet<'n>> {
-    let keep: Vec<Watched> = still_watched(gpus, watched, lost).cloned().collect();
-    if keep.is_empty() {
-        return None;
-    }
-    match register_all(nvml, &keep, events) {
-        Ok(registration) => {
-            // Lost again between answering and registering: checked again with the others.
-            lost.extend(registration.lost);
-            registration.set
-        }
-        Err(e) => {
-            tracing::error!(error = %e, "NVML cannot create an event set; the GPUs' events are not watched");
-            let why = format!("NVML cannot create an event set: {e}");
-            for id in keep.iter().flat_map(|g| &g.devices) {
-                observe(events, id, Observation::Unmonitored(why.clone()));
-            }
-            None
-        }
-    }
-}
-
-/// Creates the event set and registers every GPU for the events it supports. A GPU whose registration fails
-/// is reported `unmonitored` (every device on it); as a failed registration frees the whole set, the set is
-/// then created again and the GPUs registered so far registered again. Returns the set (`None` if no GPU is
-/// in it), the GPUs registered, and the GPUs left out because they are lost (GPU_IS_LOST): the caller
-/// watches those again once they answer.
-fn register_all<'n>(
-    nvml: &'n Nvml,
-    gpus: &[Watched],
-    events: &mpsc::Sender<DeviceEvent>,
-) -> Result<Registration<'n>, NvmlError> {
-    let mut set = nvml.create_event_set()?;
-    let mut registered: Vec<(u32, EventTypes)> = Vec::new();
-    let mut lost = Vec::new();
-    let unmonitored = |gpu: &Watched, why: String| {
+) -> Registered<'n> {
+    let unmonitored = |why: String| {
         for id in &gpu.devices {
             observe(events, id, Observation::Unmonitored(why.clone()));
         }
+        Registered::Unwatchable
     };
-    for gpu in gpus {
-        let (device, mask) = match watchable_events(nvml, gpu.index) {
-            Ok(found) => found,
-            Err(Unwatchable::Lost) => {
-                lost.push(gpu.index);
-                continue;
-            }
-            Err(Unwatchable::Other(why)) => {
-                unmonitored(gpu, why);
-                continue;
-            }
-        };
-        if mask != wanted_events() {
-            tracing::info!(gpu = gpu.index, watched = ?mask, "GPU supports only some health events");
-        }
-        match device.register_events(mask, set) {
-            Ok(kept) => {
-                set = kept;
-                registered.push((gpu.index, mask));
-            }
-            Err(e) => {
-                unmonitored(
-                    gpu,
-                    format!("NVML refused the event registration: {}", e.error),
-                );
-                set = nvml.create_event_set()?;
-                for (index, mask) in &registered {
-                    set = nvml
-                        .device_by_index(*index)?
-                        .register_events(*mask, set)
-                        .map_err(|e| e.error)?;
-                }
-            }
-        }
+    let (device, mask) = match watchable_events(nvml, gpu.index) {
+        Ok(found) => found,
+        Err(Unwatchable::Lost) => return Registered::Lost,
+        Err(Unwatchable::Other(why)) => return unmonitored(why),
+    };
+    if mask != wanted_events() {
+        tracing::info!(gpu = gpu.index, watched = ?mask, "GPU supports only some health events");
     }
-    let indices: Vec<u32> = registered.iter().map(|(i, _)| *i).collect();
-    Ok(Registration {
-        set: (!indices.is_empty()).then_some(set),
-        watched: indices,
-        lost,
-    })
-}
-
-/// What [`register_all`] made.
-struct Registration<'n> {
-    /// The event set, `None` if no GPU is in it.
-    set: Option<EventSet<'n>>,
-    /// The GPUs in it.
-    watched: Vec<u32>,
-    /// The GPUs left out because they are lost.
-    lost: Vec<u32>,
+    let set = match nvml.create_event_set() {
+        Ok(set) => set,
+        Err(e) => {
+            tracing::error!(gpu = gpu.index, error = %e, "NVML cannot create an event set; the GPU's events are not watched");
+            return unmonitored(format!("NVML cannot create an event set: {e}"));
+        }
+    };
+    match device.register_events(mask, set) {
+        Ok(set) => Registered::Set(set),
+        Err(e) if matches!(e.error, NvmlError::GpuLost) => Registered::Lost,
+        Err(e) => unmonitored(format!("NVML refused the event registration: {}", e.error)),
+    }
 }
 
 /// Why a GPU's events cannot be watched.
@@ -1125,6 +1152,7 @@ mod tests {
     fn mig_gpu() -> Watched {
         Watched {
             index: 0,
+            id: "GPU-a".into(),
             devices: vec!["MIG-a".into(), "MIG-b".into()],
             instances: HashMap::from([((1, 0), "MIG-a".into()), ((2, 0), "MIG-b".into())]),
         }

@@ -53,11 +53,11 @@ pub fn gpu_instance_profile_id(
     Ok(info.profileId)
 }
 
-/// One event, with what nvml-wrapper's `EventData` leaves out.
+/// One event, with what nvml-wrapper's `EventData` leaves out. Not which GPU it came on: each set holds one
+/// GPU, and asking NVML about the event's device handle fails once that GPU is lost, which would drop a
+/// fault raised just before the loss.
 #[derive(Debug, Clone, Copy)]
 pub struct Event {
-    /// NVML index of the GPU the event came on, if NVML can still tell it.
-    pub gpu_index: Option<u32>,
     /// `nvmlEventType*` bits.
     pub event_type: u64,
     /// The XID for an XID event.
@@ -81,14 +81,7 @@ pub fn wait(nvml: &Nvml, set: &EventSet<'_>, timeout_ms: u32) -> Result<Event, N
     // SAFETY: the set handle nvml-wrapper owns for as long as `set` is borrowed, and a pointer to a local
     // event data struct.
     nvml_try(unsafe { sym(set.handle(), &mut data, timeout_ms) })?;
-    let index = nvml_sym(nvml.lib().nvmlDeviceGetIndex.as_ref())?;
-    let mut gpu_index = 0u32;
-    // SAFETY: the device handle NVML put in the event data, and a pointer to a local c_uint.
-    let gpu_index = nvml_try(unsafe { index(data.device, &mut gpu_index) })
-        .ok()
-        .map(|()| gpu_index);
     Ok(Event {
-        gpu_index,
         event_type: data.eventType,
         data: data.eventData,
         gpu_instance: data.gpuInstanceId,

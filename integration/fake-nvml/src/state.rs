@@ -113,6 +113,14 @@ pub fn register_delay() -> Option<Duration> {
     })
 }
 
+/// `FAKE_NVML_LOST_FIRST=1`: a wait on a set holding a lost GPU answers `GPU_IS_LOST` at once, before the
+/// events queued in the set (they stay queued), as the real driver may; unset or anything else: the queued
+/// events come first.
+pub fn lost_first() -> bool {
+    static LOST_FIRST: OnceLock<bool> = OnceLock::new();
+    *LOST_FIRST.get_or_init(|| std::env::var("FAKE_NVML_LOST_FIRST").is_ok_and(|v| v.trim() == "1"))
+}
+
 /// `nvmlInit` calls not yet matched by `nvmlShutdown`.
 static INITIALIZED: Mutex<u32> = Mutex::new(0);
 
@@ -366,11 +374,9 @@ impl SetRef {
         let mut events = lock(&EVENTS);
         loop {
             let set = events.set(self.0)?;
-            if let Some(pending) = set.queue.pop_front() {
-                return Some(pending);
-            }
             // As the driver does: while a GPU registered in the set is lost, every wait on the set answers
-            // GPU_IS_LOST at once (the set has to be freed and made again without it).
+            // GPU_IS_LOST at once (the set has to be freed and made again without it). By default the
+            // events queued before come first; with `FAKE_NVML_LOST_FIRST` the loss does, and they wait.
             let holds_lost = set.registrations.iter().any(|(device, _)| {
                 load_devices()
                     .as_ref()
@@ -378,6 +384,15 @@ impl SetRef {
                     .and_then(|devices| devices.get(*device))
                     .is_some_and(Device::is_lost)
             });
+            if holds_lost && lost_first() {
+                // Told now: the loss's own notice in the queue would tell it a second time.
+                set.queue
+                    .retain(|pending| !matches!(pending, Pending::Lost));
+                return Some(Pending::Lost);
+            }
+            if let Some(pending) = set.queue.pop_front() {
+                return Some(pending);
+            }
             if holds_lost {
                 return Some(Pending::Lost);
             }

@@ -517,15 +517,16 @@ impl NvmlNode {
         }
     }
 
-    /// Injects `lines`, then XID 79 on GPU 3 as a marker: events are handled in order, so once the kubelet
-    /// sees GPU 3 Unhealthy, every earlier line has had its effect. Returns the list then.
+    /// Injects `lines` and waits until every GPU they name has taken them (see [`NvmlNode::marked_after`]),
+    /// then injects XID 79 on GPU 3 and returns the first list in which the kubelet sees GPU 3 Unhealthy: the
+    /// monitor publishes changes in the order it takes them, so that list holds every earlier line's effect.
+    /// `lines` must leave GPU 3 Healthy.
     pub async fn list_after(
         &self,
         lines: &[String],
     ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
-        let mut all = lines.to_vec();
-        all.push(format!("xid {} 79", fake_nvml_gpu(3)));
-        self.inject(&all);
+        self.marked_after(lines).await?;
+        self.inject(&[format!("xid {} 79", fake_nvml_gpu(3))]);
         self.wait_unhealthy(&fake_nvml_gpu(3)).await
     }
 
@@ -539,5 +540,42 @@ impl NvmlNode {
             .health(&fake_nvml_gpu(0))
             .unwrap_or("missing")
             .to_string())
+    }
+}
+
+impl NvmlNode {
+    /// Injects `lines`, then a harmless XID 43 (harmless under either XID policy) on every device their faults
+    /// name, and waits until the monitor has taken each XID 43. Each GPU's events arrive in order, but GPUs'
+    /// events do not arrive in the order written (each GPU has an event thread of its own): only a marker on
+    /// every GPU named says that every line has had its effect.
+    pub async fn marked_after(&self, lines: &[String]) -> Result<(), Box<dyn std::error::Error>> {
+        let from = self.plugin.log().len();
+        // Only faults: a lost GPU raises no event to mark it with.
+        let mut named: Vec<String> = lines
+            .iter()
+            .filter_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {
+                ["xid" | "dbe" | "sbe", id, ..] => Some(id.to_string()),
+                _ => None,
+            })
+            .collect();
+        named.sort();
+        named.dedup();
+        let mut all = lines.to_vec();
+        all.extend(named.iter().map(|id| format!("xid {id} 43")));
+        self.inject(&all);
+        // The first XID 43 on a device adds a condition (`xid=43`); a later one is an observation (`Xid(43)`).
+        let recorded = |log: &str| {
+            let new = log.get(from..).unwrap_or_default();
+            named.iter().all(|id| {
+                new.lines().any(|l| {
+                    l.contains(id.as_str()) && (l.contains("xid=43") || l.contains("Xid(43)"))
+                })
+            })
+        };
+        self.plugin
+            .wait_log(WAIT, recorded)
+            .await
+            .ok_or_else(|| format!("the marker XIDs were never recorded\n{}", self.plugin.log()))?;
+        Ok(())
     }
 }
