@@ -541,3 +541,49 @@ impl NvmlNode {
             .to_string())
     }
 }
+
+/// CPU time a process has used so far, in clock ticks (user plus system, from `/proc/<pid>/stat`; 100 a
+/// second on Linux).
+pub fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name, in parentheses, may hold spaces: the fields are counted after its closing one.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// Whether the kubelet's list showed device `id` with a given health while it was being recorded (see
+/// [`record_health`]).
+pub struct HealthRecord {
+    seen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: JoinHandle<()>,
+}
+
+impl HealthRecord {
+    /// Stops recording; whether the health was seen.
+    pub fn stop(self) -> bool {
+        self.task.abort();
+        self.seen.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Records from now on whether any list the kubelet gets shows device `id` with `health` (each list the fake
+/// kubelet publishes is looked at, as the kubelet's own watch would see it).
+pub fn record_health(kubelet: &fake_kubelet::FakeKubelet, id: &str, health: &str) -> HealthRecord {
+    let seen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut lists = kubelet.watch_list();
+    let (id, health, flag) = (id.to_string(), health.to_string(), seen.clone());
+    let task = tokio::spawn(async move {
+        loop {
+            if lists.borrow_and_update().health(&id) == Some(health.as_str()) {
+                flag.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            if lists.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    HealthRecord { seen, task }
+}
