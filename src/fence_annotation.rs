@@ -114,7 +114,15 @@ pub async fn follow(
             })
             .collect();
         let released_by = format!("the node annotation {ANNOTATION}");
-        for (device, e) in apply(&queries, FROM_ENTRY, &wanted, &BTreeSet::new(), &released_by).await {
+        for (device, e) in apply(
+            &queries,
+            FROM_ENTRY,
+            &wanted,
+            &BTreeSet::new(),
+            &released_by,
+        )
+        .await
+        {
             problems.push(format!("{device}: {e}"));
         }
         if problems.is_empty() || reported.as_deref() == Some(value.as_str()) {

@@ -22,11 +22,13 @@
 //!
 //! What it may cost, at most: the directory is read on a thread of its own (a stuck file system stalls
 //! the fence directory alone, and a reading that takes over [`READ_TIMEOUT`] is said at warn level); at most
-//! ten readings a second however fast it changes, the last change never missed; none while nothing
-//! changes; [`MAX_REPORTS`] reports read per reading, the first by name (past it, the rest are not read and a
-//! fence from one of them stays while its file exists); one query to the health monitor per reading, and
-//! one per device whose fence changes; warnings at most one line per file a minute and
-//! [`warnings::BUDGET`] lines a minute, with what was held back counted in one line.
+//! ten readings a second however fast it changes ([`MIN_READ_INTERVAL`]), the last change never missed;
+//! none while nothing changes (the plugin's own reading does not wake it); [`MAX_REPORTS`] reports read per
+//! reading, the first by name (past it, the rest are not read: they set no fence, a fence one of them set
+//! before stays while its file exists, and the number not read is said); one query to the health monitor
+//! per reading, and one per fence set or released (a report naming a device not on this node is answered
+//! from the list); warnings at most one line per file a minute and ten lines a minute in all, with what was
+//! held back counted in one line.
 
 mod read;
 mod warnings;
@@ -134,7 +136,7 @@ async fn follow(
     let mut last_read: Option<Instant> = None;
     // A reading due without a change: at start, and while the directory cannot be read or watched.
     let mut due = Some(Instant::now());
-    let mut unreadable = false;
+    let mut said_unreadable = false;
     loop {
         let deadline = match (due, warnings.summary_due()) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -169,7 +171,9 @@ async fn follow(
         let Some(devices) = queries.devices().await else {
             return;
         };
-        let keep = in_place(&devices, FROM_FILE).into_values().map(|(key, _)| key);
+        let keep = in_place(&devices, FROM_FILE)
+            .into_values()
+            .map(|(key, _)| key);
         let mut reply = reader.read(keep.collect());
         let answered = tokio::select! {
             () = shutdown.cancelled() => return,
@@ -180,12 +184,18 @@ async fn follow(
             // The reading thread is gone: it panicked, and the process is ending.
             Ok(Err(_)) => return,
             Err(_) => {
-                tracing::warn!(dir = %shown, timeout_s = READ_TIMEOUT.as_secs(), "reading the fence directory takes too long (a hung file system?): its fences stay as they are until it answers");
+                // At most a line a minute for a file system that hangs again and again.
+                let said = warnings.allow("/hung", 0, Instant::now());
+                if said {
+                    tracing::warn!(dir = %shown, timeout_s = READ_TIMEOUT.as_secs(), "reading the fence directory takes too long (a hung file system?): its fences stay as they are until it answers");
+                }
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     _late = &mut reply => {}
                 }
-                tracing::info!(dir = %shown, "the fence directory answers again; reading it anew");
+                if said {
+                    tracing::info!(dir = %shown, "the fence directory answers again; reading it anew");
+                }
                 due = Some(Instant::now());
                 continue;
             }
@@ -194,9 +204,9 @@ async fn follow(
         let listing = match answer.reading {
             Reading::Unreadable { why } => {
                 due = Some(Instant::now() + RETRY_INTERVAL);
-                unreadable = true;
                 tracing::debug!(dir = %shown, error = %why, "fence directory read: unreadable");
                 if warnings.allow("/dir", read::hash(&why), now) {
+                    said_unreadable = true;
                     tracing::warn!(dir = %shown, error = %why, "cannot read the fence directory: every fence from it stays as it is until it can be read");
                 }
                 warnings.keep_only(|source| source == "/dir", now);
@@ -210,7 +220,9 @@ async fn follow(
                 tracing::warn!(dir = %shown, error = %why, retry_s = RETRY_INTERVAL.as_secs(), "cannot watch the fence directory for changes: reading it every second until it can be watched");
             }
         }
-        if std::mem::take(&mut unreadable) {
+        // Said only after a warning was, so that a directory that comes and goes logs no more than the
+        // warnings allow.
+        if std::mem::take(&mut said_unreadable) {
             tracing::info!(dir = %shown, "the fence directory can be read again");
         }
         tracing::debug!(
@@ -244,7 +256,17 @@ async fn follow(
                 (file, wanted)
             })
             .collect();
-        let failed = apply(&queries, FROM_FILE, &wanted, &listing.held, &released_by).await;
+        // The list from before the reading: only this task sets or releases the directory's fences, so
+        // what it says of them still holds.
+        let failed = apply_to(
+            &queries,
+            &devices,
+            FROM_FILE,
+            &wanted,
+            &listing.held,
+            &released_by,
+        )
+        .await;
         for (file, e) in &failed {
             if warnings.allow(file, read::hash(e.to_string()), now) {
                 tracing::warn!(dir = %shown, %file, error = %e, "fence report not applied");
@@ -301,11 +323,23 @@ pub async fn apply(
     let Some(devices) = queries.devices().await else {
         return Vec::new();
     };
+    apply_to(queries, &devices, marker, wanted, held, released_by).await
+}
+
+/// [`apply`] with the monitor's device list already fetched: asks the monitor only for the changes.
+async fn apply_to(
+    queries: &StatusQueries,
+    devices: &[DeviceStatus],
+    marker: &str,
+    wanted: &BTreeMap<String, Wanted>,
+    held: &BTreeSet<String>,
+    released_by: &str,
+) -> Vec<(String, OperatorError)> {
     let Plan {
         fence,
         release,
         mut failed,
-    } = plan(&devices, marker, wanted, held);
+    } = plan(devices, marker, wanted, held);
     // Fences first: a device passed from one key to another never shows Healthy in between.
     for (target, key) in fence {
         let Some(want) = wanted.get(&key) else {
@@ -384,7 +418,9 @@ fn plan(
     for (key, want) in wanted {
         let ids: Vec<&str> = devices
             .iter()
-            .filter(|d| d.id == want.device || d.mig.as_ref().is_some_and(|m| m.parent == want.device))
+            .filter(|d| {
+                d.id == want.device || d.mig.as_ref().is_some_and(|m| m.parent == want.device)
+            })
             .map(|d| d.id.as_str())
             .collect();
         if ids.is_empty() {

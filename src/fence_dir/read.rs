@@ -9,6 +9,8 @@ use std::hash::Hasher as _;
 use std::io::Read as _;
 use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use notify::event::{AccessKind, AccessMode, ModifyKind};
 use notify::{EventKind, RecursiveMode, Watcher as _};
@@ -120,11 +122,24 @@ impl Reader {
 }
 
 /// The inotify watch on the directory, and which directory it is on (device and inode): a directory
-/// removed and made again, or replaced by a rename, is a new one to watch.
+/// replaced by a rename is a new one to watch. A directory removed and made again at once often gets the
+/// same inode number back (ext4 hands it out again), so the watch also notes when the kernel says the
+/// directory it watched is gone or moved: the kernel drops that watch, and a new one is needed whatever the
+/// inode number says.
 struct DirWatch {
     dir: PathBuf,
     wake: mpsc::Sender<()>,
-    current: Option<(notify::RecommendedWatcher, (u64, u64))>,
+    current: Option<Current>,
+}
+
+/// The watch in place.
+struct Current {
+    /// Kept for as long as the watch is wanted: dropping it ends the watch.
+    _watcher: notify::RecommendedWatcher,
+    /// The directory's device and inode when it was watched.
+    id: (u64, u64),
+    /// Set from the watcher's thread when the watched directory itself was removed or moved away.
+    lost: Arc<AtomicBool>,
 }
 
 impl DirWatch {
@@ -142,29 +157,57 @@ impl DirWatch {
             }
         };
         let id = (metadata.dev(), metadata.ino());
-        if self.current.as_ref().is_some_and(|(_, watched)| *watched == id) {
+        if self
+            .current
+            .as_ref()
+            .is_some_and(|c| c.id == id && !c.lost.load(Ordering::SeqCst))
+        {
             return Ok(());
         }
         self.current = None;
         let wake = self.wake.clone();
-        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-            if is_change(&event) {
-                // Full means a wake-up is pending already, which covers this change too.
-                let _pending = wake.try_send(());
-            }
-        })
-        .map_err(|e| e.to_string())?;
+        let lost = Arc::new(AtomicBool::new(false));
+        let (dir, lost_here) = (self.dir.clone(), lost.clone());
+        let mut watcher =
+            notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+                // Noted before the wake-up, so that the reading it brings watches the directory anew.
+                if is_self_gone(&event, &dir) {
+                    lost_here.store(true, Ordering::SeqCst);
+                }
+                if is_change(&event) {
+                    // Full means a wake-up is pending already, which covers this change too.
+                    let _pending = wake.try_send(());
+                }
+            })
+            .map_err(|e| e.to_string())?;
         watcher
             .watch(&self.dir, RecursiveMode::NonRecursive)
             .map_err(|e| e.to_string())?;
-        self.current = Some((watcher, id));
+        self.current = Some(Current {
+            _watcher: watcher,
+            id,
+            lost,
+        });
         Ok(())
     }
 }
 
+/// Whether an event says the watched directory `dir` itself was removed or moved away (its own path, not a
+/// file in it), or that events were lost: either way the watch is to be made again.
+fn is_self_gone(event: &notify::Result<notify::Event>, dir: &Path) -> bool {
+    let Ok(event) = event else {
+        return true;
+    };
+    matches!(
+        event.kind,
+        EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(_))
+    ) && event.paths.iter().any(|p| p == dir)
+}
+
 /// Whether an inotify event may mean a report added, changed or removed. The plugin's own reading opens the
-/// directory and each report, and those events must not wake it, or each reading would start the next. A
-/// write is a change once its writer closes the file (or renames it into place), not at each `write`.
+/// directory and each report (inotify says open, and notify's mask cannot leave it out), and those events
+/// must not wake it, or each reading would start the next. A write is a change as it happens, not only when
+/// its writer closes the file: a detector may keep its report open.
 pub fn is_change(event: &notify::Result<notify::Event>) -> bool {
     let Ok(event) = event else {
         // The watch failing (the queue overflowed): look again.
@@ -172,9 +215,9 @@ pub fn is_change(event: &notify::Result<notify::Event>) -> bool {
     };
     match event.kind {
         EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
-        EventKind::Access(_) | EventKind::Modify(ModifyKind::Data(_)) => false,
-        // Created, removed, renamed, attributes changed, the directory's own removal or move, and anything
-        // the watcher cannot classify (a rescan).
+        EventKind::Access(_) => false,
+        // Written, created, removed, renamed, attributes changed, the directory's own removal or move, and
+        // anything the watcher cannot classify (a rescan).
         _ => true,
     }
 }
@@ -353,7 +396,8 @@ fn open_report(path: &Path) -> Result<(Vec<u8>, u64), Unusable> {
     };
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        // O_NOCTTY: a terminal swapped in is not made the plugin's controlling terminal.
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_NOCTTY)
         .open(path)
         .map_err(problem)?;
     let metadata = file.metadata().map_err(problem)?;
@@ -364,7 +408,10 @@ fn open_report(path: &Path) -> Result<(Vec<u8>, u64), Unusable> {
         metadata.mtime_nsec(),
     ));
     if !metadata.is_file() {
-        return Err(Unusable::Problem(not_regular(metadata.file_type()), version));
+        return Err(Unusable::Problem(
+            not_regular(metadata.file_type()),
+            version,
+        ));
     }
     let mut text = Vec::new();
     file.take(MAX_REPORT_BYTES + 1)

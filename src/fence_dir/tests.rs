@@ -76,7 +76,10 @@ fn a_held_file_keeps_its_fence_and_a_file_gone_releases_its_own() {
     let devices = [
         device("GPU-0", Some(&detail("held.json", "burn-in"))),
         device("GPU-1", Some(&detail("gone.json", "burn-in"))),
-        device("GPU-2", Some("by alice (uid 0) via the control socket, pid 1: maintenance")),
+        device(
+            "GPU-2",
+            Some("by alice (uid 0) via the control socket, pid 1: maintenance"),
+        ),
     ];
     let held = BTreeSet::from(["held.json".to_string()]);
     let plan = plan(&devices, FROM_FILE, &BTreeMap::new(), &held);
@@ -159,5 +162,8 @@ fn a_reports_reason_and_detector_are_made_printable() {
     assert_eq!(report.by.as_deref(), Some("det\\u{1b}[2J"));
     let unknown = parse_report(br#"{"device": "GPU-1", "reason": "x", "evil\nfield": 1}"#);
     let said = unknown.err().unwrap_or_default();
-    assert!(!said.contains('\n') && said.contains("evil\\nfield"), "{said}");
+    assert!(
+        !said.contains('\n') && said.contains("evil\\nfield"),
+        "{said}"
+    );
 }

@@ -145,7 +145,10 @@ mod tests {
             .filter(|n| warnings.allow(&format!("r{n}.json"), 1, start))
             .count();
         assert_eq!(logged, BUDGET);
-        assert_eq!(warnings.summary(start + INTERVAL), Some(100_000 - BUDGET as u64));
+        assert_eq!(
+            warnings.summary(start + INTERVAL),
+            Some(100_000 - BUDGET as u64)
+        );
         assert!(warnings.remembered() <= MAX_SOURCES);
         // The next interval has a budget of its own.
         assert!(warnings.allow("late.json", 1, start + INTERVAL));

@@ -311,6 +311,26 @@ pub fn fake_nvml_lib() -> PathBuf {
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
             let mut build = std::process::Command::new(cargo);
             build.args(["build", "--quiet", "-p", "fake-nvml"]);
+            // Cargo gives the test process its package's variables (CARGO_MANIFEST_DIR, CARGO_PKG_NAME, ...),
+            // and ring's build script asks to be rerun when they change: passed on, they made this build
+            // and the next `cargo test` each rebuild ring, kube and the plugin, on every run.
+            for (name, _) in std::env::vars_os() {
+                let name = name.to_string_lossy();
+                if name.starts_with("CARGO_PKG_")
+                    || name.starts_with("CARGO_BIN_")
+                    || [
+                        "CARGO_MANIFEST_DIR",
+                        "CARGO_MANIFEST_PATH",
+                        "CARGO_CRATE_NAME",
+                        "CARGO_PRIMARY_PACKAGE",
+                        "CARGO_TARGET_TMPDIR",
+                        "OUT_DIR",
+                    ]
+                    .contains(&name.as_ref())
+                {
+                    build.env_remove(name.as_ref());
+                }
+            }
             if profile_dir.ends_with("release") {
                 build.arg("--release");
             }

@@ -98,7 +98,10 @@ fn an_empty_or_half_written_report_is_held_not_read_as_gone() -> std::io::Result
     assert_eq!(held, ["big.json", "blank.json", "empty.json", "half.json"]);
     assert!(listing.problems.iter().all(|p| p.held));
     let big = listing.problems.iter().find(|p| p.file == "big.json");
-    assert!(big.is_some_and(|p| p.why.contains("larger than")), "{big:?}");
+    assert!(
+        big.is_some_and(|p| p.why.contains("larger than")),
+        "{big:?}"
+    );
     Ok(())
 }
 
@@ -127,7 +130,10 @@ fn names_that_cannot_be_keys_are_refused_and_hold_nothing() -> std::io::Result<(
         said,
         [
             ("a:b.json", "its name holds a colon"),
-            ("evil\\n2026 INFO forged.json", "its name holds control characters"),
+            (
+                "evil\\n2026 INFO forged.json",
+                "its name holds control characters"
+            ),
             ("latin\u{fffd}.json", "its name is not UTF-8"),
         ]
     );
@@ -141,7 +147,10 @@ fn a_directory_that_cannot_be_listed_says_nothing_about_its_reports() -> std::io
     std::fs::write(&file, "")?;
     for path in [dir.path().join("missing"), file] {
         assert!(
-            matches!(read_within(&path, &[], MAX_REPORTS), Reading::Unreadable { .. }),
+            matches!(
+                read_within(&path, &[], MAX_REPORTS),
+                Reading::Unreadable { .. }
+            ),
             "{}",
             path.display()
         );
@@ -196,13 +205,14 @@ fn only_changes_wake_the_reader_not_its_own_reading() {
         EventKind::Access(AccessKind::Open(AccessMode::Any)),
         EventKind::Access(AccessKind::Read),
         EventKind::Access(AccessKind::Close(AccessMode::Read)),
-        EventKind::Modify(ModifyKind::Data(DataChange::Any)),
     ];
     for kind in reads {
         assert!(!is_change(&event(kind)), "{kind:?}");
     }
     let changes = [
         EventKind::Access(AccessKind::Close(AccessMode::Write)),
+        // A detector that keeps its report open: each write is news.
+        EventKind::Modify(ModifyKind::Data(DataChange::Any)),
         EventKind::Create(CreateKind::File),
         EventKind::Remove(RemoveKind::File),
         EventKind::Remove(RemoveKind::Folder),
@@ -215,4 +225,28 @@ fn only_changes_wake_the_reader_not_its_own_reading() {
         assert!(is_change(&event(kind)), "{kind:?}");
     }
     assert!(is_change(&Err(notify::Error::generic("queue overflow"))));
+}
+
+#[test]
+fn the_watch_is_made_again_when_its_directory_itself_is_removed_or_moved_not_a_file_in_it() {
+    let dir = Path::new("/run/fence");
+    let event = |kind, path: &Path| Ok(notify::Event::new(kind).add_path(path.to_path_buf()));
+    let file = dir.join("gpu1.json");
+    for kind in [
+        EventKind::Remove(RemoveKind::Folder),
+        EventKind::Remove(RemoveKind::Other),
+        EventKind::Modify(ModifyKind::Name(RenameMode::From)),
+    ] {
+        assert!(is_self_gone(&event(kind, dir), dir), "{kind:?}");
+        assert!(
+            !is_self_gone(&event(kind, &file), dir),
+            "{kind:?} of a file"
+        );
+    }
+    let written = EventKind::Access(AccessKind::Close(AccessMode::Write));
+    assert!(!is_self_gone(&event(written, dir), dir));
+    assert!(is_self_gone(
+        &Err(notify::Error::generic("queue overflow")),
+        dir
+    ));
 }
