@@ -4,7 +4,7 @@
 //! watches its own Node; entries it cannot use are reported in a Warning Event on the Node (and the log),
 //! never a crash.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::Node;
@@ -114,7 +114,15 @@ pub async fn follow(
             })
             .collect();
         let released_by = format!("the node annotation {ANNOTATION}");
-        for (device, e) in apply(&queries, FROM_ENTRY, &wanted, &released_by).await {
+        for (device, e) in apply(
+            &queries,
+            FROM_ENTRY,
+            &wanted,
+            &BTreeSet::new(),
+            &released_by,
+        )
+        .await
+        {
             problems.push(format!("{device}: {e}"));
         }
         if problems.is_empty() || reported.as_deref() == Some(value.as_str()) {

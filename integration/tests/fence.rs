@@ -257,3 +257,332 @@ async fn a_fence_by_command_is_not_released_by_the_fence_directory() -> TestResu
     );
     Ok(())
 }
+
+/// `mkfifo path`: a named pipe, which blocks whoever opens it for reading until a writer comes.
+fn mkfifo(path: &std::path::Path) {
+    let status = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .expect("run mkfifo");
+    assert!(status.success(), "mkfifo {}", path.display());
+}
+
+/// A report of `gpu`'s fence with `reason`.
+fn fence_json(gpu: &str, reason: &str) -> String {
+    format!(r#"{{"device": "{gpu}", "reason": "{reason}", "by": "burn-in"}}"#)
+}
+
+#[tokio::test]
+async fn a_fifo_in_the_fence_directory_at_start_stops_neither_registration_nor_shutdown()
+-> TestResult {
+    let fence = tempfile::tempdir()?;
+    mkfifo(&fence.path().join("pipe.json"));
+    // Registered at all is the first thing a FIFO used to take away.
+    let mut node = NvmlNode::start(None, &["--fence-dir", fence.path().to_str().unwrap()]).await?;
+    report(
+        fence.path(),
+        "gpu1.json",
+        &fence_json(&gpu(1), "burn-in failed"),
+    );
+    node.wait_unhealthy(&gpu(1)).await?;
+    node.inject(&[format!("xid {} 79", gpu(3))]);
+    node.wait_unhealthy(&gpu(3)).await?;
+    let log = node.plugin.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains("pipe.json") && l.contains("regular file")),
+        "{log}"
+    );
+    node.stop_plugin().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_fifo_created_in_the_fence_directory_while_running_leaves_faults_health_and_sigterm_working()
+-> TestResult {
+    let fence = tempfile::tempdir()?;
+    let mut node = NvmlNode::start(None, &["--fence-dir", fence.path().to_str().unwrap()]).await?;
+    let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
+    mkfifo(&fence.path().join("pipe.json"));
+    // A report after the FIFO: once it fences GPU 2, the directory has been read with the FIFO in it.
+    report(
+        fence.path(),
+        "gpu2.json",
+        &fence_json(&gpu(2), "burn-in failed"),
+    );
+    node.wait_unhealthy(&gpu(2)).await?;
+    node.inject(&[format!("xid {} 79", gpu(3))]);
+    node.wait_unhealthy(&gpu(3)).await?;
+    let (status, body) = gpu_device_plugin::http::get(&addr, "/healthz").await?;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let out = command(&node, &["fence", &gpu(0), "--reason", "maintenance"]);
+    assert!(out.status.success(), "{out:?}");
+    node.wait_unhealthy(&gpu(0)).await?;
+    node.stop_plugin().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_idle_fence_directory_costs_next_to_no_cpu() -> TestResult {
+    let fence = tempfile::tempdir()?;
+    let node = NvmlNode::start(None, &["--fence-dir", fence.path().to_str().unwrap()]).await?;
+    report(
+        fence.path(),
+        "gpu1.json",
+        &fence_json(&gpu(1), "burn-in failed"),
+    );
+    node.wait_unhealthy(&gpu(1)).await?;
+    let pid = node.plugin.child.id().ok_or("plugin exited")?;
+    let before = support::cpu_ticks(pid).ok_or("no /proc/<pid>/stat")?;
+    let reads_before = node.plugin.log().matches("fence directory read").count();
+    // Not a wait for anything: the span over which CPU time is measured. Each read of the directory used
+    // to wake the next, which took 290 of the 300 ticks of 3 s.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let used = support::cpu_ticks(pid).ok_or("no /proc/<pid>/stat")? - before;
+    let reads = node.plugin.log().matches("fence directory read").count() - reads_before;
+    assert!(
+        used < 30,
+        "{used} clock ticks in 3 s, idle\n{}",
+        node.plugin.log()
+    );
+    assert!(reads <= 1, "{reads} reads of an idle directory");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_fence_is_held_while_its_directory_cannot_be_read_and_a_recreated_directory_is_watched()
+-> TestResult {
+    let parent = tempfile::tempdir()?;
+    let fence = parent.path().join("fence");
+    std::fs::create_dir(&fence)?;
+    report(&fence, "gpu1.json", &fence_json(&gpu(1), "burn-in failed"));
+    let node = NvmlNode::start(None, &["--fence-dir", fence.to_str().unwrap()]).await?;
+    node.wait_unhealthy(&gpu(1)).await?;
+
+    let healthy = support::record_health(&node.kubelet, &gpu(1), "Healthy");
+    // The directory replaced by a file: nothing can be read there, which says nothing about the reports.
+    std::fs::rename(&fence, parent.path().join("fence.old"))?;
+    std::fs::write(&fence, "not a directory")?;
+    // Read again every second while it cannot be: three tries, and one warning for them all.
+    let retried = node
+        .plugin
+        .wait_log(WAIT, |log| {
+            log.matches("fence directory read: unreadable").count() >= 3
+        })
+        .await;
+    let log = retried.ok_or_else(|| node.plugin.log())?;
+    let warnings = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("cannot read the fence directory"))
+        .count();
+    assert_eq!(warnings, 1, "{log}");
+    // Long enough for a release to reach the kubelet: a fault on another GPU, handled after it.
+    node.inject(&[format!("xid {} 79", gpu(3))]);
+    node.wait_unhealthy(&gpu(3)).await?;
+    assert!(
+        !healthy.stop(),
+        "GPU 1 was listed Healthy while its fence directory could not be read\n{}",
+        node.plugin.log()
+    );
+    assert_eq!(node.kubelet.list().health(&gpu(1)), Some("Unhealthy"));
+
+    // A new directory in its place is watched: its reports are read, and a report gone releases its fence.
+    std::fs::remove_file(&fence)?;
+    std::fs::create_dir(&fence)?;
+    report(&fence, "gpu2.json", &fence_json(&gpu(2), "NVLink errors"));
+    node.wait_unhealthy(&gpu(2)).await?;
+    node.wait_health(&gpu(1), "Healthy").await?;
+    report(&fence, "gpu0.json", &fence_json(&gpu(0), "thermal"));
+    node.wait_unhealthy(&gpu(0)).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_report_rewritten_in_place_keeps_its_gpu_unhealthy_throughout() -> TestResult {
+    let fence = tempfile::tempdir()?;
+    let file = fence.path().join("gpu1.json");
+    let json = fence_json(&gpu(1), "burn-in failed");
+    std::fs::write(&file, &json)?;
+    let node = NvmlNode::start(None, &["--fence-dir", fence.path().to_str().unwrap()]).await?;
+    node.wait_unhealthy(&gpu(1)).await?;
+    let healthy = support::record_health(&node.kubelet, &gpu(1), "Healthy");
+    // A report of another GPU after each rewrite: once the kubelet sees it, the directory was read with the
+    // report half written.
+    let marker = |n: usize| {
+        let gpu = gpu([2, 3, 0][n]);
+        report(
+            fence.path(),
+            &format!("marker{n}.json"),
+            &fence_json(&gpu, "marker"),
+        );
+        gpu
+    };
+    for (n, partial) in ["", "{\"device\": \"GPU-", "   "].into_iter().enumerate() {
+        // Truncated (and closed, which wakes the plugin), then half written: the state a reader sees
+        // between a detector's truncate and its write.
+        std::fs::write(&file, partial)?;
+        let marked = marker(n);
+        node.wait_unhealthy(&marked).await?;
+        assert_eq!(
+            node.kubelet.list().health(&gpu(1)),
+            Some("Unhealthy"),
+            "after {partial:?}\n{}",
+            node.plugin.log()
+        );
+        std::fs::write(&file, &json)?;
+    }
+    assert!(
+        !healthy.stop(),
+        "GPU 1 was listed Healthy while its report was rewritten\n{}",
+        node.plugin.log()
+    );
+    std::fs::remove_file(&file)?;
+    node.wait_health(&gpu(1), "Healthy").await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_bad_report_rewritten_thousands_of_times_is_warned_about_a_bounded_number_of_times()
+-> TestResult {
+    let fence = tempfile::tempdir()?;
+    let node = NvmlNode::start(None, &["--fence-dir", fence.path().to_str().unwrap()]).await?;
+    let reads_before = node.plugin.log().matches("fence directory read").count();
+    let started = std::time::Instant::now();
+    let file = fence.path().join("broken.json");
+    for n in 0..2000 {
+        std::fs::write(&file, format!("{{not json {n}"))?;
+    }
+    // The last change is never missed, however fast the ones before it came.
+    std::fs::write(&file, fence_json(&gpu(1), "burn-in failed"))?;
+    node.wait_unhealthy(&gpu(1)).await?;
+    let elapsed = started.elapsed();
+    let log = node.plugin.log();
+    let warnings = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("broken.json"))
+        .count();
+    assert!(warnings <= 2, "{warnings} warnings\n{log}");
+    // Ten readings a second at most, and one that may have begun since.
+    let reads = log.matches("fence directory read").count() - reads_before;
+    let most = (elapsed.as_secs_f64() * 10.0).ceil() as usize + 2;
+    assert!(
+        reads <= most,
+        "{reads} readings in {elapsed:?} for 2001 writes (at most {most})"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_fence_directory_removed_and_made_again_at_once_is_watched_again() -> TestResult {
+    let parent = tempfile::tempdir()?;
+    let fence = parent.path().join("fence");
+    std::fs::create_dir(&fence)?;
+    let node = NvmlNode::start(None, &["--fence-dir", fence.to_str().unwrap()]).await?;
+    report(&fence, "gpu1.json", &fence_json(&gpu(1), "burn-in failed"));
+    node.wait_unhealthy(&gpu(1)).await?;
+    std::fs::remove_file(fence.join("gpu1.json"))?;
+    node.wait_health(&gpu(1), "Healthy").await?;
+    let reads = node.plugin.log().matches("fence directory read").count();
+    let inode = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&fence)?);
+    // Removed and made again before the plugin looks: ext4 and tmpfs hand the same inode number out again,
+    // yet the kernel has dropped the watch on the one removed.
+    std::fs::remove_dir(&fence)?;
+    std::fs::create_dir(&fence)?;
+    let again = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&fence)?);
+    // The removal wakes the plugin, which reads the new, empty directory; only a report written after that
+    // reading shows whether the new directory is watched.
+    let read = node
+        .plugin
+        .wait_log(WAIT, |log| {
+            log.matches("fence directory read").count() > reads
+        })
+        .await;
+    assert!(read.is_some(), "{}", node.plugin.log());
+    report(&fence, "gpu2.json", &fence_json(&gpu(2), "NVLink errors"));
+    node.wait_unhealthy(&gpu(2))
+        .await
+        .map_err(|e| format!("{e}\n(inode {inode}, then {again})"))?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn twenty_thousand_reports_cost_bounded_memory_and_log_lines_and_do_not_hold_up_faults()
+-> TestResult {
+    let fence = tempfile::tempdir()?;
+    for n in 0..20_000 {
+        let json = format!(r#"{{"device": "GPU-elsewhere-{n}", "reason": "not here"}}"#);
+        std::fs::write(fence.path().join(format!("r{n:05}.json")), json)?;
+    }
+    // First by name, so within any cap on how many reports are read.
+    std::fs::write(
+        fence.path().join("a.json"),
+        fence_json(&gpu(1), "burn-in failed"),
+    )?;
+    let node = NvmlNode::start(None, &["--fence-dir", fence.path().to_str().unwrap()]).await?;
+    node.wait_unhealthy(&gpu(1)).await?;
+    node.inject(&[format!("xid {} 79", gpu(3))]);
+    node.wait_unhealthy(&gpu(3)).await?;
+    // Read again after its first reading has been dealt with in full.
+    std::fs::remove_file(fence.path().join("a.json"))?;
+    node.wait_health(&gpu(1), "Healthy").await?;
+    let log = node.plugin.log();
+    let warnings = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("fence"))
+        .count();
+    assert!(warnings <= 30, "{warnings} warnings");
+    assert!(
+        log.contains("not read"),
+        "the reports past the cap are said to be unread\n{log}"
+    );
+    let pid = node.plugin.child.id().ok_or("plugin exited")?;
+    let peak = support::peak_rss_kib(pid).ok_or("no VmHWM")?;
+    assert!(peak < 64 * 1024, "peak RSS {peak} KiB");
+    Ok(())
+}
+
+#[tokio::test]
+async fn reports_and_file_names_cannot_forge_log_lines_or_reach_a_terminal_raw() -> TestResult {
+    let fence = tempfile::tempdir()?;
+    let node = NvmlNode::start(None, &["--fence-dir", fence.path().to_str().unwrap()]).await?;
+    let forged = "1999-01-01T00:00:00.000000Z  INFO forged";
+    let json = format!(
+        r#"{{"device": "{}", "reason": "thermal\n{forged}", "by": "det\u001b[2Jector"}}"#,
+        gpu(1)
+    );
+    report(fence.path(), "gpu1.json", &json);
+    std::fs::write(
+        fence.path().join(format!("evil\n{forged}.json")),
+        fence_json(&gpu(2), "named badly"),
+    )?;
+    std::fs::write(
+        fence.path().join("unknown.json"),
+        format!(r#"{{"device": "GPU-\u001b[2J\n{forged}", "reason": "x"}}"#),
+    )?;
+    node.wait_unhealthy(&gpu(1)).await?;
+    let warned = node
+        .plugin
+        .wait_log(WAIT, |log| {
+            log.contains("evil\\n") && log.contains("unknown.json")
+        })
+        .await;
+    assert!(warned.is_some(), "{}", node.plugin.log());
+    let log = node.plugin.log();
+    assert!(
+        !log.lines().any(|l| l.starts_with("1999-01-01")),
+        "a forged line\n{log}"
+    );
+    assert!(!log.contains('\u{1b}'), "an escape reached the log\n{log}");
+    let refusal = node.refusal(&gpu(1)).await?;
+    assert!(
+        refusal.message().contains("thermal\\n1999") && !refusal.message().contains('\u{1b}'),
+        "{}",
+        refusal.message()
+    );
+    assert_eq!(
+        node.kubelet.list().health(&gpu(2)),
+        Some("Healthy"),
+        "a report whose name holds a newline is not applied"
+    );
+    Ok(())
+}

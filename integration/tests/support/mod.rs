@@ -311,6 +311,26 @@ pub fn fake_nvml_lib() -> PathBuf {
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
             let mut build = std::process::Command::new(cargo);
             build.args(["build", "--quiet", "-p", "fake-nvml"]);
+            // Cargo gives the test process its package's variables (CARGO_MANIFEST_DIR, CARGO_PKG_NAME, ...),
+            // and ring's build script asks to be rerun when they change: passed on, they made this build
+            // and the next `cargo test` each rebuild ring, kube and the plugin, on every run.
+            for (name, _) in std::env::vars_os() {
+                let name = name.to_string_lossy();
+                if name.starts_with("CARGO_PKG_")
+                    || name.starts_with("CARGO_BIN_")
+                    || [
+                        "CARGO_MANIFEST_DIR",
+                        "CARGO_MANIFEST_PATH",
+                        "CARGO_CRATE_NAME",
+                        "CARGO_PRIMARY_PACKAGE",
+                        "CARGO_TARGET_TMPDIR",
+                        "OUT_DIR",
+                    ]
+                    .contains(&name.as_ref())
+                {
+                    build.env_remove(name.as_ref());
+                }
+            }
             if profile_dir.ends_with("release") {
                 build.arg("--release");
             }
@@ -578,4 +598,50 @@ impl NvmlNode {
             .ok_or_else(|| format!("the marker XIDs were never recorded\n{}", self.plugin.log()))?;
         Ok(())
     }
+}
+
+/// CPU time a process has used so far, in clock ticks (user plus system, from `/proc/<pid>/stat`; 100 a
+/// second on Linux).
+pub fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name, in parentheses, may hold spaces: the fields are counted after its closing one.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// Whether the kubelet's list showed device `id` with a given health while it was being recorded (see
+/// [`record_health`]).
+pub struct HealthRecord {
+    seen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: JoinHandle<()>,
+}
+
+impl HealthRecord {
+    /// Stops recording; whether the health was seen.
+    pub fn stop(self) -> bool {
+        self.task.abort();
+        self.seen.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Records from now on whether any list the kubelet gets shows device `id` with `health` (each list the fake
+/// kubelet publishes is looked at, as the kubelet's own watch would see it).
+pub fn record_health(kubelet: &fake_kubelet::FakeKubelet, id: &str, health: &str) -> HealthRecord {
+    let seen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut lists = kubelet.watch_list();
+    let (id, health, flag) = (id.to_string(), health.to_string(), seen.clone());
+    let task = tokio::spawn(async move {
+        loop {
+            if lists.borrow_and_update().health(&id) == Some(health.as_str()) {
+                flag.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            if lists.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    HealthRecord { seen, task }
 }
