@@ -346,3 +346,21 @@ async fn metrics_parse_and_count_faults_transitions_and_kubelet_calls() -> TestR
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn the_soft_open_file_limit_is_raised_to_the_hard_one_at_start() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let plugin = PluginProcess::spawn_with_nofile(dir.path(), &["--simulate", "1"], &[], 64, None);
+    plugin
+        .wait_log(WAIT, |l| l.contains("control socket for fence and release"))
+        .await
+        .ok_or_else(|| format!("the plugin did not start\n{}", plugin.log()))?;
+    let (soft, hard) = plugin.open_files_limit().ok_or("no /proc limits")?;
+    assert!(
+        hard > 64,
+        "the test needs a hard limit above 64, not {hard}"
+    );
+    assert_eq!(soft, hard, "{}", plugin.log());
+    assert!(plugin.log().contains("soft_was=64"), "{}", plugin.log());
+    Ok(())
+}
