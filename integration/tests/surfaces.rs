@@ -497,3 +497,68 @@ async fn a_kubelet_restart_and_an_xid_get_through_while_more_http_connections_th
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn when_a_second_instance_on_the_state_directory_exits_fence_reaches_the_first() -> TestResult
+{
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let state_arg = state.to_string_lossy().into_owned();
+    let args = ["--simulate", "2", "--state-dir", state_arg.as_str()];
+    let (kubelet1, kubelet2) = (dir.path().join("kubelet-1"), dir.path().join("kubelet-2"));
+    std::fs::create_dir(&kubelet1)?;
+    std::fs::create_dir(&kubelet2)?;
+    let first = PluginProcess::spawn(&kubelet1, &args);
+    first
+        .wait_log(WAIT, |l| l.contains("control socket for fence and release"))
+        .await
+        .ok_or_else(|| {
+            format!(
+                "the first did not serve its control socket\n{}",
+                first.log()
+            )
+        })?;
+    // The second instance (a rolling update's new pod) replaces the socket, then exits and removes it.
+    let mut second = PluginProcess::spawn(&kubelet2, &args);
+    second
+        .wait_log(WAIT, |l| l.contains("control socket for fence and release"))
+        .await
+        .ok_or_else(|| {
+            format!(
+                "the second did not serve its control socket\n{}",
+                second.log()
+            )
+        })?;
+    second.signal(nix::sys::signal::Signal::SIGTERM);
+    second
+        .wait_exit(WAIT)
+        .await
+        .ok_or("the second did not stop")?;
+
+    first
+        .wait_log(WAIT, |l| l.contains("bound it again"))
+        .await
+        .ok_or_else(|| {
+            format!(
+                "the first never bound its control socket again\n{}",
+                first.log()
+            )
+        })?;
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+        .args(["fence", &gpu(1), "--reason", "reseated", "--state-dir"])
+        .arg(&state)
+        .env_remove("RUST_LOG")
+        .output()
+        .await?;
+    let (out, err) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(output.status.success(), "{out}{err}");
+    assert_eq!(out.trim(), format!("fenced {}: Unhealthy", gpu(1)));
+    first
+        .wait_log(WAIT, |l| l.contains("fenced by an operator"))
+        .await
+        .ok_or("the fence did not reach the first instance")?;
+    Ok(())
+}
