@@ -5,24 +5,32 @@
 //! HTTP/1.1 over the Unix socket: `POST /fence` and `POST /release` with a JSON [`ControlRequest`]; the
 //! answer is a JSON [`ControlAnswer`] with a status code that says what happened (200 done, 400 a bad
 //! request, 404 no such device, 409 no such condition on it, 503 the plugin is stopping). Who asked is taken
-//! from the socket's peer credentials and recorded with the fence.
+//! from the socket's peer credentials and recorded with the fence; the reason and the user name are made
+//! printable as they come in, so that a newline in them cannot forge a log line.
+//!
+//! Like the HTTP port, a side surface: a few connections at once, each bounded in time and buffer (see
+//! [`bounds`]), served apart from the fault path. The socket is bound again when it disappears while this
+//! instance runs (the other instance of a rolling update that had replaced it exits and removes it), so
+//! that `fence` always reaches a running plugin.
 
-use std::convert::Infallible;
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use notify::{Event, RecommendedWatcher, RecursiveMode, Watcher as _};
 use serde::{Deserialize, Serialize};
 use tokio::net::UnixStream;
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::health::ConditionSelector;
 use crate::health::monitor::{Operated, OperatorError, OperatorRequest, StatusQueries};
+use crate::http::bounded::{self, Bounds, Gate};
 use crate::kubelet::KubeletError;
 use crate::kubelet::socket::PluginSocket;
 
@@ -34,6 +42,41 @@ const MAX_REQUEST_BYTES: usize = 64 * 1024;
 
 /// The longest reason or user name kept.
 const MAX_TEXT_BYTES: usize = 512;
+
+/// The most control connections served at once (fewer under a small open-file limit): an operator runs one
+/// command at a time; a script fencing several GPUs a few.
+pub const MAX_CONNECTIONS: usize = 8;
+
+/// How long a control client has to send its request's headers; the command line sends them at once.
+const HEADER_READ: Duration = Duration::from_secs(5);
+
+/// The longest a control connection is served: a fence waits for the monitor, and the command line gives up
+/// after 10 s.
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(15);
+
+/// Each control connection's buffer: the request body (at most [`MAX_REQUEST_BYTES`]) streams through it.
+const MAX_BUF: usize = 8 * 1024;
+
+/// How often the socket is looked at without an event: for a watch that could not be set up (inotify
+/// instances run out on busy nodes), and for another instance's socket left by a process that was killed
+/// (nothing removes the file, so no event comes). One `stat` while ours is in place.
+const RECHECK: Duration = Duration::from_secs(30);
+
+/// How long a connect to another instance's socket may take to tell whether it is alive.
+const PROBE: Duration = Duration::from_secs(1);
+
+/// The control socket's bounds under the open-file limit now.
+pub fn bounds() -> Bounds {
+    Bounds {
+        max_connections: crate::limits::connection_cap(
+            MAX_CONNECTIONS,
+            crate::limits::open_files_now(),
+        ),
+        header_read: HEADER_READ,
+        lifetime: CONNECTION_LIFETIME,
+        max_buf: MAX_BUF,
+    }
+}
 
 /// What the command line asks.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,7 +106,9 @@ pub struct ControlAnswer {
 }
 
 /// Serves the control socket in `state_dir` until `shutdown`. A socket left by another instance (the other
-/// pod of a rolling update shares the state directory) is replaced: the newest instance answers.
+/// pod of a rolling update shares the state directory) is replaced: the newest instance answers. When the
+/// socket at the path disappears, or is one that nothing answers on, it is bound again; while another live
+/// instance's is there, it is left alone.
 pub fn spawn(
     state_dir: &Path,
     queries: StatusQueries,
@@ -71,37 +116,157 @@ pub fn spawn(
 ) -> Result<PathBuf, KubeletError> {
     let path = state_dir.join(SOCKET_NAME);
     let (conn_tx, mut conn_rx) = mpsc::channel::<UnixStream>(16);
-    let socket = PluginSocket::bind(&path, conn_tx)?;
-    tracing::info!(socket = %path.display(), "control socket for fence and release");
+    let mut socket = PluginSocket::bind(&path, conn_tx.clone())?;
+    let bounds = bounds();
+    tracing::info!(
+        socket = %path.display(),
+        max_connections = bounds.max_connections,
+        "control socket for fence and release"
+    );
+    let watch = match SocketWatch::start(state_dir) {
+        Ok(watch) => Some(watch),
+        Err(e) => {
+            tracing::warn!(dir = %state_dir.display(), error = %e, recheck_s = RECHECK.as_secs(), "cannot watch the state directory: a control socket removed by another instance is bound again only at the next check");
+            None
+        }
+    };
+    let gate = Gate::new("control socket", bounds.max_connections);
+    let returned = path.clone();
     tokio::spawn(async move {
+        let mut recheck = tokio::time::interval_at(tokio::time::Instant::now() + RECHECK, RECHECK);
+        recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let stream = tokio::select! {
+            tokio::select! {
                 () = shutdown.cancelled() => break,
                 stream = conn_rx.recv() => match stream {
-                    Some(stream) => stream,
+                    Some(stream) => match gate.admit() {
+                        Some(place) => {
+                            tokio::spawn(serve_connection(stream, queries.clone(), bounds, place));
+                        }
+                        None => drop(stream),
+                    },
                     None => break,
                 },
-            };
-            let queries = queries.clone();
-            tokio::spawn(serve_connection(stream, queries));
+                () = woken(watch.as_ref()) => socket = keep_bound(socket, &path, &conn_tx).await,
+                _ = recheck.tick() => socket = keep_bound(socket, &path, &conn_tx).await,
+            }
         }
         socket.remove();
     });
-    Ok(path)
+    Ok(returned)
 }
 
-async fn serve_connection(stream: UnixStream, queries: StatusQueries) {
+/// Waits for the watch's next wake-up; for ever without a watch.
+async fn woken(watch: Option<&SocketWatch>) {
+    match watch {
+        Some(watch) => watch.wake.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// `socket` if it is still at `path` or another live instance's is; otherwise a socket bound there anew
+/// (sending its connections where the first one did).
+async fn keep_bound(
+    socket: PluginSocket,
+    path: &Path,
+    conns: &mpsc::Sender<UnixStream>,
+) -> PluginSocket {
+    if socket.is_in_place() {
+        return socket;
+    }
+    let why = match probe(path).await {
+        Probe::Live => {
+            tracing::debug!(socket = %path.display(), "another instance answers on the control socket; leaving it to that one");
+            return socket;
+        }
+        Probe::Absent => {
+            "the control socket was removed (the instance that had replaced it is gone)"
+        }
+        Probe::Dead => "nothing answers on the control socket (left by an instance that is gone)",
+    };
+    match PluginSocket::bind(path, conns.clone()) {
+        Ok(bound) => {
+            tracing::info!(socket = %path.display(), "{why}: bound it again");
+            bound
+        }
+        Err(e) => {
+            tracing::warn!(socket = %path.display(), error = %e, "{why}, and it cannot be bound again: fence and release cannot reach this plugin");
+            socket
+        }
+    }
+}
+
+/// What is at the control socket's path, when it is not our own socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probe {
+    /// Something accepts connections there (or is too busy to: alive all the same), or we may not tell.
+    Live,
+    /// No file.
+    Absent,
+    /// A file that refuses connections: a socket whose process is gone, or not a socket.
+    Dead,
+}
+
+/// Connects to the socket at `path` to tell whether a process serves it.
+async fn probe(path: &Path) -> Probe {
+    match tokio::time::timeout(PROBE, UnixStream::connect(path)).await {
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => Probe::Absent,
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Probe::Dead,
+        Ok(_) | Err(_) => Probe::Live,
+    }
+}
+
+/// An inotify watch of the state directory for changes to the control socket's name alone (the checkpoint
+/// is written in the same directory, every health change).
+struct SocketWatch {
+    _watcher: RecommendedWatcher,
+    wake: Arc<Notify>,
+}
+
+impl SocketWatch {
+    fn start(state_dir: &Path) -> notify::Result<Self> {
+        let wake = Arc::new(Notify::new());
+        let notify = wake.clone();
+        let mut watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
+            let relevant = match event {
+                Ok(event) => {
+                    event.need_rescan()
+                        || event
+                            .paths
+                            .iter()
+                            .any(|p| p.file_name() == Some(OsStr::new(SOCKET_NAME)))
+                }
+                // Queue overflow or a watch error: something may have been missed, so look again.
+                Err(_) => true,
+            };
+            if relevant {
+                notify.notify_one();
+            }
+        })?;
+        watcher.watch(state_dir, RecursiveMode::NonRecursive)?;
+        Ok(SocketWatch {
+            _watcher: watcher,
+            wake,
+        })
+    }
+}
+
+async fn serve_connection(
+    stream: UnixStream,
+    queries: StatusQueries,
+    bounds: Bounds,
+    place: bounded::Place,
+) {
     let peer = stream
         .peer_cred()
         .map(|c| (c.uid(), c.pid()))
         .unwrap_or((u32::MAX, None));
-    let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+    let service = move |request: Request<Incoming>| {
         let queries = queries.clone();
-        async move { Ok::<_, Infallible>(answer(&queries, request, peer).await) }
-    });
-    let _closed = hyper::server::conn::http1::Builder::new()
-        .serve_connection(TokioIo::new(stream), service)
-        .await;
+        async move { answer(&queries, request, peer).await }
+    };
+    bounded::serve_connection(stream, service, &bounds).await;
+    drop(place);
 }
 
 async fn answer(
@@ -137,40 +302,11 @@ async fn answer(
             );
         }
     };
-    let text = |t: &Option<String>| {
-        t.as_deref()
-            .map(|t| crate::text::cut_bytes(t.trim(), MAX_TEXT_BYTES))
+    let (device, operator_request) = match operator_request(&asked, fence, peer) {
+        Ok(request) => request,
+        Err(e) => return reply(StatusCode::BAD_REQUEST, Vec::new(), &e),
     };
-    let (uid, pid) = peer;
-    let who = match text(&asked.user) {
-        Some(user) if !user.is_empty() => format!("{user} (uid {uid})"),
-        _ => format!("uid {uid}"),
-    };
-    let by = match pid {
-        Some(pid) => format!("{who} via the control socket, pid {pid}"),
-        None => format!("{who} via the control socket"),
-    };
-    let reason = text(&asked.reason).unwrap_or_default();
-    let operator_request = if fence {
-        if reason.is_empty() {
-            return reply(
-                StatusCode::BAD_REQUEST,
-                Vec::new(),
-                "a fence needs a reason (--reason)",
-            );
-        }
-        OperatorRequest::Fence { reason, by }
-    } else {
-        let which = match asked.condition.as_deref() {
-            None => ConditionSelector::fenced(),
-            Some(name) => match ConditionSelector::parse(name.trim()) {
-                Ok(which) => which,
-                Err(e) => return reply(StatusCode::BAD_REQUEST, Vec::new(), &e),
-            },
-        };
-        OperatorRequest::Release { which, reason, by }
-    };
-    match queries.operate(asked.device.trim(), operator_request).await {
+    match queries.operate(&device, operator_request).await {
         Ok(devices) => reply(StatusCode::OK, devices, ""),
         Err(e) => {
             let status = match e {
@@ -181,6 +317,39 @@ async fn answer(
             reply(status, Vec::new(), &e.to_string())
         }
     }
+}
+
+/// The device and what the monitor is asked, from a request and the peer's `(uid, pid)`; or why the request
+/// is refused. Outside text (device, reason, user) is made printable here, at entry: the monitor logs it.
+fn operator_request(
+    asked: &ControlRequest,
+    fence: bool,
+    peer: (u32, Option<i32>),
+) -> Result<(String, OperatorRequest), String> {
+    let text = |t: &str| crate::text::cut_bytes(&crate::text::printable(t.trim()), MAX_TEXT_BYTES);
+    let (uid, pid) = peer;
+    let who = match asked.user.as_deref().map(text) {
+        Some(user) if !user.is_empty() => format!("{user} (uid {uid})"),
+        _ => format!("uid {uid}"),
+    };
+    let by = match pid {
+        Some(pid) => format!("{who} via the control socket, pid {pid}"),
+        None => format!("{who} via the control socket"),
+    };
+    let reason = asked.reason.as_deref().map(text).unwrap_or_default();
+    let request = if fence {
+        if reason.is_empty() {
+            return Err("a fence needs a reason (--reason)".into());
+        }
+        OperatorRequest::Fence { reason, by }
+    } else {
+        let which = match asked.condition.as_deref() {
+            None => ConditionSelector::fenced(),
+            Some(name) => ConditionSelector::parse(name.trim())?,
+        };
+        OperatorRequest::Release { which, reason, by }
+    };
+    Ok((text(&asked.device), request))
 }
 
 fn reply(status: StatusCode, devices: Vec<Operated>, error: &str) -> Response<Full<Bytes>> {
@@ -286,5 +455,53 @@ async fn exchange(
         Some(error) => Err(ControlError::Refused(error)),
         None if status.is_success() => Ok(answer.devices),
         None => Err(ControlError::Refused(status.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_newline_in_a_reason_or_user_cannot_forge_a_log_line() -> Result<(), String> {
+        let asked = ControlRequest {
+            device: "GPU-1".into(),
+            reason: Some("burn-in\n2026-11-26T00:00:00Z  INFO released by an operator".into()),
+            user: Some("eve\r\u{1b}[2K".into()),
+            ..Default::default()
+        };
+        let (device, request) = operator_request(&asked, true, (1000, Some(42)))?;
+        assert_eq!(device, "GPU-1");
+        let OperatorRequest::Fence { reason, by } = request else {
+            return Err(format!("not a fence: {request:?}"));
+        };
+        assert_eq!(
+            reason,
+            "burn-in\\n2026-11-26T00:00:00Z  INFO released by an operator"
+        );
+        assert_eq!(
+            by,
+            "eve\\r\\u{1b}[2K (uid 1000) via the control socket, pid 42"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_reason_made_printable_is_still_cut_to_its_limit() -> Result<(), String> {
+        let asked = ControlRequest {
+            device: "GPU-1".into(),
+            reason: Some("x\n".repeat(MAX_TEXT_BYTES)),
+            ..Default::default()
+        };
+        let (_, request) = operator_request(&asked, false, (0, None))?;
+        let OperatorRequest::Release { reason, by, .. } = request else {
+            return Err(format!("not a release: {request:?}"));
+        };
+        assert!(
+            reason.len() <= MAX_TEXT_BYTES && reason.starts_with("x\\nx\\n"),
+            "{reason}"
+        );
+        assert_eq!(by, "uid 0 via the control socket");
+        Ok(())
     }
 }

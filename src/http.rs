@@ -4,8 +4,13 @@
 //! link's watch, and are never in the kubelet's path: a slow or failing HTTP client cannot delay a fault.
 //!
 //! Also the client side, for `gpu-device-plugin status`.
+//!
+//! Manifests bind it on every address of the pod, so anyone who reaches the node may connect: connections
+//! are bounded in number, time and buffer size ([`bounded`], [`bounds`]), and a flood costs the HTTP port
+//! alone.
 
-use std::convert::Infallible;
+pub mod bounded;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,6 +36,36 @@ pub const DEFAULT_ADDR: &str = "127.0.0.1:9412";
 
 /// How long the monitor has to answer before `/healthz` says it is stuck.
 const MONITOR_ANSWER: Duration = Duration::from_secs(2);
+
+/// The most HTTP connections served at once (fewer under a small open-file limit: see
+/// [`crate::limits::connection_cap`]). The kubelet's probes, a Prometheus scrape and an operator's `status`
+/// need a handful; a client past the cap is closed at once.
+pub const MAX_CONNECTIONS: usize = 128;
+
+/// How long an HTTP client has to send its request's headers (and how long a kept-alive connection may sit
+/// idle): the kubelet's probes and Prometheus send theirs at once.
+pub const HEADER_READ: Duration = Duration::from_secs(5);
+
+/// The longest an HTTP connection is served: longer than any answer takes to write, short enough that a
+/// client cannot keep its place.
+pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
+
+/// Each HTTP connection's read and write buffer, the least hyper allows: requests are a GET line and a few
+/// headers.
+pub const MAX_BUF: usize = 8 * 1024;
+
+/// The HTTP port's bounds under the open-file limit now.
+pub fn bounds() -> bounded::Bounds {
+    bounded::Bounds {
+        max_connections: crate::limits::connection_cap(
+            MAX_CONNECTIONS,
+            crate::limits::open_files_now(),
+        ),
+        header_read: HEADER_READ,
+        lifetime: CONNECTION_LIFETIME,
+        max_buf: MAX_BUF,
+    }
+}
 
 /// How long to wait before trying the address again when it is taken (during a rolling update with the host
 /// network, the old instance holds it until it exits).
@@ -92,11 +127,17 @@ pub fn spawn(addr: SocketAddr, context: Context, shutdown: CancellationToken) {
     });
 }
 
-/// Serves the HTTP surfaces on an already bound listener until `shutdown`.
+/// Serves the HTTP surfaces on an already bound listener until `shutdown`, within [`bounds`].
 pub async fn serve(listener: TcpListener, context: Arc<Context>, shutdown: CancellationToken) {
+    let bounds = bounds();
     if let Ok(local) = listener.local_addr() {
-        tracing::info!(addr = %local, "serving HTTP: /healthz /readyz /status /metrics");
+        tracing::info!(
+            addr = %local,
+            max_connections = bounds.max_connections,
+            "serving HTTP: /healthz /readyz /status /metrics"
+        );
     }
+    let gate = bounded::Gate::new("HTTP", bounds.max_connections);
     loop {
         let stream = tokio::select! {
             () = shutdown.cancelled() => return,
@@ -109,15 +150,24 @@ pub async fn serve(listener: TcpListener, context: Arc<Context>, shutdown: Cance
                 }
             },
         };
+        let Some(place) = gate.admit() else {
+            context.metrics.http_connection_refused();
+            // A reset rather than a close: the client learns at once, and the kernel keeps no state for a
+            // connection the flood will never close.
+            let _reset = stream.set_zero_linger();
+            drop(stream);
+            continue;
+        };
         let context = context.clone();
+        let connections = gate.clone();
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+            let service = move |request: Request<Incoming>| {
                 let context = context.clone();
-                async move { Ok::<_, Infallible>(route(&context, &request).await) }
-            });
-            let _closed = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+                let connections = connections.clone();
+                async move { route(&context, &connections, &request).await }
+            };
+            bounded::serve_connection(stream, service, &bounds).await;
+            drop(place);
         });
     }
 }
@@ -151,7 +201,11 @@ fn event_threads(heartbeat: &Heartbeat, stuck_after: Duration) -> Option<String>
     })
 }
 
-async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Bytes>> {
+async fn route<B>(
+    context: &Context,
+    connections: &bounded::Gate,
+    request: &Request<B>,
+) -> Response<Full<Bytes>> {
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into());
     }
@@ -216,11 +270,14 @@ async fn route<B>(context: &Context, request: &Request<B>) -> Response<Full<Byte
             ),
         },
         "/metrics" => match report(context).await {
-            Some(report) => respond(
-                StatusCode::OK,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                context.metrics.render(&report),
-            ),
+            Some(report) => {
+                context.metrics.http_connections_open(connections.open());
+                respond(
+                    StatusCode::OK,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    context.metrics.render(&report),
+                )
+            }
             None => text(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the health monitor did not answer\n".into(),

@@ -13,6 +13,7 @@
 //! - [`http`]: the HTTP surfaces: `/healthz`, `/readyz`, `/status`, `/metrics`.
 //! - [`metrics`]: the Prometheus metrics, recorded through plain methods.
 //! - [`runtime`]: a thread and runtime of their own, for work kept off the kubelet's path.
+//! - [`limits`]: the open-file limit, raised at start and shared between the fault path and the side surfaces.
 //! - [`pods`]: which pods hold which devices, from the kubelet's pod-resources API.
 
 pub mod allocation;
@@ -26,6 +27,7 @@ pub mod fence_dir;
 pub mod health;
 pub mod http;
 pub mod kubelet;
+pub mod limits;
 pub mod metrics;
 pub mod naming;
 pub mod nvml;

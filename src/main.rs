@@ -44,6 +44,7 @@ fn main() -> ExitCode {
         }
     };
     init_logging(settings.log_format);
+    gpu_device_plugin::limits::raise_open_files_at_start();
     gpu_device_plugin::runtime::exit_on_panic();
     for warning in &settings.warnings {
         tracing::warn!("{warning}");

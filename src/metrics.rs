@@ -71,6 +71,8 @@ pub struct Metrics {
     published: Histogram,
     api_requests: Family<ApiLabels, Counter>,
     events_dropped: Counter,
+    http_open: Gauge,
+    http_refused: Counter,
 }
 
 impl Default for Metrics {
@@ -162,6 +164,18 @@ impl Metrics {
             "Kubernetes Events not sent because they were over the Event budget",
             events_dropped.clone(),
         );
+        let http_open = Gauge::default();
+        registry.register(
+            "http_connections_open",
+            "HTTP connections being served now (this scrape's included)",
+            http_open.clone(),
+        );
+        let http_refused = Counter::default();
+        registry.register(
+            "http_connections_refused",
+            "HTTP connections closed as soon as accepted because every place was taken",
+            http_refused.clone(),
+        );
         let build = Info::new(BuildLabels {
             version: env!("CARGO_PKG_VERSION").into(),
         });
@@ -181,6 +195,8 @@ impl Metrics {
             published,
             api_requests,
             events_dropped,
+            http_open,
+            http_refused,
         }
     }
 
@@ -254,6 +270,16 @@ impl Metrics {
     /// Kubernetes Events dropped so far.
     pub fn events_dropped(&self) -> u64 {
         self.events_dropped.get()
+    }
+
+    /// An HTTP connection was closed as soon as accepted: every place was taken.
+    pub fn http_connection_refused(&self) {
+        self.http_refused.inc();
+    }
+
+    /// `open` HTTP connections are being served (set when a scrape comes).
+    pub fn http_connections_open(&self, open: usize) {
+        self.http_open.set(i64::try_from(open).unwrap_or(i64::MAX));
     }
 
     /// The metrics in the OpenMetrics text format, with per-device state from `report`.

@@ -346,3 +346,219 @@ async fn metrics_parse_and_count_faults_transitions_and_kubelet_calls() -> TestR
     );
     Ok(())
 }
+
+/// Waits until at least `count` of `streams` have been closed by the server (a read ends: EOF or reset;
+/// none of them was answered, so a read that ends is a close); how many were, or `None` past `timeout`.
+async fn closed_by_server(
+    streams: &mut [tokio::net::TcpStream],
+    count: usize,
+    timeout: std::time::Duration,
+) -> Option<usize> {
+    use futures_util::StreamExt as _;
+    use tokio::io::AsyncReadExt as _;
+    let mut reads: futures_util::stream::FuturesUnordered<_> = streams
+        .iter_mut()
+        .map(|s| async move {
+            let mut byte = [0u8; 1];
+            s.read(&mut byte).await
+        })
+        .collect();
+    let counted = async {
+        let mut closed = 0;
+        while closed < count {
+            let _closed = reads.next().await?;
+            closed += 1;
+        }
+        Some(closed)
+    };
+    tokio::time::timeout(timeout, counted).await.ok()?
+}
+
+/// Scrapes until `/metrics` says no HTTP connection is open but the scrape itself (the plugin has seen
+/// every client close); the scrape then.
+async fn scrape_when_alone(addr: &str) -> Option<prometheus_parse::Scrape> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let (_, scraped) = scrape(addr).await;
+        if sample(&scraped, "gpu_device_plugin_http_connections_open", &[]) == Some(1.0) {
+            return Some(scraped);
+        }
+        if tokio::time::Instant::now() > deadline {
+            return None;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_flood_of_half_open_http_connections_is_capped_and_its_memory_handed_back() -> TestResult
+{
+    support::raise_own_open_files();
+    let dir = tempfile::tempdir()?;
+    let kubelet = FakeKubelet::start(dir.path()).await?;
+    let plugin = PluginProcess::spawn(dir.path(), &["--simulate", "4"]);
+    kubelet.wait_registrations(1, WAIT).await?;
+    let addr = plugin.http_addr().await.ok_or("no HTTP address")?;
+    let pid = plugin.child.id().ok_or("the plugin exited")?;
+    // Every path a scrape and a report take, once, so that what follows measures the connections alone.
+    let _ = scrape(&addr).await;
+    let _ = get(&addr, "/status").await;
+    let before = support::rss_kib(pid).ok_or("no VmRSS")?;
+
+    const FLOOD: usize = 2000;
+    let cap = http::MAX_CONNECTIONS;
+    let started = std::time::Instant::now();
+    let (mut held, reset) = support::half_open_http(&addr, FLOOD).await;
+    let closed = closed_by_server(&mut held, (FLOOD - cap).saturating_sub(reset), WAIT).await;
+    let took = started.elapsed();
+    let during = support::rss_kib(pid).ok_or("no VmRSS")?;
+    let fds = plugin.open_files().unwrap_or_default();
+    println!(
+        "{FLOOD} half-open connections in {took:?}: VmRSS {before} KiB before, {during} KiB during; {fds} descriptors"
+    );
+    assert!(
+        closed.is_some(),
+        "connections past the cap of {cap} must be closed at once\n{}",
+        plugin.log()
+    );
+    assert!(fds < cap + 64, "{fds} descriptors held");
+    assert!(
+        during < before + 8 * 1024,
+        "{FLOOD} half-open connections took {} KiB",
+        during - before
+    );
+
+    drop(held);
+    let scraped = scrape_when_alone(&addr)
+        .await
+        .ok_or("the plugin never saw the clients close")?;
+    let after = support::rss_kib(pid).ok_or("no VmRSS")?;
+    println!("after they closed: VmRSS {after} KiB");
+    let refused =
+        sample(&scraped, "gpu_device_plugin_http_connections_refused", &[]).unwrap_or_default();
+    assert!(refused >= (FLOOD - cap) as f64, "{refused} refused");
+    assert!(
+        after <= before + 1024,
+        "VmRSS {before} KiB before the flood, {after} KiB after it ended"
+    );
+    // And the port serves again.
+    let (status, _) = get(&addr, "/healthz").await;
+    assert_eq!(status, StatusCode::OK);
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_soft_open_file_limit_is_raised_to_the_hard_one_at_start() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let plugin = PluginProcess::spawn_with_nofile(dir.path(), &["--simulate", "1"], &[], 64, None);
+    plugin
+        .wait_log(WAIT, |l| l.contains("control socket for fence and release"))
+        .await
+        .ok_or_else(|| format!("the plugin did not start\n{}", plugin.log()))?;
+    let (soft, hard) = plugin.open_files_limit().ok_or("no /proc limits")?;
+    assert!(
+        hard > 64,
+        "the test needs a hard limit above 64, not {hard}"
+    );
+    assert_eq!(soft, hard, "{}", plugin.log());
+    assert!(plugin.log().contains("soft_was=64"), "{}", plugin.log());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_kubelet_restart_and_an_xid_get_through_while_more_http_connections_than_the_cap_are_held()
+-> TestResult {
+    support::raise_own_open_files();
+    let mut node = support::NvmlNode::start(None, &[]).await?;
+    // A small hard limit, which raising the soft one cannot help: the HTTP cap is an eighth of it.
+    const LIMIT: u64 = 256;
+    node.restart_plugin_with_nofile(LIMIT, LIMIT).await?;
+    assert_eq!(node.plugin.open_files_limit(), Some((LIMIT, LIMIT)));
+    let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
+    let registrations = node.kubelet.registrations().len();
+
+    // More connections than the plugin may hold descriptors, none finishing its headers.
+    let (held, _reset) = support::half_open_http(&addr, 2 * LIMIT as usize).await;
+    node.kubelet
+        .restart_and_wait(WAIT)
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    node.kubelet
+        .wait_list("the list after the kubelet restart", WAIT, |l| {
+            l.registration > registrations && l.messages >= 1
+        })
+        .await?;
+    let gpu1 = support::fake_nvml_gpu(1);
+    node.inject(&[format!("xid {gpu1} 79")]);
+    node.wait_unhealthy(&gpu1).await?;
+    println!(
+        "{} descriptors held with {} half-open connections",
+        node.plugin.open_files().unwrap_or_default(),
+        held.len()
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn when_a_second_instance_on_the_state_directory_exits_fence_reaches_the_first() -> TestResult
+{
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let state_arg = state.to_string_lossy().into_owned();
+    let args = ["--simulate", "2", "--state-dir", state_arg.as_str()];
+    let (kubelet1, kubelet2) = (dir.path().join("kubelet-1"), dir.path().join("kubelet-2"));
+    std::fs::create_dir(&kubelet1)?;
+    std::fs::create_dir(&kubelet2)?;
+    let first = PluginProcess::spawn(&kubelet1, &args);
+    first
+        .wait_log(WAIT, |l| l.contains("control socket for fence and release"))
+        .await
+        .ok_or_else(|| {
+            format!(
+                "the first did not serve its control socket\n{}",
+                first.log()
+            )
+        })?;
+    // The second instance (a rolling update's new pod) replaces the socket, then exits and removes it.
+    let mut second = PluginProcess::spawn(&kubelet2, &args);
+    second
+        .wait_log(WAIT, |l| l.contains("control socket for fence and release"))
+        .await
+        .ok_or_else(|| {
+            format!(
+                "the second did not serve its control socket\n{}",
+                second.log()
+            )
+        })?;
+    second.signal(nix::sys::signal::Signal::SIGTERM);
+    second
+        .wait_exit(WAIT)
+        .await
+        .ok_or("the second did not stop")?;
+
+    first
+        .wait_log(WAIT, |l| l.contains("bound it again"))
+        .await
+        .ok_or_else(|| {
+            format!(
+                "the first never bound its control socket again\n{}",
+                first.log()
+            )
+        })?;
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+        .args(["fence", &gpu(1), "--reason", "reseated", "--state-dir"])
+        .arg(&state)
+        .env_remove("RUST_LOG")
+        .output()
+        .await?;
+    let (out, err) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(output.status.success(), "{out}{err}");
+    assert_eq!(out.trim(), format!("fenced {}: Unhealthy", gpu(1)));
+    first
+        .wait_log(WAIT, |l| l.contains("fenced by an operator"))
+        .await
+        .ok_or("the fence did not reach the first instance")?;
+    Ok(())
+}

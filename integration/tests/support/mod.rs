@@ -645,3 +645,159 @@ pub fn record_health(kubelet: &fake_kubelet::FakeKubelet, id: &str, health: &str
     });
     HealthRecord { seen, task }
 }
+
+impl PluginProcess {
+    /// As [`PluginProcess::spawn_with_env`], under an open-file limit of `soft`, and of `hard` when given:
+    /// a shell sets them with `ulimit` and execs the binary in its place (same PID), as a container runtime
+    /// hands a process its limits. The arguments added are those `spawn_with_env` adds.
+    pub fn spawn_with_nofile(
+        kubelet_dir: &Path,
+        args: &[&str],
+        envs: &[(&str, &OsStr)],
+        soft: u64,
+        hard: Option<u64>,
+    ) -> Self {
+        let state = tempfile::tempdir().expect("temp dir");
+        let log = state.path().join("plugin.log");
+        let log_file = std::fs::File::create(&log).expect("log file");
+        // The soft limit first: the hard one may not go below it.
+        let mut script = format!("ulimit -Sn {soft}");
+        if let Some(hard) = hard {
+            script.push_str(&format!(" && ulimit -Hn {hard}"));
+        }
+        script.push_str(" && exec \"$0\" \"$@\"");
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(script)
+            .arg(env!("CARGO_BIN_EXE_gpu-device-plugin"));
+        command.arg("--kubelet-dir").arg(kubelet_dir);
+        if !args.contains(&"--state-dir") {
+            command.arg("--state-dir").arg(state.path().join("state"));
+        }
+        if !args.contains(&"--http-addr") {
+            command.arg("--http-addr").arg("127.0.0.1:0");
+        }
+        if !args.contains(&"--pod-resources-socket") {
+            command
+                .arg("--pod-resources-socket")
+                .arg(state.path().join("no-pod-resources.sock"));
+        }
+        command
+            .env_remove("KUBECONFIG")
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env_remove("NODE_NAME");
+        let child = command
+            .args(args)
+            .env("RUST_LOG", "debug")
+            .envs(envs.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log_file))
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn gpu-device-plugin under sh");
+        PluginProcess {
+            child,
+            log,
+            _state: state,
+        }
+    }
+
+    /// The process's soft and hard open-file limits, from `/proc/<pid>/limits`.
+    pub fn open_files_limit(&self) -> Option<(u64, u64)> {
+        let pid = self.child.id()?;
+        let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).ok()?;
+        let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+        let mut numbers = line
+            .trim_start_matches("Max open files")
+            .split_whitespace()
+            .map(str::parse::<u64>);
+        Some((numbers.next()?.ok()?, numbers.next()?.ok()?))
+    }
+
+    /// Descriptors the process holds now, from `/proc/<pid>/fd`.
+    pub fn open_files(&self) -> Option<usize> {
+        let pid = self.child.id()?;
+        Some(std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count())
+    }
+}
+
+/// Resident set size of a process in KiB (VmRSS) now, from procfs.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Raises this test process's soft open-file limit to its hard one (tests that open thousands of
+/// connections); returns the limit now. Raising is harmless to the other tests of the binary.
+pub fn raise_own_open_files() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard).expect("raise the soft open-file limit");
+    }
+    hard
+}
+
+/// Opens `count` TCP connections to `addr` that send the start of a request and never finish its headers.
+/// Returns those that connected, and how many the server reset before the connect was seen through (a
+/// server past its connection cap resets at once).
+pub async fn half_open_http(addr: &str, count: usize) -> (Vec<tokio::net::TcpStream>, usize) {
+    use tokio::io::AsyncWriteExt as _;
+    let mut held = Vec::with_capacity(count);
+    let mut reset = 0;
+    for _ in 0..count {
+        let mut stream = match tokio::net::TcpStream::connect(addr).await {
+            Ok(stream) => stream,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                reset += 1;
+                continue;
+            }
+            Err(e) => panic!("cannot connect to the plugin's HTTP port {addr}: {e}"),
+        };
+        // A connection the server has already closed may refuse the write: that is fine.
+        let _sent = stream
+            .write_all(b"GET /status HTTP/1.1\r\nhost: x\r\n")
+            .await;
+        held.push(stream);
+    }
+    (held, reset)
+}
+
+impl NvmlNode {
+    /// Stops the plugin and starts it again on the same state under an open-file limit of `soft`:`hard`
+    /// (see [`PluginProcess::spawn_with_nofile`]); returns the first list the kubelet gets from it.
+    pub async fn restart_plugin_with_nofile(
+        &mut self,
+        soft: u64,
+        hard: u64,
+    ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
+        self.stop_plugin().await?;
+        let next = self.kubelet.registrations().len() + 1;
+        let dir = self.dir.path();
+        let lib = fake_nvml_lib();
+        let (state, boot_id) = (dir.join("state"), dir.join("boot_id"));
+        let mut args = vec![
+            "--nvml-lib",
+            lib.to_str().expect("utf-8 path"),
+            "--state-dir",
+            state.to_str().expect("utf-8 path"),
+            "--boot-id-file",
+            boot_id.to_str().expect("utf-8 path"),
+        ];
+        args.extend(self.extra.iter().map(String::as_str));
+        let envs: Vec<(&str, &OsStr)> =
+            self.envs.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
+        self.plugin = PluginProcess::spawn_with_nofile(
+            &dir.join("device-plugins"),
+            &args,
+            &envs,
+            soft,
+            Some(hard),
+        );
+        self.wait_registered(next).await
+    }
+}
