@@ -834,3 +834,26 @@ async fn settle(instance: &Instance, ended: Instant) -> Option<Settled> {
         quiet,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plugin refuses config files over 1 MiB before it parses them: the abuse's file must be over that
+    /// in quick runs too, or SIGHUP would make the plugin parse it.
+    #[test]
+    fn the_oversized_config_is_over_the_plugins_limit_in_full_and_quick_runs() {
+        for quick in [false, true] {
+            let config = oversized_config(Counts::new(quick).abuse_config_bytes);
+            assert!(config.len() > 1024 * 1024, "{} bytes", config.len());
+            assert!(config.ends_with(b"notAConfigKey: true\n"));
+        }
+    }
+
+    #[test]
+    fn fence_reports_never_name_a_gpu_of_the_node() {
+        for n in [0, 1, 7, 9_999] {
+            assert!((0..512).all(|i| uuid(i) != unknown_device(n)));
+        }
+    }
+}
