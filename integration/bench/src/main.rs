@@ -4,9 +4,11 @@
 //!
 //! Measures: the machine's own thread wake-up latency (the floor under the rest), fault → kubelet, kubelet
 //! restart → Register, start-up, idle footprint, event storm, Allocate latency, and footprint across many
-//! kubelet restarts. Prints a Markdown table and writes JSON.
+//! kubelet restarts; for this workspace's plugin also the side surfaces, time-slicing, MIG and abused operator
+//! inputs. Prints a Markdown table and writes JSON.
 //! See BENCHMARKS.md.
 
+mod abuse;
 mod measure;
 mod report;
 mod rig;
@@ -95,6 +97,11 @@ pub(crate) enum Measure {
     /// MIG, 7 MIG devices per GPU under `migStrategy: mixed`: start-up, and an XID attributed to one MIG
     /// device → the kubelet sees it Unhealthy and its neighbours Healthy. This workspace's plugin only.
     Mig,
+    /// Fault → kubelet with every operator input on (fence directory, HTTP, control socket, config file),
+    /// idle and abused (half-open HTTP connections, a fence directory of reports being rewritten, SIGHUP with
+    /// an oversized config), interleaved; idle CPU with every input on; memory before, at the peak of and
+    /// after the abuse. This workspace's plugin only.
+    Abuse,
 }
 
 impl Args {
@@ -117,6 +124,14 @@ pub(crate) struct Counts {
     pub(crate) soak_restarts: usize,
     pub(crate) floor: usize,
     pub(crate) surges: usize,
+    /// Half-open HTTP connections held during the abuse.
+    pub(crate) abuse_connections: usize,
+    /// Report files in the fence directory during the abuse.
+    pub(crate) abuse_reports: usize,
+    /// Size of the config file put in place before each SIGHUP of the abuse.
+    pub(crate) abuse_config_bytes: usize,
+    /// The idle window with every input on.
+    pub(crate) abuse_idle: Duration,
 }
 
 impl Counts {
@@ -133,6 +148,11 @@ impl Counts {
                 soak_restarts: 10,
                 floor: 50,
                 surges: 5,
+                abuse_connections: 200,
+                abuse_reports: 500,
+                // Over the plugin's 1 MiB limit, as the full run's is.
+                abuse_config_bytes: 2 << 20,
+                abuse_idle: Duration::from_secs(3),
             }
         } else {
             Counts {
@@ -146,6 +166,10 @@ impl Counts {
                 soak_restarts: 300,
                 floor: 2_000,
                 surges: 50,
+                abuse_connections: 2_000,
+                abuse_reports: 10_000,
+                abuse_config_bytes: 10_000_000,
+                abuse_idle: Duration::from_secs(30),
             }
         }
     }

@@ -107,6 +107,9 @@ pub(crate) async fn all(
     if args.runs(Measure::Mig) && rig.is_ours() {
         mig(rig, devices, &counts, report).await?;
     }
+    if args.runs(Measure::Abuse) && rig.is_ours() {
+        crate::abuse::abuse(rig, devices, &counts, report).await?;
+    }
     Ok(())
 }
 
@@ -860,9 +863,20 @@ async fn one_fault(
     n: usize,
     id: &str,
 ) -> anyhow::Result<Option<Duration>> {
+    one_fault_within(rig, kubelet, n, id, WAIT).await
+}
+
+/// As [`one_fault`], waiting `limit` at most.
+pub(crate) async fn one_fault_within(
+    rig: &Rig,
+    kubelet: &fake_kubelet::FakeKubelet,
+    n: usize,
+    id: &str,
+    limit: Duration,
+) -> anyhow::Result<Option<Duration>> {
     let injected = rig.inject(&[format!("xid {id} 79")])?;
     let list = kubelet
-        .wait_list("fault", WAIT, |l| {
+        .wait_list("fault", limit, |l| {
             l.registration >= n && l.health(id) == Some("Unhealthy")
         })
         .await
@@ -921,10 +935,13 @@ pub(crate) struct ProcSample {
     /// The part of RSS that is the process's own memory (heap, stacks); the rest is mapped files, mostly the
     /// binary's code pages, which the kernel can drop and read again.
     rss_anon_kib: u64,
-    hwm_kib: u64,
+    /// Peak RSS (VmHWM).
+    pub(crate) hwm_kib: u64,
     pub(crate) threads: u64,
-    cpu: Duration,
-    voluntary_switches: u64,
+    /// CPU time, user and system, at the clock tick's resolution.
+    pub(crate) cpu: Duration,
+    /// Voluntary context switches of every thread: wake-ups.
+    pub(crate) voluntary_switches: u64,
 }
 
 impl ProcSample {
