@@ -572,7 +572,9 @@ async fn an_event_wait_failing_on_every_call_makes_the_gpus_unmonitored_until_it
     // The waits work again: the condition ends, /healthz is green, faults are seen again.
     std::fs::remove_file(&fails)?;
     node.plugin
-        .wait_log(WAIT, |log| log.matches("NVML event waits work again").count() >= 4)
+        .wait_log(WAIT, |log| {
+            log.matches("NVML event waits work again").count() >= 4
+        })
         .await
         .ok_or_else(|| format!("never watched again\n{}", node.plugin.log()))?;
     assert_eq!(healthz().await, (200, "ok\n".to_string()));
