@@ -476,8 +476,15 @@ async fn healthz_a_kubelet_restart_and_an_xid_get_through_while_more_half_open_h
     let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
     let registrations = node.kubelet.registrations().len();
 
-    // More connections than the plugin may hold descriptors, none finishing its headers.
-    let (held, _reset) = support::half_open_http(&addr, 2 * LIMIT as usize).await;
+    // More connections than the plugin may hold descriptors, none finishing its headers. A plugin that ran
+    // out of descriptors stops accepting, and past its accept queue the connects hang: bounded here.
+    let flood = support::half_open_http(&addr, 2 * LIMIT as usize);
+    let (held, _reset) = tokio::time::timeout(WAIT, flood).await.map_err(|_| {
+        format!(
+            "the plugin stopped accepting HTTP connections\n{}",
+            node.plugin.log()
+        )
+    })?;
     // The kubelet's liveness probe is answered at once (well within its 2 s timeout), not after the
     // flood's header timeout: the oldest half-open connection makes room for it.
     let probe = tokio::time::timeout(
