@@ -44,7 +44,7 @@ const MAX_REQUEST_BYTES: usize = 64 * 1024;
 const MAX_TEXT_BYTES: usize = 512;
 
 /// The most control connections served at once (fewer under a small open-file limit): an operator runs one
-/// command at a time; a script fencing several GPUs a few.
+/// command at a time; a script fencing several GPUs a few. Past it, the oldest is closed to make room.
 pub const MAX_CONNECTIONS: usize = 8;
 
 /// How long a control client has to send its request's headers; the command line sends them at once.
@@ -139,12 +139,12 @@ pub fn spawn(
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 stream = conn_rx.recv() => match stream {
-                    Some(stream) => match gate.admit() {
-                        Some(place) => {
+                    // Past the cap the oldest connection is closed first; this waits (briefly) for it.
+                    Some(stream) => {
+                        if let Some(place) = gate.admit().await {
                             tokio::spawn(serve_connection(stream, queries.clone(), bounds, place));
                         }
-                        None => drop(stream),
-                    },
+                    }
                     None => break,
                 },
                 () = woken(watch.as_ref()) => socket = keep_bound(socket, &path, &conn_tx).await,
@@ -265,8 +265,7 @@ async fn serve_connection(
         let queries = queries.clone();
         async move { answer(&queries, request, peer).await }
     };
-    bounded::serve_connection(stream, service, &bounds).await;
-    drop(place);
+    bounded::serve_connection(stream, service, bounds, place).await;
 }
 
 async fn answer(

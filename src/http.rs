@@ -20,7 +20,7 @@ use http_body_util::{BodyExt as _, Full};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -39,7 +39,7 @@ const MONITOR_ANSWER: Duration = Duration::from_secs(2);
 
 /// The most HTTP connections served at once (fewer under a small open-file limit: see
 /// [`crate::limits::connection_cap`]). The kubelet's probes, a Prometheus scrape and an operator's `status`
-/// need a handful; a client past the cap is closed at once.
+/// need a handful; past the cap, the oldest connection is closed to make room.
 pub const MAX_CONNECTIONS: usize = 128;
 
 /// How long an HTTP client has to send its request's headers (and how long a kept-alive connection may sit
@@ -109,7 +109,7 @@ pub fn spawn(addr: SocketAddr, context: Context, shutdown: CancellationToken) {
         tracing::debug!(registered, "starting the HTTP surfaces");
         let mut warned = false;
         let listener = loop {
-            match TcpListener::bind(addr).await {
+            match bind(addr) {
                 Ok(listener) => break listener,
                 Err(e) => {
                     if !warned {
@@ -125,6 +125,25 @@ pub fn spawn(addr: SocketAddr, context: Context, shutdown: CancellationToken) {
         };
         serve(listener, Arc::new(context), shutdown).await;
     });
+}
+
+/// Connections the kernel completes and queues until the plugin accepts them (the kernel caps it at
+/// `net.core.somaxconn`, 4096 on current kernels). A burst (a flood, or many clients at once) waits there at
+/// no descriptor's cost; past the queue, the kernel drops a client's SYN and the client tries again only a
+/// second later, half the liveness probe's timeout. tokio's default is 128.
+const ACCEPT_BACKLOG: u32 = 1024;
+
+/// A listener on `addr` with a queue of [`ACCEPT_BACKLOG`], reusing an address left in TIME_WAIT as tokio's
+/// own bind does.
+fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(ACCEPT_BACKLOG)
 }
 
 /// Serves the HTTP surfaces on an already bound listener until `shutdown`, within [`bounds`].
@@ -150,25 +169,25 @@ pub async fn serve(listener: TcpListener, context: Arc<Context>, shutdown: Cance
                 }
             },
         };
-        let Some(place) = gate.admit() else {
-            context.metrics.http_connection_refused();
-            // A reset rather than a close: the client learns at once, and the kernel keeps no state for a
-            // connection the flood will never close.
-            let _reset = stream.set_zero_linger();
-            drop(stream);
+        // Past the cap the oldest connection is closed first (see [`bounded`]); this waits for it.
+        let admitted = tokio::select! {
+            () = shutdown.cancelled() => return,
+            place = gate.admit() => place,
+        };
+        let Some(place) = admitted else {
             continue;
         };
+        if place.evicted_another() {
+            context.metrics.http_connection_evicted();
+        }
         let context = context.clone();
         let connections = gate.clone();
-        tokio::spawn(async move {
-            let service = move |request: Request<Incoming>| {
-                let context = context.clone();
-                let connections = connections.clone();
-                async move { route(&context, &connections, &request).await }
-            };
-            bounded::serve_connection(stream, service, &bounds).await;
-            drop(place);
-        });
+        let service = move |request: Request<Incoming>| {
+            let context = context.clone();
+            let connections = connections.clone();
+            async move { route(&context, &connections, &request).await }
+        };
+        tokio::spawn(bounded::serve_connection(stream, service, bounds, place));
     }
 }
 

@@ -72,7 +72,7 @@ pub struct Metrics {
     api_requests: Family<ApiLabels, Counter>,
     events_dropped: Counter,
     http_open: Gauge,
-    http_refused: Counter,
+    http_evicted: Counter,
 }
 
 impl Default for Metrics {
@@ -170,11 +170,11 @@ impl Metrics {
             "HTTP connections being served now (this scrape's included)",
             http_open.clone(),
         );
-        let http_refused = Counter::default();
+        let http_evicted = Counter::default();
         registry.register(
-            "http_connections_refused",
-            "HTTP connections closed as soon as accepted because every place was taken",
-            http_refused.clone(),
+            "http_connections_evicted",
+            "HTTP connections closed to make room for a new one because every place was taken (the oldest first)",
+            http_evicted.clone(),
         );
         let build = Info::new(BuildLabels {
             version: env!("CARGO_PKG_VERSION").into(),
@@ -196,7 +196,7 @@ impl Metrics {
             api_requests,
             events_dropped,
             http_open,
-            http_refused,
+            http_evicted,
         }
     }
 
@@ -272,9 +272,9 @@ impl Metrics {
         self.events_dropped.get()
     }
 
-    /// An HTTP connection was closed as soon as accepted: every place was taken.
-    pub fn http_connection_refused(&self) {
-        self.http_refused.inc();
+    /// The oldest HTTP connection was closed to make room for a new one: every place was taken.
+    pub fn http_connection_evicted(&self) {
+        self.http_evicted.inc();
     }
 
     /// `open` HTTP connections are being served (set when a scrape comes).

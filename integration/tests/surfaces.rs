@@ -417,7 +417,7 @@ async fn a_flood_of_half_open_http_connections_is_capped_and_its_memory_handed_b
     );
     assert!(
         closed.is_some(),
-        "connections past the cap of {cap} must be closed at once\n{}",
+        "past the cap of {cap}, the oldest connections must be closed at once\n{}",
         plugin.log()
     );
     assert!(fds < cap + 64, "{fds} descriptors held");
@@ -433,9 +433,9 @@ async fn a_flood_of_half_open_http_connections_is_capped_and_its_memory_handed_b
         .ok_or("the plugin never saw the clients close")?;
     let after = support::rss_kib(pid).ok_or("no VmRSS")?;
     println!("after they closed: VmRSS {after} KiB");
-    let refused =
-        sample(&scraped, "gpu_device_plugin_http_connections_refused", &[]).unwrap_or_default();
-    assert!(refused >= (FLOOD - cap) as f64, "{refused} refused");
+    let evicted =
+        sample(&scraped, "gpu_device_plugin_http_connections_evicted", &[]).unwrap_or_default();
+    assert!(evicted >= (FLOOD - cap) as f64, "{evicted} evicted");
     assert!(
         after <= before + 1024,
         "VmRSS {before} KiB before the flood, {after} KiB after it ended"
@@ -465,7 +465,7 @@ async fn the_soft_open_file_limit_is_raised_to_the_hard_one_at_start() -> TestRe
 }
 
 #[tokio::test]
-async fn a_kubelet_restart_and_an_xid_get_through_while_more_http_connections_than_the_cap_are_held()
+async fn healthz_a_kubelet_restart_and_an_xid_get_through_while_more_half_open_http_connections_than_the_cap_are_held()
 -> TestResult {
     support::raise_own_open_files();
     let mut node = support::NvmlNode::start(None, &[]).await?;
@@ -476,8 +476,29 @@ async fn a_kubelet_restart_and_an_xid_get_through_while_more_http_connections_th
     let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
     let registrations = node.kubelet.registrations().len();
 
-    // More connections than the plugin may hold descriptors, none finishing its headers.
-    let (held, _reset) = support::half_open_http(&addr, 2 * LIMIT as usize).await;
+    // More connections than the plugin may hold descriptors, none finishing its headers. A plugin that ran
+    // out of descriptors stops accepting, and past its accept queue the connects hang: bounded here.
+    let flood = support::half_open_http(&addr, 2 * LIMIT as usize);
+    let (held, _reset) = tokio::time::timeout(WAIT, flood).await.map_err(|_| {
+        format!(
+            "the plugin stopped accepting HTTP connections\n{}",
+            node.plugin.log()
+        )
+    })?;
+    // The kubelet's liveness probe is answered at once (well within its 2 s timeout), not after the
+    // flood's header timeout: the oldest half-open connection makes room for it.
+    let probe = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        http::get(&addr, "/healthz"),
+    )
+    .await
+    .map_err(|_| {
+        format!(
+            "/healthz did not answer within 2 s during the flood\n{}",
+            node.plugin.log()
+        )
+    })??;
+    assert_eq!(probe.0, StatusCode::OK);
     node.kubelet
         .restart_and_wait(WAIT)
         .await
@@ -560,5 +581,84 @@ async fn when_a_second_instance_on_the_state_directory_exits_fence_reaches_the_f
         .wait_log(WAIT, |l| l.contains("fenced by an operator"))
         .await
         .ok_or("the fence did not reach the first instance")?;
+    Ok(())
+}
+
+/// Reads `stream` until the server closes it; how long that took from `since`, or `None` past `timeout`.
+async fn closed_after(
+    stream: &mut tokio::net::TcpStream,
+    since: std::time::Instant,
+    timeout: std::time::Duration,
+) -> Option<std::time::Duration> {
+    use tokio::io::AsyncReadExt as _;
+    let mut sent = Vec::new();
+    let _closed = tokio::time::timeout(timeout, stream.read_to_end(&mut sent))
+        .await
+        .ok()?;
+    Some(since.elapsed())
+}
+
+#[tokio::test]
+async fn an_http_client_that_never_finishes_its_headers_is_closed_after_the_header_timeout()
+-> TestResult {
+    let dir = tempfile::tempdir()?;
+    let plugin = PluginProcess::spawn(dir.path(), &["--simulate", "1"]);
+    let addr = plugin.http_addr().await.ok_or("no HTTP address")?;
+    let started = std::time::Instant::now();
+    // One that starts a request and stops, and one that sends nothing at all.
+    let (mut held, _reset) = support::half_open_http(&addr, 1).await;
+    held.push(tokio::net::TcpStream::connect(&addr).await?);
+    let limit = http::HEADER_READ + WAIT;
+    for stream in &mut held {
+        let took = closed_after(stream, started, limit)
+            .await
+            .ok_or_else(|| format!("not closed within {limit:?}\n{}", plugin.log()))?;
+        println!("closed after {took:?}");
+        // The server's clock starts once it accepts, after the connect that ours started before.
+        assert!(took >= http::HEADER_READ, "closed after {took:?}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_fence_reason_and_user_with_control_characters_cannot_forge_a_log_line() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let state_arg = state.to_string_lossy().into_owned();
+    let plugin = PluginProcess::spawn(dir.path(), &["--simulate", "2", "--state-dir", &state_arg]);
+    plugin
+        .wait_log(WAIT, |l| l.contains("control socket for fence and release"))
+        .await
+        .ok_or_else(|| format!("no control socket\n{}", plugin.log()))?;
+    let forged = "1999-12-31T23:59:59.000000Z  INFO gpu_device_plugin::health::monitor: released by an operator";
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+        .args(["fence", &gpu(1), "--reason"])
+        .arg(format!("burn-in\n{forged}"))
+        .arg("--state-dir")
+        .arg(&state)
+        .env_remove("RUST_LOG")
+        .env("SUDO_USER", "eve\r\u{1b}[2K")
+        .output()
+        .await?;
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let log = plugin
+        .wait_log(WAIT, |l| l.contains("fenced by an operator"))
+        .await
+        .ok_or("the fence did not reach the plugin")?;
+    let line = log
+        .lines()
+        .find(|l| l.contains("fenced by an operator"))
+        .unwrap_or_default();
+    assert!(line.contains(&format!("burn-in\\n{forged}")), "{line}");
+    assert!(line.contains("eve\\r\\u{1b}[2K"), "{line}");
+    assert!(
+        !log.lines().any(|l| l.starts_with("1999-12-31T23:59:59")),
+        "a forged line in the log:\n{log}"
+    );
+    assert!(!log.contains(['\r', '\u{1b}']), "{log}");
     Ok(())
 }

@@ -4,19 +4,23 @@
 //! as long as it stays. Unbounded, ten thousand such connections took the plugin from 9 to 179 MB (past the
 //! DaemonSet's memory limit after three rounds), and eleven hundred took every descriptor of a 1024 soft
 //! limit, so that the kubelet's restart and the next checkpoint save failed. So each surface holds at most
-//! [`Bounds::max_connections`] at once (one more is accepted and closed at once, and counted), each
-//! connection has [`Bounds::header_read`] to send a request's headers (from its start, and again after
-//! each response: the keep-alive idle timeout), is served for [`Bounds::lifetime`] at most, and reads into
-//! a buffer of at most [`Bounds::max_buf`].
+//! [`Bounds::max_connections`] at once, each connection has [`Bounds::header_read`] to send a request's
+//! headers (from its start, and again after each response: the keep-alive idle timeout), is served for
+//! [`Bounds::lifetime`] at most, and reads into a buffer of at most [`Bounds::max_buf`].
 //!
-//! Accept-and-close rather than not accepting past the cap: a connection left in the kernel's accept queue
-//! hangs its client until the client gives up, and is served later, when its client may be long gone (a
-//! probe timed out); closed at once, the client learns at once, and the queue holds no stale work. Either
-//! way the descriptors held are the cap, plus the one being closed.
+//! Past the cap, the oldest connection is closed to make room for the new one ([`Gate::admit`]). The
+//! kubelet's liveness probe, a scrape and `status` send their request as soon as they connect and are
+//! answered within milliseconds, so they are never the oldest; a flood of clients that never finish is.
+//! Refusing the new connection instead would let anyone who reaches the port hold every place with a
+//! hundred idle connections opened again every few seconds, fail the liveness probe, and have the kubelet
+//! restart the plugin (missing the faults meanwhile); not accepting it would hang it in the kernel's queue.
+//! The new connection waits until the oldest one is closed, so the descriptors held are the cap plus the
+//! one just accepted.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -25,14 +29,18 @@ use hyper::body::Incoming;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
 
 /// How long a connection past its lifetime may take to finish the response it is writing.
 const GRACE: Duration = Duration::from_secs(5);
 
+/// hyper refuses (panics on) a smaller buffer.
+const MIN_BUF: usize = 8192;
+
 /// What one surface allows each connection, and how many at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bounds {
-    /// Connections served at once; past it, a new connection is closed as soon as it is accepted.
+    /// Connections served at once; past it, the oldest is closed to make room for the new one.
     pub max_connections: usize,
     /// How long a client has to send a request's headers, from the connection's start or the end of the
     /// previous response: the bound on a slow or silent client, and the keep-alive idle timeout.
@@ -46,16 +54,20 @@ pub struct Bounds {
     pub max_buf: usize,
 }
 
-/// The places of one surface: [`Bounds::max_connections`] permits, and a count of the connections closed
-/// because none was free.
+/// The places of one surface: [`Bounds::max_connections`] permits, the connections holding them oldest
+/// first (so that the oldest can be told to make room), and a count of those closed to make room.
 #[derive(Debug)]
 pub struct Gate {
     /// Which surface, for the log.
     what: &'static str,
     max: usize,
     permits: Arc<Semaphore>,
-    refused: AtomicU64,
-    /// Connections admitted or refused since the heap was last trimmed.
+    /// Each place held and the token that closes its connection, oldest first; a place taken out to make
+    /// room is no longer here, though its permit is held until its connection is closed.
+    held: Mutex<VecDeque<(u64, CancellationToken)>>,
+    next_id: AtomicU64,
+    evicted: AtomicU64,
+    /// Connections admitted since the heap was last trimmed.
     since_trim: AtomicUsize,
 }
 
@@ -66,42 +78,72 @@ impl Gate {
             what,
             max,
             permits: Arc::new(Semaphore::new(max)),
-            refused: AtomicU64::new(0),
+            held: Mutex::new(VecDeque::with_capacity(max)),
+            next_id: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
             since_trim: AtomicUsize::new(0),
         })
     }
 
-    /// A place for one more connection, held until it is dropped; `None` when every place is taken: the
-    /// caller closes the connection at once. Refusals are said at warn level on the 1st, 2nd, 4th, 8th...
-    /// so that a flood is seen in the log without filling it.
-    pub fn admit(self: &Arc<Self>) -> Option<Place> {
+    /// A place for one more connection, held until it is dropped. When every place is taken, the oldest
+    /// connection is told to close ([`Place::closing`]) and this waits until it has: the accept loop that
+    /// calls this takes no other connection meanwhile. Evictions are said at warn level on the 1st, 2nd,
+    /// 4th, 8th... so that a flood is seen in the log without filling it. `None` only if the gate was shut,
+    /// which nothing does.
+    pub async fn admit(self: &Arc<Self>) -> Option<Place> {
         self.since_trim.fetch_add(1, Ordering::Relaxed);
-        if let Ok(permit) = self.permits.clone().try_acquire_owned() {
-            return Some(Place {
-                permit: Some(permit),
-                gate: self.clone(),
-            });
-        }
-        let refused = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
-        if refused.is_power_of_two() {
+        let mut evicted_another = false;
+        let permit = match self.permits.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                evicted_another = self.evict_oldest();
+                self.permits.clone().acquire_owned().await.ok()?
+            }
+        };
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let close = CancellationToken::new();
+        self.places().push_back((id, close.clone()));
+        Some(Place {
+            id,
+            close,
+            evicted_another,
+            permit: Some(permit),
+            gate: self.clone(),
+        })
+    }
+
+    /// Tells the oldest connection to close; whether there was one (all may be closing already).
+    fn evict_oldest(&self) -> bool {
+        let Some((_, close)) = self.places().pop_front() else {
+            return false;
+        };
+        close.cancel();
+        let evicted = self.evicted.fetch_add(1, Ordering::Relaxed) + 1;
+        if evicted.is_power_of_two() {
             tracing::warn!(
                 surface = self.what,
                 open = self.max,
-                refused_so_far = refused,
-                "every connection place is taken (a flood, or clients that never finish): closing new connections at once"
+                evicted_so_far = evicted,
+                "every connection place is taken (a flood, or clients that never finish): closing the oldest to make room"
             );
         }
-        None
+        true
     }
 
-    /// Connections held now.
+    /// The places held, in order. A panic elsewhere while this was held leaves a list that is still whole
+    /// (every change is one push, pop or retain), so a poisoned lock is used all the same.
+    fn places(&self) -> MutexGuard<'_, VecDeque<(u64, CancellationToken)>> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Connections held now (those closing to make room included).
     pub fn open(&self) -> usize {
         self.max.saturating_sub(self.permits.available_permits())
     }
 
-    /// Connections closed at once so far, because every place was taken.
-    pub fn refused(&self) -> u64 {
-        self.refused.load(Ordering::Relaxed)
+    /// Connections closed so far to make room for a newer one.
+    pub fn evicted(&self) -> u64 {
+        self.evicted.load(Ordering::Relaxed)
     }
 
     /// After the last connection of a burst (as many as the cap since the last time) closes, the memory
@@ -124,20 +166,38 @@ impl Gate {
 /// A connection's place at its surface, given back when dropped.
 #[derive(Debug)]
 pub struct Place {
+    id: u64,
+    close: CancellationToken,
+    evicted_another: bool,
     permit: Option<OwnedSemaphorePermit>,
     gate: Arc<Gate>,
 }
 
+impl Place {
+    /// Whether an older connection was closed to make room for this one (for the surface's metrics).
+    pub fn evicted_another(&self) -> bool {
+        self.evicted_another
+    }
+
+    /// Completes when the gate wants this connection closed, to make room for a newer one.
+    pub async fn closing(&self) {
+        self.close.cancelled().await;
+    }
+}
+
 impl Drop for Place {
     fn drop(&mut self) {
+        let id = self.id;
+        self.gate.places().retain(|(held, _)| *held != id);
         drop(self.permit.take());
         self.gate.closed();
     }
 }
 
-/// Serves HTTP/1 on `io` with `service`, within `bounds`, until the client closes, a bound closes the
-/// connection, or the exchange fails. What went wrong is the client's business: nothing is returned.
-pub async fn serve_connection<I, S, F>(io: I, service: S, bounds: &Bounds)
+/// Serves HTTP/1 on `io` with `service`, within `bounds`, holding `place`, until the client closes, a bound
+/// closes the connection, the gate wants the place back, or the exchange fails. What went wrong is the
+/// client's business: nothing is returned.
+pub async fn serve_connection<I, S, F>(io: I, service: S, bounds: Bounds, place: Place)
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     S: Fn(Request<Incoming>) -> F,
@@ -147,6 +207,8 @@ where
         let answer = service(request);
         async move { Ok::<_, Infallible>(answer.await) }
     });
+    // Declared after `place` (a parameter), so dropped before it: the descriptor is closed before the
+    // place is given back, and a connection waiting for that place never makes one more open at once.
     let connection = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(bounds.header_read)
@@ -155,14 +217,15 @@ where
     tokio::pin!(connection);
     tokio::select! {
         _closed = connection.as_mut() => return,
+        () = place.closing() => return,
         () = tokio::time::sleep(bounds.lifetime) => {}
     }
     connection.as_mut().graceful_shutdown();
-    let _finished = tokio::time::timeout(GRACE, connection).await;
+    tokio::select! {
+        _finished = tokio::time::timeout(GRACE, connection.as_mut()) => {}
+        () = place.closing() => {}
+    }
 }
-
-/// hyper refuses (panics on) a smaller buffer.
-const MIN_BUF: usize = 8192;
 
 #[cfg(test)]
 mod tests {
@@ -178,29 +241,35 @@ mod tests {
         max_buf: 8192,
     };
 
-    /// Serves `ok` on a local port within `bounds`, as the HTTP surface does; the address and the gate.
-    async fn server(bounds: Bounds) -> std::io::Result<(std::net::SocketAddr, Arc<Gate>)> {
+    /// Serves `ok` on a local port within `bounds`, as the HTTP surface does; the address, the gate, and a
+    /// channel that says each connection admitted.
+    async fn server(
+        bounds: Bounds,
+    ) -> std::io::Result<(
+        std::net::SocketAddr,
+        Arc<Gate>,
+        tokio::sync::mpsc::UnboundedReceiver<()>,
+    )> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let gate = Gate::new("test", bounds.max_connections);
         let serving = gate.clone();
+        let (admitted, admissions) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
-                let Some(permit) = serving.admit() else {
+                let Some(place) = serving.admit().await else {
                     continue;
                 };
-                tokio::spawn(async move {
-                    serve_connection(
-                        stream,
-                        |_request| async { Response::new(Full::new(Bytes::from_static(b"ok\n"))) },
-                        &bounds,
-                    )
-                    .await;
-                    drop(permit);
-                });
+                let _told = admitted.send(());
+                tokio::spawn(serve_connection(
+                    stream,
+                    |_request| async { Response::new(Full::new(Bytes::from_static(b"ok\n"))) },
+                    bounds,
+                    place,
+                ));
             }
         });
-        Ok((addr, gate))
+        Ok((addr, gate, admissions))
     }
 
     /// Reads until the server closes the connection (EOF or reset); what it sent.
@@ -218,40 +287,41 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_connection_past_the_cap_is_closed_at_once_and_counted()
+    async fn a_connection_past_the_cap_takes_the_place_of_the_oldest_and_is_answered()
     -> Result<(), Box<dyn std::error::Error>> {
-        let (addr, gate) = server(BOUNDS).await?;
-        let mut held = Vec::new();
+        let (addr, gate, mut admissions) = server(BOUNDS).await?;
+        // Every place held by a client that has not finished its headers (yet).
+        let mut oldest = TcpStream::connect(addr).await?;
+        oldest.write_all(b"GET / HTTP/1.1\r\n").await?;
+        let mut younger = TcpStream::connect(addr).await?;
+        younger.write_all(b"GET / HTTP/1.1\r\n").await?;
         for _ in 0..BOUNDS.max_connections {
-            let mut stream = TcpStream::connect(addr).await?;
-            // A whole request answered: the connection holds its place (keep-alive).
-            stream
-                .write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-                .await?;
-            let mut answer = [0u8; 16];
-            let _read = stream.read(&mut answer).await?;
-            assert!(answer.starts_with(b"HTTP/1.1 200"));
-            held.push(stream);
+            admissions.recv().await.ok_or("the server stopped")?;
         }
         assert_eq!(gate.open(), BOUNDS.max_connections);
-        let mut extra = TcpStream::connect(addr).await?;
-        let _sent = extra.write_all(b"GET / HTTP/1.1\r\n").await;
-        assert!(
-            closed_within(&mut extra, Duration::from_secs(2)).await,
-            "a connection past the cap must be closed at once, not after the header timeout"
-        );
-        assert_eq!(gate.refused(), 1);
-        // A place freed is a place for the next client.
-        drop(held.pop());
-        let (status, _) = crate::http::get(&addr.to_string(), "/").await?;
+
+        // A probe is answered at once, not after the others' header timeout.
+        let addr_text = addr.to_string();
+        let probe = crate::http::get(&addr_text, "/");
+        let (status, _) = tokio::time::timeout(Duration::from_secs(2), probe).await??;
         assert_eq!(status, StatusCode::OK);
+        assert!(
+            closed_within(&mut oldest, Duration::from_secs(2)).await,
+            "the oldest connection must be closed to make room"
+        );
+        assert_eq!(gate.evicted(), 1);
+        // The younger one kept its place: it finishes its request and is answered.
+        younger.write_all(b"host: x\r\n\r\n").await?;
+        let mut answer = [0u8; 16];
+        let _read = younger.read(&mut answer).await?;
+        assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
         Ok(())
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_client_that_never_finishes_its_headers_is_closed_after_the_header_timeout()
     -> Result<(), Box<dyn std::error::Error>> {
-        let (addr, gate) = server(BOUNDS).await?;
+        let (addr, gate, _admissions) = server(BOUNDS).await?;
         let mut slow = TcpStream::connect(addr).await?;
         slow.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n").await?;
         let started = tokio::time::Instant::now();
@@ -267,14 +337,14 @@ mod tests {
         let _sent = read_to_close(&mut silent).await;
         assert!(started.elapsed() < BOUNDS.header_read * 3);
         tokio::task::yield_now().await;
-        assert_eq!(gate.refused(), 0);
+        assert_eq!(gate.evicted(), 0);
         Ok(())
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_idle_keep_alive_connection_is_closed_after_the_header_timeout()
     -> Result<(), Box<dyn std::error::Error>> {
-        let (addr, _gate) = server(BOUNDS).await?;
+        let (addr, _gate, _admissions) = server(BOUNDS).await?;
         let mut idle = TcpStream::connect(addr).await?;
         idle.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await?;
         let started = tokio::time::Instant::now();
@@ -291,7 +361,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_client_that_keeps_asking_is_closed_after_the_connection_lifetime()
     -> Result<(), Box<dyn std::error::Error>> {
-        let (addr, _gate) = server(BOUNDS).await?;
+        let (addr, _gate, _admissions) = server(BOUNDS).await?;
         let mut busy = TcpStream::connect(addr).await?;
         let started = tokio::time::Instant::now();
         let mut answers = 0;
@@ -320,7 +390,7 @@ mod tests {
     #[tokio::test]
     async fn headers_larger_than_the_buffer_are_refused() -> Result<(), Box<dyn std::error::Error>>
     {
-        let (addr, _gate) = server(BOUNDS).await?;
+        let (addr, _gate, _admissions) = server(BOUNDS).await?;
         let mut big = TcpStream::connect(addr).await?;
         let padding = "a".repeat(BOUNDS.max_buf);
         let request = format!("GET / HTTP/1.1\r\nhost: x\r\nx-pad: {padding}\r\n\r\n");
