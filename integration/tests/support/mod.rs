@@ -42,10 +42,21 @@ impl PluginProcess {
 
     /// As [`PluginProcess::spawn`], with environment variables added.
     pub fn spawn_with_env(kubelet_dir: &Path, args: &[&str], envs: &[(&str, &OsStr)]) -> Self {
+        let command = Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"));
+        Self::spawn_command(command, kubelet_dir, args, envs)
+    }
+
+    /// Runs `command` (the binary, or something that execs it with the arguments that follow) with the
+    /// arguments every test plugin gets and `args`, its log in a file [`PluginProcess::log`] reads.
+    fn spawn_command(
+        mut command: Command,
+        kubelet_dir: &Path,
+        args: &[&str],
+        envs: &[(&str, &OsStr)],
+    ) -> Self {
         let state = tempfile::tempdir().expect("temp dir");
         let log = state.path().join("plugin.log");
         let log_file = std::fs::File::create(&log).expect("log file");
-        let mut command = Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"));
         command.arg("--kubelet-dir").arg(kubelet_dir);
         if !args.contains(&"--state-dir") {
             command.arg("--state-dir").arg(state.path().join("state"));
@@ -657,9 +668,6 @@ impl PluginProcess {
         soft: u64,
         hard: Option<u64>,
     ) -> Self {
-        let state = tempfile::tempdir().expect("temp dir");
-        let log = state.path().join("plugin.log");
-        let log_file = std::fs::File::create(&log).expect("log file");
         // The soft limit first: the hard one may not go below it.
         let mut script = format!("ulimit -Sn {soft}");
         if let Some(hard) = hard {
@@ -671,36 +679,7 @@ impl PluginProcess {
             .arg("-c")
             .arg(script)
             .arg(env!("CARGO_BIN_EXE_gpu-device-plugin"));
-        command.arg("--kubelet-dir").arg(kubelet_dir);
-        if !args.contains(&"--state-dir") {
-            command.arg("--state-dir").arg(state.path().join("state"));
-        }
-        if !args.contains(&"--http-addr") {
-            command.arg("--http-addr").arg("127.0.0.1:0");
-        }
-        if !args.contains(&"--pod-resources-socket") {
-            command
-                .arg("--pod-resources-socket")
-                .arg(state.path().join("no-pod-resources.sock"));
-        }
-        command
-            .env_remove("KUBECONFIG")
-            .env_remove("KUBERNETES_SERVICE_HOST")
-            .env_remove("NODE_NAME");
-        let child = command
-            .args(args)
-            .env("RUST_LOG", "debug")
-            .envs(envs.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log_file))
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn gpu-device-plugin under sh");
-        PluginProcess {
-            child,
-            log,
-            _state: state,
-        }
+        Self::spawn_command(command, kubelet_dir, args, envs)
     }
 
     /// The process's soft and hard open-file limits, from `/proc/<pid>/limits`.
