@@ -93,6 +93,9 @@ fn restart_in_place() -> ExitCode {
     fail(&format!("cannot restart after SIGHUP: {e}"))
 }
 
+/// How long shutdown waits for the side surfaces' thread to end.
+const SIDE_EXIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How long shutdown waits for the last checkpoint write (well within the 2 s a DaemonSet update allows).
 const FLUSH_AT_EXIT: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -296,7 +299,12 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             "the health checkpoint was not written within {FLUSH_AT_EXIT:?} of shutdown"
         );
     }
-    side.join().await;
+    // Bounded: a side task stuck in a blocking call must not keep the plugin from exiting.
+    if tokio::time::timeout(SIDE_EXIT, side.join()).await.is_err() {
+        tracing::warn!(
+            "the side surfaces' thread did not end within {SIDE_EXIT:?} of shutdown; leaving it"
+        );
+    }
     if let Some(e) = failed {
         return Err(e.into());
     }
