@@ -280,21 +280,18 @@ fn nvidias_settings_not_supported_yet_are_refused_by_name_from_flag_env_or_file(
     );
 }
 
-#[test]
-fn a_sharing_entry_the_node_cannot_meet_stops_the_plugin_before_it_registers() {
+/// Starts the plugin on `gpus` simulated GPUs with NVIDIA's config file `yaml`, expecting it to stop before it
+/// registers: its last stderr line, and the sockets left in the kubelet directory.
+fn refused_at_start(gpus: &str, yaml: &str) -> (String, usize) {
     let dir = tempfile::tempdir().unwrap();
     let kubelet_dir = dir.path().join("device-plugins");
     std::fs::create_dir(&kubelet_dir).unwrap();
     let config = dir.path().join("nvidia.yaml");
-    std::fs::write(
-        &config,
-        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: 2\n      devices: 3\n",
-    )
-    .unwrap();
+    std::fs::write(&config, yaml).unwrap();
     let out = run(
         &[
             "--simulate",
-            "2",
+            gpus,
             "--http-addr",
             "",
             "--kubelet-dir",
@@ -308,50 +305,37 @@ fn a_sharing_entry_the_node_cannot_meet_stops_the_plugin_before_it_registers() {
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
-    let last = stderr.lines().last().unwrap_or_default();
+    let sockets = std::fs::read_dir(&kubelet_dir).unwrap().count();
+    (
+        stderr.lines().last().unwrap_or_default().to_string(),
+        sockets,
+    )
+}
+
+#[test]
+fn a_sharing_entry_the_node_cannot_meet_stops_the_plugin_before_it_registers() {
+    let (last, sockets) = refused_at_start(
+        "2",
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: 2\n      devices: 3\n",
+    );
     assert!(
         last.contains("sharing nvidia.com/gpu: 3 devices to share, but this node has 2"),
-        "{stderr}"
+        "{last}"
     );
-    let sockets = std::fs::read_dir(&kubelet_dir).unwrap().count();
     assert_eq!(sockets, 0, "no socket left behind");
 }
 
 #[test]
 fn a_device_list_larger_than_the_kubelet_accepts_stops_the_plugin_before_it_registers() {
-    let dir = tempfile::tempdir().unwrap();
-    let kubelet_dir = dir.path().join("device-plugins");
-    std::fs::create_dir(&kubelet_dir).unwrap();
-    let config = dir.path().join("nvidia.yaml");
     // 80 GPUs with 1024 replicas each: 81 920 devices, about 5 MB encoded.
-    std::fs::write(
-        &config,
+    let (last, sockets) = refused_at_start(
+        "80",
         "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 1024\n",
-    )
-    .unwrap();
-    let out = run(
-        &[
-            "--simulate",
-            "80",
-            "--http-addr",
-            "",
-            "--kubelet-dir",
-            kubelet_dir.to_str().unwrap(),
-            "--state-dir",
-            dir.path().join("state").to_str().unwrap(),
-            "--config-file",
-            config.to_str().unwrap(),
-        ],
-        &[],
     );
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
-    let last = stderr.lines().last().unwrap_or_default();
     assert!(
         last.contains("the device list of nvidia.com/gpu is")
             && last.contains("(81920 devices), more than the 4194304 bytes the kubelet accepts"),
-        "{stderr}"
+        "{last}"
     );
-    let sockets = std::fs::read_dir(&kubelet_dir).unwrap().count();
     assert_eq!(sockets, 0, "no socket left behind");
 }
