@@ -458,6 +458,17 @@ impl NvmlNode {
         envs: &[(&'static str, PathBuf)],
         extra: &[String],
     ) -> PluginProcess {
+        Self::spawn_plugin_under(dir, envs, extra, None)
+    }
+
+    /// As [`NvmlNode::spawn_plugin`], under an open-file limit of `soft`:`hard` when given (see
+    /// [`PluginProcess::spawn_with_nofile`]).
+    fn spawn_plugin_under(
+        dir: &Path,
+        envs: &[(&'static str, PathBuf)],
+        extra: &[String],
+        nofile: Option<(u64, u64)>,
+    ) -> PluginProcess {
         let lib = fake_nvml_lib();
         let state = dir.join("state");
         let boot_id = dir.join("boot_id");
@@ -471,7 +482,13 @@ impl NvmlNode {
         ];
         args.extend(extra.iter().map(String::as_str));
         let envs: Vec<(&str, &OsStr)> = envs.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
-        PluginProcess::spawn_with_env(&dir.join("device-plugins"), &args, &envs)
+        let kubelet_dir = dir.join("device-plugins");
+        match nofile {
+            Some((soft, hard)) => {
+                PluginProcess::spawn_with_nofile(&kubelet_dir, &args, &envs, soft, Some(hard))
+            }
+            None => PluginProcess::spawn_with_env(&kubelet_dir, &args, &envs),
+        }
     }
 
     async fn wait_registered(
@@ -756,27 +773,8 @@ impl NvmlNode {
     ) -> Result<fake_kubelet::ListState, Box<dyn std::error::Error>> {
         self.stop_plugin().await?;
         let next = self.kubelet.registrations().len() + 1;
-        let dir = self.dir.path();
-        let lib = fake_nvml_lib();
-        let (state, boot_id) = (dir.join("state"), dir.join("boot_id"));
-        let mut args = vec![
-            "--nvml-lib",
-            lib.to_str().expect("utf-8 path"),
-            "--state-dir",
-            state.to_str().expect("utf-8 path"),
-            "--boot-id-file",
-            boot_id.to_str().expect("utf-8 path"),
-        ];
-        args.extend(self.extra.iter().map(String::as_str));
-        let envs: Vec<(&str, &OsStr)> =
-            self.envs.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
-        self.plugin = PluginProcess::spawn_with_nofile(
-            &dir.join("device-plugins"),
-            &args,
-            &envs,
-            soft,
-            Some(hard),
-        );
+        self.plugin =
+            Self::spawn_plugin_under(self.dir.path(), &self.envs, &self.extra, Some((soft, hard)));
         self.wait_registered(next).await
     }
 }
