@@ -411,19 +411,7 @@ async fn start(rig: &Rig, devices: usize) -> anyhow::Result<Instance> {
     let registration = rig.next_registration().await;
     let plugin = rig.spawn_with(devices, Some(state.path()), &args, &[])?;
     rig.wait_registered(registration, &plugin).await?;
-    rig.kubelet
-        .lock()
-        .await
-        .wait_list("every GPU listed healthy", WAIT, |l| {
-            l.registration >= registration && l.allocatable() == devices
-        })
-        .await
-        .with_context(|| {
-            format!(
-                "not all {devices} GPUs healthy at start; plugin log:\n{}",
-                plugin.log()
-            )
-        })?;
+    crate::measure::wait_all_healthy(rig, registration, devices, &plugin).await?;
     // The HTTP surfaces start once the kubelet has the first registration: poll until they answer.
     let deadline = Instant::now() + WAIT;
     loop {

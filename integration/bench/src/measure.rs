@@ -899,19 +899,9 @@ async fn fault_latency(
         let n = rig.next_registration().await;
         let plugin = rig.spawn(devices)?;
         rig.wait_registered(n, &plugin).await?;
+        wait_all_healthy(rig, n, devices, &plugin).await?;
         {
             let kubelet = rig.kubelet.lock().await;
-            kubelet
-                .wait_list("every GPU listed healthy", WAIT, |l| {
-                    l.registration >= n && l.allocatable() == devices
-                })
-                .await
-                .with_context(|| {
-                    format!(
-                        "not all {devices} GPUs healthy at start; plugin log:\n{}",
-                        plugin.log()
-                    )
-                })?;
             for i in 0..devices.min(count - samples.len() - missed) {
                 let id = uuid(i);
                 match one_fault(rig, &kubelet, n, &id).await? {
@@ -985,4 +975,27 @@ impl ProcSample {
             voluntary_switches: voluntary,
         })
     }
+}
+
+/// Waits until the kubelet's list from registration `registration` on shows all `devices` GPUs Healthy.
+pub(crate) async fn wait_all_healthy(
+    rig: &Rig,
+    registration: usize,
+    devices: usize,
+    plugin: &Plugin,
+) -> anyhow::Result<()> {
+    rig.kubelet
+        .lock()
+        .await
+        .wait_list("every GPU listed healthy", WAIT, |l| {
+            l.registration >= registration && l.allocatable() == devices
+        })
+        .await
+        .with_context(|| {
+            format!(
+                "not all {devices} GPUs healthy at start; plugin log:\n{}",
+                plugin.log()
+            )
+        })?;
+    Ok(())
 }
