@@ -406,6 +406,7 @@ fn check_config_off_thread(
     let started = std::thread::Builder::new()
         .name("config-reload".into())
         .spawn(move || {
+            gpu_device_plugin::runtime::lower_priority();
             let argv: Vec<_> = std::env::args_os().collect();
             let outcome = match Settings::from_args(&argv) {
                 Ok(Ok(_)) => Ok(()),

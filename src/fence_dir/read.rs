@@ -96,6 +96,7 @@ impl Reader {
         std::thread::Builder::new()
             .name("fence-dir".into())
             .spawn(move || {
+                crate::runtime::lower_priority();
                 let mut watch = DirWatch {
                     dir,
                     wake,

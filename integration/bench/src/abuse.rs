@@ -518,9 +518,11 @@ impl Abuse {
             counts.abuse_connections,
         );
         let thread_counts = shared.clone();
+        let nice = counts.abuse_nice;
         let connections = std::thread::Builder::new()
             .name("abuse-http".into())
             .spawn(move || -> anyhow::Result<()> {
+                lower_priority(nice);
                 let runtime = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()?;
@@ -534,7 +536,10 @@ impl Abuse {
             let (stop, written) = (stop_writer.clone(), written.clone());
             std::thread::Builder::new()
                 .name("abuse-fence".into())
-                .spawn(move || rewrite_reports(&dir, reports, &stop, &written))?
+                .spawn(move || {
+                    lower_priority(nice);
+                    rewrite_reports(&dir, reports, &stop, &written)
+                })?
         };
         Ok(Abuse {
             stop,
@@ -843,5 +848,18 @@ mod tests {
         for n in [0, 1, 7, 9_999] {
             assert!((0..512).all(|i| uuid(i) != unknown_device(n)));
         }
+    }
+}
+
+/// Adds `nice` to the calling thread's nice value (`--abuse-nice`); a failure only leaves it as it was.
+fn lower_priority(nice: i32) {
+    if nice == 0 {
+        return;
+    }
+    let tid = rustix::thread::gettid();
+    let lowered = rustix::process::getpriority_process(Some(tid))
+        .and_then(|now| rustix::process::setpriority_process(Some(tid), (now + nice).min(19)));
+    if let Err(e) = lowered {
+        eprintln!("bench: abuse: cannot lower a thread's priority: {e}");
     }
 }

@@ -63,6 +63,10 @@ pub(crate) struct Args {
     /// Seed of the soak's random choices, to run the same soak again [default: the time]
     #[arg(long)]
     pub(crate) seed: Option<u64>,
+    /// Nice value added to the abuse's own threads (measure 12), e.g. 10 for an abuser that runs below
+    /// the plugin's priority, as the side surfaces do [default: 0, the plugin's fault path's own]
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..=19))]
+    pub(crate) abuse_nice: i32,
 }
 
 /// The measures, by name for `--only`.
@@ -132,6 +136,8 @@ pub(crate) struct Counts {
     pub(crate) abuse_config_bytes: usize,
     /// The idle window with every input on.
     pub(crate) abuse_idle: Duration,
+    /// Added to the abuse threads' nice value.
+    pub(crate) abuse_nice: i32,
 }
 
 impl Counts {
@@ -153,6 +159,7 @@ impl Counts {
                 // Over the plugin's 1 MiB limit, as the full run's is.
                 abuse_config_bytes: 2 << 20,
                 abuse_idle: Duration::from_secs(3),
+                abuse_nice: 0,
             }
         } else {
             Counts {
@@ -170,6 +177,7 @@ impl Counts {
                 abuse_reports: 10_000,
                 abuse_config_bytes: 10_000_000,
                 abuse_idle: Duration::from_secs(30),
+                abuse_nice: 0,
             }
         }
     }
@@ -212,6 +220,7 @@ async fn run(args: &Args) -> anyhow::Result<Report> {
     if let Some(n) = args.soak_restarts {
         counts.soak_restarts = n.max(3);
     }
+    counts.abuse_nice = args.abuse_nice;
     let rig = Rig::new(args).await?;
     let mut report = Report::new(&rig.plugin_command(), args.quick);
     if let Some(duration) = args.soak_for {

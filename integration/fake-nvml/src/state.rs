@@ -4,14 +4,17 @@
 //! No thread of the fake's own reads the fault script. As the real driver wakes the thread waiting in
 //! `nvmlEventSetWait` straight from the kernel, the waiting thread here reads the script itself: it blocks in
 //! `poll` on an inotify watch of the file, so an appended line costs the client one thread wake-up, as a
-//! real event does. One waiter reads at a time; others wait for their set's queue. Every other call that
+//! real event does. One waiter reads at a time; others wait for their own set's queue, and an event wakes only
+//! the waiters of the sets it is queued in (the driver wakes no other), so one set per GPU costs a client no
+//! more than one shared set: at most one more wake-up, when the event is read by another set's waiter. Every
+//! other call that
 //! reads a GPU's state first takes in whatever was appended meanwhile without blocking, so a GPU lost in the
 //! script is lost to every caller at once, waiting or not.
 
 use std::collections::VecDeque;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use gpu_device_plugin::devices::script::{self, Command, Line, Tail};
@@ -299,9 +302,9 @@ fn take_reader_turn() -> bool {
 }
 
 fn end_reader_turn() {
-    lock(&EVENTS).reading = false;
-    // A waiter that saw someone reading may take over.
-    CHANGED.notify_all();
+    let mut events = lock(&EVENTS);
+    events.reading = false;
+    events.offer_turn();
 }
 
 // ---- events --------------------------------------------------------------------------------------------
@@ -328,10 +331,14 @@ struct EventSet {
     handle: usize,
     registrations: Vec<(usize, u64)>,
     queue: VecDeque<Pending>,
+    /// Signalled when an event is queued here, the set is freed, or its waiter is given the reader's turn.
+    wake: Arc<Condvar>,
+    /// Threads waiting on `wake`.
+    waiters: usize,
 }
 
-/// Every event set, and whether a thread is reading the script. One lock and one condition variable for
-/// all: waiters are few, and a single lock leaves no gap where a wake-up could be missed.
+/// Every event set, and whether a thread is reading the script. One lock for all, so no wake-up can be
+/// missed between a check and a wait; one condition variable per set, so an event wakes only its own waiter.
 struct Events {
     sets: Vec<EventSet>,
     next_handle: usize,
@@ -344,12 +351,20 @@ static EVENTS: Mutex<Events> = Mutex::new(Events {
     reading: false,
 });
 
-/// Signalled when an event is queued or the reader's turn is free.
-static CHANGED: Condvar = Condvar::new();
-
 impl Events {
     fn set(&mut self, handle: usize) -> Option<&mut EventSet> {
         self.sets.iter_mut().find(|s| s.handle == handle)
+    }
+
+    /// With nobody reading the script, wakes one waiting thread to take the reader's turn (one, not all: the
+    /// others would only wake to find it taken).
+    fn offer_turn(&self) {
+        if self.reading {
+            return;
+        }
+        if let Some(set) = self.sets.iter().find(|s| s.waiters > 0) {
+            set.wake.notify_one();
+        }
     }
 }
 
@@ -373,7 +388,10 @@ impl SetRef {
         let deadline = Instant::now() + timeout;
         let mut events = lock(&EVENTS);
         loop {
-            let set = events.set(self.0)?;
+            let Some(set) = events.set(self.0) else {
+                events.offer_turn();
+                return None;
+            };
             // As the driver does: while a GPU registered in the set is lost, every wait on the set answers
             // GPU_IS_LOST at once (the set has to be freed and made again without it). By default the
             // events queued before come first; with `FAKE_NVML_LOST_FIRST` the loss does, and they wait.
@@ -384,27 +402,40 @@ impl SetRef {
                     .and_then(|devices| devices.get(*device))
                     .is_some_and(Device::is_lost)
             });
-            if holds_lost && lost_first() {
+            let answer = if holds_lost && lost_first() {
                 // Told now: the loss's own notice in the queue would tell it a second time.
                 set.queue
                     .retain(|pending| !matches!(pending, Pending::Lost));
-                return Some(Pending::Lost);
-            }
-            if let Some(pending) = set.queue.pop_front() {
-                return Some(pending);
-            }
-            if holds_lost {
-                return Some(Pending::Lost);
+                Some(Pending::Lost)
+            } else if let Some(pending) = set.queue.pop_front() {
+                Some(pending)
+            } else if holds_lost {
+                Some(Pending::Lost)
+            } else {
+                None
+            };
+            if answer.is_some() {
+                // This thread may have been offered the reader's turn: pass it on, since it leaves.
+                events.offer_turn();
+                return answer;
             }
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
+                events.offer_turn();
                 return None;
             }
+            let wake = Arc::clone(&set.wake);
             if events.reading {
-                events = CHANGED
+                if let Some(set) = events.set(self.0) {
+                    set.waiters += 1;
+                }
+                events = wake
                     .wait_timeout(events, remaining)
                     .map(|(guard, _)| guard)
                     .unwrap_or_else(|poisoned| poisoned.into_inner().0);
+                if let Some(set) = events.set(self.0) {
+                    set.waiters -= 1;
+                }
                 continue;
             }
             // This thread's turn to read the script, as the driver's waiter is woken by the kernel.
@@ -430,6 +461,8 @@ pub fn create_set() -> nvmlEventSet_t {
         handle,
         registrations: Vec::new(),
         queue: VecDeque::new(),
+        wake: Arc::new(Condvar::new()),
+        waiters: 0,
     });
     // An opaque, non-null token: never dereferenced, only looked up.
     std::ptr::without_provenance_mut(handle)
@@ -437,20 +470,18 @@ pub fn create_set() -> nvmlEventSet_t {
 
 pub fn free_set(handle: nvmlEventSet_t) -> nvmlReturn_t {
     let mut events = lock(&EVENTS);
-    let before = events.sets.len();
-    events.sets.retain(|s| s.handle != handle as usize);
-    if events.sets.len() == before {
-        code::INVALID_ARGUMENT
-    } else {
-        code::SUCCESS
-    }
+    let Some(at) = events.sets.iter().position(|s| s.handle == handle as usize) else {
+        return code::INVALID_ARGUMENT;
+    };
+    // Its waiters (a client's mistake) return with nothing.
+    events.sets.remove(at).wake.notify_all();
+    code::SUCCESS
 }
 
 /// Queues `pending` on every set that registered `device` for any of `types` (any type at all when
 /// `types` is 0, as for a lost GPU).
 fn deliver(device: usize, types: u64, pending: Pending) {
     let mut events = lock(&EVENTS);
-    let mut queued = false;
     for set in &mut events.sets {
         let wanted = set
             .registrations
@@ -461,11 +492,8 @@ fn deliver(device: usize, types: u64, pending: Pending) {
                 set.queue.pop_front();
             }
             set.queue.push_back(pending);
-            queued = true;
+            set.wake.notify_all();
         }
-    }
-    if queued {
-        CHANGED.notify_all();
     }
 }
 
