@@ -85,7 +85,19 @@ pub struct AllocateOptions {
     /// Where **this process** sees the host's root file system: `/` on the host, the host root's mount in a
     /// pod (e.g. `/host`). Used only to check which device nodes exist, at host root + dev root + node.
     pub host_root: PathBuf,
+    /// IMEX channels every container gets (multi-node NVLink), their device nodes found at start: named as
+    /// NVIDIA's plugin names them in each form the response takes (`NVIDIA_IMEX_CHANNELS`, a volume mount,
+    /// a CDI name, a device spec).
+    pub imex_channels: Vec<u32>,
 }
+
+/// Where IMEX channel `id`'s device node is, in a container and (under the dev root) on the host.
+pub fn imex_channel_node(id: u32) -> PathBuf {
+    PathBuf::from(format!("/dev/nvidia-caps-imex-channels/channel{id}"))
+}
+
+/// The environment variable that names the IMEX channels to the NVIDIA container toolkit.
+pub const IMEX_CHANNELS_ENV: &str = "NVIDIA_IMEX_CHANNELS";
 
 impl Default for AllocateOptions {
     fn default() -> Self {
@@ -101,6 +113,7 @@ impl Default for AllocateOptions {
             device_specs: false,
             dev_root: PathBuf::from("/"),
             host_root: PathBuf::from("/"),
+            imex_channels: Vec::new(),
         }
     }
 }
@@ -283,18 +296,31 @@ fn container_response(
     node_exists: &impl Fn(&Path) -> bool,
 ) -> ContainerAllocateResponse {
     let mut response = ContainerAllocateResponse::default();
+    let imex: Vec<String> = options
+        .imex_channels
+        .iter()
+        .map(ToString::to_string)
+        .collect();
     if options.envvar {
         response
             .envs
             .insert(VISIBLE_DEVICES_ENV.to_string(), ids.join(","));
+        if !imex.is_empty() {
+            response
+                .envs
+                .insert(IMEX_CHANNELS_ENV.to_string(), imex.join(","));
+        }
     }
     if options.volume_mounts {
         response.envs.insert(
             VISIBLE_DEVICES_ENV.to_string(),
             VOLUME_MOUNTS_DIR.to_string(),
         );
+        let channels = imex.iter().map(|id| format!("imex/{id}"));
         response.mounts = ids
             .iter()
+            .cloned()
+            .chain(channels)
             .map(|id| Mount {
                 container_path: format!("{VOLUME_MOUNTS_DIR}/{id}"),
                 host_path: "/dev/null".into(),
@@ -318,19 +344,21 @@ fn container_response(
             read_only: false,
         });
     }
+    // IMEX channels in CDI are the vendor's `imex-channel` class: nvidia.com/imex-channel=0.
+    let vendor = options
+        .cdi_kind
+        .split_once('/')
+        .map_or(options.cdi_kind.as_str(), |(vendor, _)| vendor);
+    let cdi_names = || {
+        ids.iter()
+            .map(|id| format!("{}={id}", options.cdi_kind))
+            .chain(imex.iter().map(|id| format!("{vendor}/imex-channel={id}")))
+    };
     if options.cdi {
-        response.cdi_devices = ids
-            .iter()
-            .map(|id| CdiDevice {
-                name: format!("{}={id}", options.cdi_kind),
-            })
-            .collect();
+        response.cdi_devices = cdi_names().map(|name| CdiDevice { name }).collect();
     }
     if let Some(prefix) = &options.cdi_annotations {
-        let names: Vec<String> = ids
-            .iter()
-            .map(|id| format!("{}={id}", options.cdi_kind))
-            .collect();
+        let names: Vec<String> = cdi_names().collect();
         response.annotations.insert(
             format!("{prefix}nvidia-device-plugin_{}", random_uuid()),
             names.join(","),
@@ -351,6 +379,17 @@ fn container_response(
                     permissions: "rw".into(),
                 });
             }
+        }
+        // Checked at start: a channel missing then was left out (or refused the start).
+        for &id in &options.imex_channels {
+            let node = imex_channel_node(id);
+            response.devices.push(DeviceSpec {
+                container_path: node.to_string_lossy().into_owned(),
+                host_path: under(&options.dev_root, &node)
+                    .to_string_lossy()
+                    .into_owned(),
+                permissions: "rw".into(),
+            });
         }
     }
     response
@@ -376,7 +415,7 @@ fn random_uuid() -> String {
 
 /// `path` under `root`: `/dev/nvidia0` under `/run/nvidia/driver` is `/run/nvidia/driver/dev/nvidia0`, and
 /// under `/` it is itself.
-fn under(root: &Path, path: &Path) -> PathBuf {
+pub fn under(root: &Path, path: &Path) -> PathBuf {
     root.join(path.strip_prefix("/").unwrap_or(path))
 }
 
@@ -814,6 +853,72 @@ mod tests {
                 )
             })
             .collect()
+    }
+
+    #[test]
+    fn an_imex_channel_reaches_every_container_in_each_form_the_response_takes() {
+        let options = AllocateOptions {
+            envvar: true,
+            volume_mounts: false,
+            cdi: true,
+            cdi_annotations: Some("cdi.k8s.io/".into()),
+            device_specs: true,
+            dev_root: PathBuf::from("/run/nvidia/driver"),
+            imex_channels: vec![0],
+            ..AllocateOptions::default()
+        };
+        let none = |_: &Path| false;
+        let responses =
+            allocate(&node(), &[ids(&["g1"]), ids(&["g2"])], &options, none).unwrap_or_default();
+        assert_eq!(responses.len(), 2);
+        for r in &responses {
+            assert_eq!(r.envs.get(IMEX_CHANNELS_ENV).map(String::as_str), Some("0"));
+            assert!(
+                r.cdi_devices
+                    .iter()
+                    .any(|d| d.name == "nvidia.com/imex-channel=0"),
+                "{:?}",
+                r.cdi_devices
+            );
+            assert!(
+                r.annotations
+                    .values()
+                    .any(|v| v.ends_with(",nvidia.com/imex-channel=0")),
+                "{:?}",
+                r.annotations
+            );
+            assert_eq!(
+                specs(r),
+                vec![(
+                    "/dev/nvidia-caps-imex-channels/channel0",
+                    "/run/nvidia/driver/dev/nvidia-caps-imex-channels/channel0",
+                    "rw"
+                )]
+            );
+        }
+        let mounts = AllocateOptions {
+            envvar: false,
+            volume_mounts: true,
+            imex_channels: vec![0],
+            ..AllocateOptions::default()
+        };
+        let responses = allocate(&node(), &[ids(&["g1"])], &mounts, none).unwrap_or_default();
+        let paths: Vec<&str> = responses[0]
+            .mounts
+            .iter()
+            .map(|m| m.container_path.as_str())
+            .collect();
+        assert_eq!(
+            paths,
+            vec![
+                "/var/run/nvidia-container-devices/g1",
+                "/var/run/nvidia-container-devices/imex/0"
+            ]
+        );
+        // Without channels, nothing of them.
+        let plain = allocate(&node(), &[ids(&["g1"])], &AllocateOptions::default(), none)
+            .unwrap_or_default();
+        assert!(!plain[0].envs.contains_key(IMEX_CHANNELS_ENV));
     }
 
     #[test]

@@ -39,11 +39,19 @@ pub enum LogFormat {
 #[command(
     name = "gpu-device-plugin",
     version,
+    disable_version_flag = true,
+    // A flag given twice takes its last value, as NVIDIA's plugin (and Go's flag packages) read it; list
+    // flags (--device-list-strategy) add up instead.
+    args_override_self = true,
     about = "Kubernetes device plugin for NVIDIA GPUs",
     after_help = "`gpu-device-plugin status` shows a running plugin's devices, their health and messages \
                   (see `gpu-device-plugin status --help`)."
 )]
 pub struct Args {
+    /// Print the version (-v as NVIDIA's plugin spells it, or -V)
+    #[arg(short = 'v', long, short_alias = 'V', action = clap::ArgAction::Version)]
+    version: Option<bool>,
+
     /// Kubelet device plugin directory [default: /var/lib/kubelet/device-plugins]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_KUBELET_DIR", value_name = "DIR")]
     pub kubelet_dir: Option<PathBuf>,
@@ -76,7 +84,8 @@ pub struct Args {
     #[arg(long, env = "GPU_DEVICE_PLUGIN_NVML_LIB", value_name = "PATH")]
     pub nvml_lib: Option<PathBuf>,
 
-    /// Exit when NVML cannot be loaded; false serves the driver's GPUs as unmonitored [default: true]
+    /// Exit when NVML cannot be loaded; false serves the driver's GPUs as unmonitored (also read from
+    /// NVIDIA's FAIL_ON_INIT_ERROR) [default: true]
     #[arg(long, env = "GPU_DEVICE_PLUGIN_FAIL_ON_INIT_ERROR", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub fail_on_init_error: Option<bool>,
 
@@ -117,8 +126,14 @@ pub struct Args {
     pub device_specs: Option<bool>,
 
     /// Where the device nodes are on the host, as NVIDIA's plugin reads it: device specs name
-    /// DIR/dev/nvidiaN as their host path (e.g. /run/nvidia/driver under the GPU operator) [default: /]
-    #[arg(long, env = "NVIDIA_DEV_ROOT", value_name = "DIR")]
+    /// DIR/dev/nvidiaN as their host path (e.g. /run/nvidia/driver under the GPU operator) [default: the
+    /// driver root]
+    #[arg(
+        long,
+        visible_alias = "nvidia-dev-root",
+        env = "NVIDIA_DEV_ROOT",
+        value_name = "DIR"
+    )]
     pub dev_root: Option<PathBuf>,
 
     /// Where this process sees the host's root file system (e.g. /host in a pod); only used to check which
@@ -189,14 +204,17 @@ pub struct Args {
     #[arg(long, env = "PASS_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
     pub pass_device_specs: Option<bool>,
 
-    /// How Allocate names the devices: envvar, volume-mounts, cdi-annotations, cdi-cri, comma-separated [default: envvar]
+    /// How Allocate names the devices: envvar, volume-mounts, cdi-annotations, cdi-cri; comma-separated or
+    /// the flag given again [default: envvar]
     #[arg(
         long,
         env = "DEVICE_LIST_STRATEGY",
         value_name = "LIST",
+        value_delimiter = ',',
+        action = clap::ArgAction::Append,
         help_heading = "NVIDIA's device plugin's flags"
     )]
-    pub device_list_strategy: Option<String>,
+    pub device_list_strategy: Vec<String>,
 
     /// Device IDs: uuid or index [default: uuid]
     #[arg(
@@ -216,9 +234,11 @@ pub struct Args {
     )]
     pub cdi_annotation_prefix: Option<String>,
 
-    /// The driver's root on the host: / (others are not supported yet; use --nvml-lib and --dev-root) [default: /]
+    /// The driver's root on the host, e.g. /run/nvidia/driver with the GPU operator's driver container: the
+    /// dev root's default [default: /]
     #[arg(
         long,
+        visible_alias = "nvidia-driver-root",
         env = "NVIDIA_DRIVER_ROOT",
         value_name = "DIR",
         help_heading = "NVIDIA's device plugin's flags"
@@ -263,6 +283,181 @@ pub struct Args {
         help_heading = "NVIDIA's device plugin's flags"
     )]
     pub device_discovery_strategy: Option<String>,
+
+    /// Where the driver root is mounted in this container: NVML is loaded from under it (lib64 and lib
+    /// directories, as NVIDIA's plugin searches them) when --nvml-lib is not given, and IMEX channels are
+    /// looked for under its dev/; a directory that is not there is passed over (also read from
+    /// CONTAINER_DRIVER_ROOT) [default: /driver-root]
+    #[arg(
+        long,
+        visible_alias = "container-driver-root",
+        env = "DRIVER_ROOT_CTR_PATH",
+        value_name = "DIR",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub driver_root_ctr_path: Option<PathBuf>,
+
+    /// IMEX channels every container gets (NVIDIA supports channel 0 only): comma-separated or the flag
+    /// given again [default: none]
+    #[arg(long, env = "IMEX_CHANNEL_IDS", value_name = "IDS", value_delimiter = ',', action = clap::ArgAction::Append, help_heading = "NVIDIA's device plugin's flags")]
+    pub imex_channel_ids: Vec<String>,
+
+    /// Refuse to start when a requested IMEX channel's device node is missing (otherwise it is left out,
+    /// with a warning) [default: false]
+    #[arg(long, env = "IMEX_REQUIRED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
+    pub imex_required: Option<bool>,
+
+    /// The kubelet's registration socket; its directory is the kubelet directory (see --kubelet-dir); its
+    /// name must be kubelet.sock [default: /var/lib/kubelet/device-plugins/kubelet.sock]
+    #[arg(
+        long,
+        env = "KUBELET_SOCKET",
+        value_name = "PATH",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub kubelet_socket: Option<String>,
+
+    /// Accepted, no effect: the NVIDIA CDI hook used in CDI specs, which this plugin does not write (also
+    /// read from NVIDIA_CTK_PATH)
+    #[arg(
+        long,
+        visible_alias = "nvidia-ctk-path",
+        env = "NVIDIA_CDI_HOOK_PATH",
+        value_name = "PATH",
+        help_heading = "NVIDIA's device plugin's flags"
+    )]
+    pub nvidia_cdi_hook_path: Option<String>,
+
+    /// Accepted, no effect: feature flags of CDI spec generation, which this plugin does not do
+    #[arg(long, env = "CDI_FEATURE_FLAGS", value_name = "LIST", value_delimiter = ',', action = clap::ArgAction::Append, help_heading = "NVIDIA's device plugin's flags")]
+    pub cdi_feature_flags: Vec<String>,
+
+    /// Accepted, no effect: OCI hooks left out of generated CDI specs, which this plugin does not write
+    #[arg(long, env = "CDI_DISABLE_HOOKS", value_name = "LIST", value_delimiter = ',', action = clap::ArgAction::Append, help_heading = "NVIDIA's device plugin's flags")]
+    pub cdi_disable_hooks: Vec<String>,
+}
+
+/// Where NVIDIA's plugin expects the host's driver root in its container (`--driver-root-ctr-path`).
+pub const DEFAULT_CONTAINER_DRIVER_ROOT: &str = "/driver-root";
+
+/// One warning for each of NVIDIA's settings given that means nothing here, saying why.
+fn without_effect(args: &Args) -> Vec<String> {
+    let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
+    let cdi_specs = "no effect here: it shapes the CDI specs NVIDIA's plugin writes, and this plugin writes \
+                     none (it names devices in CDI form, with --cdi or deviceListStrategy cdi-cri or \
+                     cdi-annotations; the specs come from the NVIDIA container toolkit)";
+    [
+        (
+            "--nvidia-cdi-hook-path (NVIDIA_CDI_HOOK_PATH, NVIDIA_CTK_PATH)",
+            args.nvidia_cdi_hook_path.is_some() || set("NVIDIA_CTK_PATH"),
+        ),
+        (
+            "--cdi-feature-flags (CDI_FEATURE_FLAGS)",
+            !args.cdi_feature_flags.is_empty(),
+        ),
+        (
+            "--cdi-disable-hooks (CDI_DISABLE_HOOKS)",
+            !args.cdi_disable_hooks.is_empty(),
+        ),
+    ]
+    .into_iter()
+    .filter(|(_, given)| *given)
+    .map(|(setting, _)| format!("{setting}: {cdi_specs}"))
+    .collect()
+}
+
+/// The kubelet directory NVIDIA's `--kubelet-socket` names: the socket's directory, when the socket is the
+/// kubelet's `kubelet.sock` (the only name a kubelet registers plugins on).
+fn kubelet_dir_of_socket(socket: Option<&Path>) -> Result<Option<PathBuf>, ConfigError> {
+    let Some(socket) = socket else {
+        return Ok(None);
+    };
+    let invalid = |why: &str| ConfigError::Invalid {
+        setting: "--kubelet-socket (KUBELET_SOCKET)",
+        value: socket.display().to_string(),
+        why: why.into(),
+    };
+    if socket.as_os_str().is_empty() {
+        return Err(invalid(
+            "empty: NVIDIA's plugin then never registers with the kubelet, and this plugin always does; \
+             leave it unset or give the kubelet's socket",
+        ));
+    }
+    match (socket.parent(), socket.file_name()) {
+        (Some(dir), Some(name)) if name == crate::api::KUBELET_SOCKET && socket.is_absolute() => {
+            Ok(Some(dir.to_path_buf()))
+        }
+        _ => Err(invalid(
+            "must be an absolute path ending in kubelet.sock, the kubelet's registration socket in its \
+             device plugin directory (or give that directory with --kubelet-dir)",
+        )),
+    }
+}
+
+/// NVIDIA's `--imex-channel-ids`: none or channel 0, the only one NVIDIA's plugin supports.
+fn imex_channel_ids(given: &[String]) -> Result<Vec<u32>, ConfigError> {
+    let mut ids = Vec::new();
+    for text in given.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+        let id = text.parse::<u32>().map_err(|_| ConfigError::Invalid {
+            setting: "--imex-channel-ids (IMEX_CHANNEL_IDS)",
+            value: text.into(),
+            why: "not a channel number".into(),
+        })?;
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    if ids.iter().any(|&id| id != 0) {
+        return Err(ConfigError::Invalid {
+            setting: "--imex-channel-ids (IMEX_CHANNEL_IDS)",
+            value: given.join(","),
+            why: "only channel 0 is supported (as by NVIDIA's plugin): give 0, or nothing".into(),
+        });
+    }
+    Ok(ids)
+}
+
+/// The IMEX channels whose device node is a character device in one of `dev_dirs` (the container driver
+/// root's `dev`, this container's `/dev`, the host's dev root): those every container gets. A missing one
+/// is left out with a warning, or refuses the start when channels are `required`, as NVIDIA's plugin does.
+fn find_imex_channels(
+    ids: &[u32],
+    required: bool,
+    dev_dirs: &[PathBuf],
+    warnings: &mut Vec<String>,
+) -> Result<Vec<u32>, ConfigError> {
+    use std::os::unix::fs::FileTypeExt as _;
+    let mut found = Vec::new();
+    for &id in ids {
+        let node = crate::allocation::imex_channel_node(id);
+        let relative = node.strip_prefix("/dev").unwrap_or(&node);
+        let places: Vec<PathBuf> = dev_dirs.iter().map(|d| d.join(relative)).collect();
+        let present = places
+            .iter()
+            .any(|p| std::fs::metadata(p).is_ok_and(|m| m.file_type().is_char_device()));
+        if present {
+            found.push(id);
+            continue;
+        }
+        let looked: Vec<String> = places.iter().map(|p| p.display().to_string()).collect();
+        if required {
+            return Err(ConfigError::Invalid {
+                setting: "IMEX channel (--imex-channel-ids, --imex-required)",
+                value: id.to_string(),
+                why: format!(
+                    "required, and no character device at {}: is the node's IMEX daemon running and \
+                     the channel created?",
+                    looked.join(", ")
+                ),
+            });
+        }
+        warnings.push(format!(
+            "IMEX channel {id}: no character device at {}; containers get no IMEX channel (as with \
+             NVIDIA's plugin; --imex-required refuses the start instead)",
+            looked.join(", ")
+        ));
+    }
+    Ok(found)
 }
 
 /// A boolean as NVIDIA's plugin (Go's `strconv.ParseBool`) reads one: 1, t, T, TRUE, true, True and the
@@ -416,7 +611,39 @@ impl Settings {
             Some(path) => load_file(path)?,
             None => nvidia::Loaded::default(),
         };
-        let (file, warnings) = (loaded.file, loaded.warnings);
+        let (file, mut warnings) = (loaded.file, loaded.warnings);
+        warnings.extend(without_effect(&args));
+        let socket_dir = kubelet_dir_of_socket(args.kubelet_socket.as_deref().map(Path::new))?;
+        let kubelet_dir = match (args.kubelet_dir.clone(), socket_dir) {
+            (Some(dir), Some(from_socket)) if dir != from_socket => {
+                return Err(ConfigError::Invalid {
+                    setting: "--kubelet-socket (KUBELET_SOCKET)",
+                    value: from_socket
+                        .join(crate::api::KUBELET_SOCKET)
+                        .display()
+                        .to_string(),
+                    why: format!(
+                        "not in the kubelet directory given by --kubelet-dir ({}); give one of them",
+                        dir.display()
+                    ),
+                });
+            }
+            (dir, from_socket) => dir
+                .or(from_socket)
+                .or(file.kubelet_dir.clone())
+                .unwrap_or_else(|| DEFAULT_KUBELET_DIR.into()),
+        };
+        let container_driver_root = args
+            .driver_root_ctr_path
+            .clone()
+            .or_else(|| {
+                std::env::var_os("CONTAINER_DRIVER_ROOT")
+                    .filter(|v| !v.is_empty())
+                    .map(PathBuf::from)
+            })
+            .unwrap_or_else(|| DEFAULT_CONTAINER_DRIVER_ROOT.into());
+        let imex_ids = imex_channel_ids(&args.imex_channel_ids)?;
+        let imex_required = args.imex_required.unwrap_or(false);
         let fail_on_init_error_env = match std::env::var("FAIL_ON_INIT_ERROR") {
             Ok(value) => Some(parse_go_bool(&value).map_err(|why| ConfigError::Invalid {
                 setting: "FAIL_ON_INIT_ERROR",
@@ -429,8 +656,9 @@ impl Settings {
             &nvidia::NvidiaSettings {
                 mig_strategy: args.mig_strategy,
                 driver_root: args.driver_root,
-                device_list_strategy: args.device_list_strategy.map(|list| {
-                    list.split(',')
+                device_list_strategy: (!args.device_list_strategy.is_empty()).then(|| {
+                    args.device_list_strategy
+                        .iter()
                         .map(|s| s.trim().to_string())
                         .filter(|s| !s.is_empty())
                         .collect()
@@ -508,6 +736,8 @@ impl Settings {
                 .host_root
                 .or(file.host_root)
                 .unwrap_or(defaults.host_root),
+            // Once the roots are known, below.
+            imex_channels: Vec::new(),
         };
         for (setting, dir) in [
             ("--dev-root", &allocate.dev_root),
@@ -528,11 +758,19 @@ impl Settings {
                 why: "a CDI kind is vendor/class, e.g. nvidia.com/gpu".into(),
             });
         }
+        let mut allocate = allocate;
+        allocate.imex_channels = find_imex_channels(
+            &imex_ids,
+            imex_required,
+            &[
+                container_driver_root.join("dev"),
+                PathBuf::from("/dev"),
+                crate::allocation::under(&allocate.host_root, &allocate.dev_root.join("dev")),
+            ],
+            &mut warnings,
+        )?;
         Ok(Settings {
-            kubelet_dir: args
-                .kubelet_dir
-                .or(file.kubelet_dir)
-                .unwrap_or_else(|| DEFAULT_KUBELET_DIR.into()),
+            kubelet_dir,
             resource_name,
             sharing: nvidia.sharing,
             mps_root: nvidia.mps_root,
@@ -549,6 +787,7 @@ impl Settings {
                 library: args
                     .nvml_lib
                     .or(file.nvml_lib)
+                    .or_else(|| crate::nvml::library_under(&container_driver_root))
                     .unwrap_or(nvml_defaults.library),
                 sysfs_root: args
                     .sysfs_root
@@ -958,6 +1197,173 @@ mod tests {
             Ok(Err(e)) => Err(e.to_string()),
             Err(e) => Err(e.to_string()),
         }
+    }
+
+    #[test]
+    fn every_nvidia_flag_is_accepted_and_applied_or_warned_about() -> Result<(), String> {
+        let s = settings(&[
+            "--nvidia-driver-root",
+            "/run/nvidia/driver",
+            "--nvidia-cdi-hook-path",
+            "/usr/bin/nvidia-cdi-hook",
+            "--nvidia-ctk-path",
+            "/usr/bin/nvidia-ctk",
+            "--container-driver-root",
+            "/nonexistent-driver-root",
+            "--imex-channel-ids",
+            "0",
+            "--imex-required=false",
+            "--kubelet-socket",
+            "/var/lib/kubelet/device-plugins/kubelet.sock",
+            "--cdi-feature-flags",
+            "a,b",
+            "--cdi-disable-hooks",
+            "all",
+            "--device-list-strategy",
+            "envvar",
+            "--device-list-strategy",
+            "volume-mounts",
+            "--mig-strategy",
+            "mixed",
+            "--mig-strategy",
+            "none",
+        ])?;
+        // The driver root is the dev root's default: device specs' host paths are under it.
+        assert_eq!(s.allocate.dev_root, PathBuf::from("/run/nvidia/driver"));
+        // The flag given twice adds up (a list) or takes the last value.
+        assert!(s.allocate.envvar && s.allocate.volume_mounts);
+        assert_eq!(s.nvml.mig_strategy, crate::devices::mig::MigStrategy::None);
+        assert_eq!(
+            s.kubelet_dir,
+            PathBuf::from("/var/lib/kubelet/device-plugins")
+        );
+        // No IMEX device node on this machine, not required: left out, said once.
+        assert!(s.allocate.imex_channels.is_empty());
+        for said in [
+            "--nvidia-cdi-hook-path",
+            "--cdi-feature-flags",
+            "--cdi-disable-hooks",
+            "IMEX channel 0",
+        ] {
+            assert_eq!(
+                s.warnings.iter().filter(|w| w.contains(said)).count(),
+                1,
+                "{said}: {:?}",
+                s.warnings
+            );
+        }
+        let dev = settings(&[
+            "--driver-root",
+            "/run/nvidia/driver",
+            "--nvidia-dev-root",
+            "/",
+        ])?;
+        assert_eq!(dev.allocate.dev_root, PathBuf::from("/"));
+        Ok(())
+    }
+
+    #[test]
+    fn dash_v_prints_the_version_as_nvidias_plugin_does() {
+        for flag in ["-v", "-V", "--version"] {
+            let kind = Args::try_parse_from(["gpu-device-plugin", flag])
+                .err()
+                .map(|e| e.kind());
+            assert_eq!(kind, Some(clap::error::ErrorKind::DisplayVersion), "{flag}");
+        }
+    }
+
+    #[test]
+    fn the_kubelet_socket_names_the_kubelet_directory_or_is_refused_with_the_reason() {
+        let s = settings(&[
+            "--kubelet-socket",
+            "/var/lib/k0s/kubelet/device-plugins/kubelet.sock",
+        ]);
+        assert_eq!(
+            s.map(|s| s.kubelet_dir),
+            Ok(PathBuf::from("/var/lib/k0s/kubelet/device-plugins"))
+        );
+        for (argv, says) in [
+            (vec!["--kubelet-socket", ""], "never registers"),
+            (
+                vec!["--kubelet-socket", "/run/other.sock"],
+                "ending in kubelet.sock",
+            ),
+            (vec!["--kubelet-socket", "kubelet.sock"], "absolute path"),
+            (
+                vec!["--kubelet-socket", "/a/kubelet.sock", "--kubelet-dir", "/b"],
+                "not in the kubelet directory",
+            ),
+        ] {
+            let e = settings(&argv).err().unwrap_or_default();
+            assert!(
+                e.contains(says) && e.contains("--kubelet-socket"),
+                "{argv:?}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn imex_channel_0_is_found_under_the_container_driver_root_or_refused_when_required()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let root = tempfile::tempdir()?;
+        let ctr_root = root.path().to_string_lossy().into_owned();
+        let required = [
+            "--imex-channel-ids",
+            "0",
+            "--imex-required",
+            "--container-driver-root",
+        ];
+        let e = settings(&[&required[..], &[&ctr_root]].concat())
+            .err()
+            .unwrap_or_default();
+        assert!(e.contains("IMEX channel") && e.contains("required"), "{e}");
+        assert!(
+            e.contains(&format!(
+                "{ctr_root}/dev/nvidia-caps-imex-channels/channel0"
+            )),
+            "{e}"
+        );
+        // The channel's device node (any character device will do for the check).
+        let channels = root.path().join("dev/nvidia-caps-imex-channels");
+        std::fs::create_dir_all(&channels)?;
+        std::os::unix::fs::symlink("/dev/null", channels.join("channel0"))?;
+        let s = settings(&[&required[..], &[&ctr_root]].concat())?;
+        assert_eq!(s.allocate.imex_channels, vec![0]);
+        // A regular file is not a device node.
+        std::fs::remove_file(channels.join("channel0"))?;
+        std::fs::write(channels.join("channel0"), "")?;
+        assert!(settings(&[&required[..], &[&ctr_root]].concat()).is_err());
+        for bad in ["1", "x", "0,1"] {
+            let e = settings(&["--imex-channel-ids", bad])
+                .err()
+                .unwrap_or_default();
+            assert!(e.contains("--imex-channel-ids"), "{bad}: {e}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn nvml_is_loaded_from_under_the_container_driver_root_unless_a_library_is_given()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let root = tempfile::tempdir()?;
+        let lib_dir = root.path().join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib_dir)?;
+        std::fs::write(lib_dir.join("libnvidia-ml.so.1"), "")?;
+        let ctr_root = root.path().to_string_lossy().into_owned();
+        let s = settings(&["--driver-root-ctr-path", &ctr_root])?;
+        assert_eq!(s.nvml.library, lib_dir.join("libnvidia-ml.so.1"));
+        let s = settings(&[
+            "--driver-root-ctr-path",
+            &ctr_root,
+            "--nvml-lib",
+            "/x/libnvidia-ml.so.1",
+        ])?;
+        assert_eq!(s.nvml.library, PathBuf::from("/x/libnvidia-ml.so.1"));
+        // Nothing there: the dynamic loader's search, as before.
+        let s = settings(&["--driver-root-ctr-path", "/nonexistent-driver-root"])?;
+        assert_eq!(s.nvml.library, PathBuf::from("libnvidia-ml.so.1"));
+        assert!(settings(&["--driver-root", "run/nvidia/driver"]).is_err());
+        Ok(())
     }
 
     #[test]

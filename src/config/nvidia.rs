@@ -612,13 +612,15 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
             ));
         }
     }
+    // The driver's root on the host: where device specs' host paths are, unless a dev root is given.
     let driver_root = match settings.driver_root.as_deref() {
-        None | Some("" | "/") => PathBuf::from("/"),
+        None | Some("") => PathBuf::from("/"),
+        Some(root) if std::path::Path::new(root).is_absolute() => PathBuf::from(root),
         Some(root) => {
             return Err(invalid(
                 "nvidiaDriverRoot (--driver-root, NVIDIA_DRIVER_ROOT)",
                 root,
-                "a driver root other than / is not supported yet; give --nvml-lib and --dev-root instead",
+                "must be an absolute path on the host, e.g. / or /run/nvidia/driver",
             ));
         }
     };
@@ -785,7 +787,7 @@ mod tests {
                 "deviceIDStrategy",
             ),
             (
-                "flags:\n  nvidiaDriverRoot: /run/nvidia/driver\n",
+                "flags:\n  nvidiaDriverRoot: run/nvidia/driver\n",
                 "nvidiaDriverRoot",
             ),
             (

@@ -66,6 +66,29 @@ fn wanted_events() -> EventTypes {
         | EventTypes::SINGLE_BIT_ECC_ERROR
 }
 
+/// The directories under a driver root where `libnvidia-ml.so.1` is looked for, in NVIDIA's order.
+const LIBRARY_DIRS: [&str; 6] = [
+    "usr/lib64",
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib/aarch64-linux-gnu",
+    "lib64",
+    "lib/x86_64-linux-gnu",
+    "lib/aarch64-linux-gnu",
+];
+
+/// NVML's library under a driver root mounted at `root` in this container (the GPU operator's driver
+/// container, or the host's root): the first of [`LIBRARY_DIRS`] that holds it, as NVIDIA's plugin looks.
+/// `None` for `/` (the dynamic loader finds it there) or when none holds it.
+pub fn library_under(root: &Path) -> Option<PathBuf> {
+    if root.as_os_str().is_empty() || root == Path::new("/") {
+        return None;
+    }
+    LIBRARY_DIRS
+        .iter()
+        .map(|dir| root.join(dir).join(DEFAULT_LIBRARY))
+        .find(|path| path.exists())
+}
+
 /// Where NVML and the kernel's views of the GPUs are found.
 #[derive(Debug, Clone)]
 pub struct NvmlOptions {
@@ -184,6 +207,7 @@ impl NvmlGpus {
                     cause: other.to_string(),
                 },
             })?;
+        tracing::info!(library = %library, "NVML loaded");
         Ok(NvmlGpus {
             nvml,
             options,
@@ -1068,6 +1092,22 @@ impl DeviceSource for UnmonitoredGpus {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_library_is_found_under_a_driver_root_in_nvidias_order() -> std::io::Result<()> {
+        let root = tempfile::tempdir()?;
+        assert_eq!(library_under(root.path()), None);
+        assert_eq!(library_under(Path::new("/")), None);
+        for dir in ["lib/x86_64-linux-gnu", "usr/lib64"] {
+            std::fs::create_dir_all(root.path().join(dir))?;
+            std::fs::write(root.path().join(dir).join(DEFAULT_LIBRARY), b"")?;
+        }
+        assert_eq!(
+            library_under(root.path()),
+            Some(root.path().join("usr/lib64").join(DEFAULT_LIBRARY))
+        );
+        Ok(())
+    }
 
     #[test]
     fn sysfs_bus_ids_have_a_short_lower_case_domain() {
