@@ -86,7 +86,7 @@ pub struct Args {
 
     /// Exit when NVML cannot be loaded; false serves the driver's GPUs as unmonitored (also read from
     /// NVIDIA's FAIL_ON_INIT_ERROR) [default: true]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_FAIL_ON_INIT_ERROR", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_FAIL_ON_INIT_ERROR", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     pub fail_on_init_error: Option<bool>,
 
     /// Root of sysfs, where GPU NUMA nodes are read [default: /sys]
@@ -114,7 +114,7 @@ pub struct Args {
     pub socket_name: Option<String>,
 
     /// Return CDI device names (<cdi-kind>=<id>) from Allocate [default: false]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_CDI", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_CDI", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     pub cdi: Option<bool>,
 
     /// CDI kind used in CDI device names [default: nvidia.com/gpu]
@@ -122,7 +122,7 @@ pub struct Args {
     pub cdi_kind: Option<String>,
 
     /// Return device specs for the GPU's device nodes that exist [default: false]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     pub device_specs: Option<bool>,
 
     /// Where the device nodes are on the host, as NVIDIA's plugin reads it: device specs name
@@ -152,7 +152,7 @@ pub struct Args {
 
     /// Have the kubelet ask before every container start, and refuse a start on an Unhealthy GPU with its
     /// health message (PreStartContainer) [default: true]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_PRE_START_CHECK", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_PRE_START_CHECK", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     pub pre_start_check: Option<bool>,
 
     /// The kubelet's pod-resources socket, to tell which pods hold a device; empty turns the lookup off
@@ -166,7 +166,7 @@ pub struct Args {
 
     /// Report to the Kubernetes API (Events, the GPUUnhealthy node condition) when it can be reached
     /// [default: true]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_KUBE_API", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_KUBE_API", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
     pub kube_api: Option<bool>,
 
     /// A kubeconfig for the API server [default: the pod's service account]
@@ -883,6 +883,146 @@ impl Settings {
         })
     }
 
+    /// The effective settings as `check-config` prints them: one `name: value` line each, in the order
+    /// an operator reviews a rollout (what the kubelet sees, how Allocate answers, health, surfaces).
+    pub fn describe(&self) -> String {
+        let on = |b: bool| if b { "on" } else { "off" };
+        let path = |p: &Path| p.display().to_string();
+        let a = &self.allocate;
+        let mut allocate = Vec::new();
+        if a.envvar {
+            allocate.push("NVIDIA_VISIBLE_DEVICES (envvar)".to_string());
+        }
+        if a.volume_mounts {
+            allocate.push("volume mounts".into());
+        }
+        if a.cdi {
+            allocate.push(format!("CDI names (kind {})", a.cdi_kind));
+        }
+        if let Some(prefix) = &a.cdi_annotations {
+            allocate.push(format!("CDI annotations (prefix {prefix})"));
+        }
+        if a.device_specs {
+            allocate.push(format!(
+                "device specs (dev root {}, checked under {})",
+                path(&a.dev_root),
+                path(&a.host_root)
+            ));
+        }
+        let sharing = match &self.sharing {
+            None => "none".to_string(),
+            Some(sharing) => {
+                let kind = match sharing.kind {
+                    nvidia::ShareKind::TimeSlicing => "time-slicing",
+                    nvidia::ShareKind::Mps => "MPS",
+                };
+                let each: Vec<String> = sharing
+                    .resources
+                    .iter()
+                    .map(|r| {
+                        let devices = match &r.devices {
+                            nvidia::DeviceSelection::All => "all devices".to_string(),
+                            nvidia::DeviceSelection::Count(n) => format!("the first {n} devices"),
+                            nvidia::DeviceSelection::List(l) => format!("devices {}", l.join(", ")),
+                        };
+                        let under = r
+                            .rename
+                            .as_ref()
+                            .map(|n| format!(" as {n}"))
+                            .unwrap_or_default();
+                        format!("{} × {} replicas{under} ({devices})", r.name, r.replicas)
+                    })
+                    .collect();
+                format!(
+                    "{kind}: {}{}",
+                    each.join("; "),
+                    if sharing.fail_requests_greater_than_one {
+                        ", more than one replica per container refused"
+                    } else {
+                        ""
+                    }
+                )
+            }
+        };
+        let policy = self.monitor.policy.summary();
+        let mut policy_line = format!(
+            "XIDs by the {} policy, recovery after {} quiet, probes every {}, recovery action read every {}",
+            policy.xid_policy,
+            policy.quiet_period,
+            policy.probe_interval,
+            policy.recovery_action_interval
+        );
+        if let Some(list) = &policy.dp_disable_healthchecks {
+            policy_line.push_str(&format!(", DP_DISABLE_HEALTHCHECKS={list}"));
+        }
+        if let Some(list) = &policy.dp_enable_healthchecks {
+            policy_line.push_str(&format!(", DP_ENABLE_HEALTHCHECKS={list}"));
+        }
+        let imex = if a.imex_channels.is_empty() {
+            "none".to_string()
+        } else {
+            a.imex_channels
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let extra: Vec<String> = a
+            .extra_envs
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        let gpus = match self.simulate {
+            Some(n) => format!("{n} simulated"),
+            None => format!(
+                "NVML ({}), {}",
+                path(&self.nvml.library),
+                if self.fail_on_init_error {
+                    "exit when it cannot be loaded"
+                } else {
+                    "served unmonitored when it cannot be loaded"
+                }
+            ),
+        };
+        let lines = [
+            ("kubelet directory", path(&self.kubelet_dir)),
+            ("resource", self.resource_name.clone()),
+            ("GPUs", gpus),
+            (
+                "MIG strategy",
+                format!("{:?}", self.nvml.mig_strategy).to_lowercase(),
+            ),
+            ("device IDs", format!("{:?}", a.naming.ids).to_lowercase()),
+            ("sharing", sharing),
+            ("Allocate answers with", allocate.join(", ")),
+            (
+                "Allocate adds",
+                if extra.is_empty() {
+                    "nothing".into()
+                } else {
+                    extra.join(" ")
+                },
+            ),
+            ("IMEX channels", imex),
+            ("health policy", policy_line),
+            ("pre-start health check", on(self.pre_start_check).into()),
+            ("state directory", path(&self.state_dir)),
+            (
+                "HTTP surfaces",
+                self.http_addr.map_or("off".into(), |a| a.to_string()),
+            ),
+            (
+                "fence directory",
+                self.fence_dir.as_deref().map_or("none".into(), path),
+            ),
+            ("Kubernetes API", on(self.cluster.enabled).into()),
+        ];
+        lines
+            .iter()
+            .map(|(name, value)| format!("{name}: {value}\n"))
+            .collect()
+    }
+
     /// Parses `argv` (with the environment) and resolves it. Clap's own errors (unknown flag, bad value)
     /// come back as `Err(clap::Error)` for the caller to print.
     pub fn from_args<I, T>(argv: I) -> Result<Result<Self, ConfigError>, clap::Error>
@@ -936,6 +1076,16 @@ pub fn usage_error_line(error: &clap::Error, argv: &[OsString]) -> String {
             "{line}: the value {value:?} comes from the environment variable {}",
             env.to_string_lossy()
         );
+    }
+    // clap's "a similar argument exists" tip, kept on the one line.
+    let suggested = match error.get(ContextKind::SuggestedArg) {
+        Some(ContextValue::String(arg)) => Some(arg.clone()),
+        Some(ContextValue::StyledStr(arg)) => Some(arg.to_string()),
+        _ => None,
+    };
+    if let Some(arg) = suggested {
+        let arg = arg.split_whitespace().next().unwrap_or_default();
+        line = format!("{line}; did you mean {arg}?");
     }
     format!("{line} (see --help)")
 }
@@ -1073,6 +1223,16 @@ pub fn prepare_state_dir(dir: &Path) -> Result<(), ConfigError> {
         value: dir.display().to_string(),
         why,
     };
+    if let Some(existing) = dir
+        .ancestors()
+        .find(|p| std::fs::symlink_metadata(p).is_ok())
+        .filter(|p| !p.is_dir())
+    {
+        return Err(invalid(format!(
+            "{} is a file, not a directory: remove it or give another --state-dir",
+            existing.display()
+        )));
+    }
     std::fs::create_dir_all(dir).map_err(|e| invalid(format!("cannot create it: {e}")))?;
     let probe = dir.join(format!(".write-check-{}", std::process::id()));
     std::fs::write(&probe, b"").map_err(|e| invalid(format!("not writable: {e}")))?;
@@ -1502,7 +1662,37 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(err.contains("--state-dir"), "{err}");
+        // A state directory that is a file says so, naming the file.
+        for path in [blocker.clone(), blocker.join("state")] {
+            let err = prepare_state_dir(&path)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(
+                err.contains(&format!("{} is a file, not a directory", blocker.display())),
+                "{err}"
+            );
+        }
         Ok(())
+    }
+
+    #[test]
+    fn our_boolean_settings_read_booleans_as_nvidias_do() {
+        for (value, want) in [
+            ("1", true),
+            ("t", true),
+            ("TRUE", true),
+            ("0", false),
+            ("False", false),
+        ] {
+            let s = settings(&[&format!("--cdi={value}"), "--kube-api", value]);
+            assert_eq!(
+                s.map(|s| (s.allocate.cdi, s.cluster.enabled)),
+                Ok((want, want)),
+                "{value}"
+            );
+        }
+        assert!(settings(&["--cdi=yes"]).is_err());
     }
 }
 

@@ -30,6 +30,7 @@ fn main() -> ExitCode {
     {
         Some("status") => return status_command(),
         Some(command @ ("fence" | "release")) => return control_command(command == "fence"),
+        Some("check-config") => return check_config_command(),
         _ => {}
     }
     let argv: Vec<_> = std::env::args_os().collect();
@@ -564,6 +565,102 @@ fn control_command(fence: bool) -> ExitCode {
         }
         Err(e) => fail(&e.to_string()),
     }
+}
+
+/// `gpu-device-plugin check-config [FILE] [FLAGS]`: the settings a start with the same file, flags and
+/// environment would run with, and every warning, without starting; a refusal exits non-zero with the same
+/// line a start would give. No GPU is touched unless asked: with `--simulate N` or `--nvml-lib`, the GPUs
+/// are discovered and the resources planned on them (sharing, MIG, the kubelet's message-size limit).
+fn check_config_command() -> ExitCode {
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    argv.remove(1);
+    if argv.iter().skip(1).any(|a| a == "--help" || a == "-h") {
+        println!(
+            "Usage: gpu-device-plugin check-config [FILE] [OPTIONS]\n\n\
+             Prints the settings a start with this config file (ours or NVIDIA's), these flags and this\n\
+             environment would run with, and every warning; exits non-zero with the reason when a start\n\
+             would be refused. Takes every option the plugin takes (see gpu-device-plugin --help). GPUs are\n\
+             planned against only with --simulate N or --nvml-lib PATH."
+        );
+        return ExitCode::SUCCESS;
+    }
+    if let Some(first) = argv.get(1)
+        && !first.to_string_lossy().starts_with('-')
+    {
+        let file = argv.remove(1);
+        argv.splice(1..1, ["--config".into(), file]);
+    }
+    let asked = |flag: &str, env: &str| {
+        argv.iter().any(|a| {
+            a.to_str()
+                .is_some_and(|a| a == flag || a.starts_with(&format!("{flag}=")))
+        }) || std::env::var_os(env).is_some_and(|v| !v.is_empty())
+    };
+    let with_gpus = asked("--simulate", "GPU_DEVICE_PLUGIN_SIMULATE")
+        || asked("--nvml-lib", "GPU_DEVICE_PLUGIN_NVML_LIB");
+    let settings = match Settings::from_args(&argv) {
+        Ok(Ok(settings)) => settings,
+        Ok(Err(e)) => return fail(&e.to_string()),
+        Err(e) if e.use_stderr() => return fail(&config::usage_error_line(&e, &argv)),
+        Err(e) => {
+            let _printed = e.print();
+            return ExitCode::SUCCESS;
+        }
+    };
+    print!("{}", settings.describe());
+    for warning in &settings.warnings {
+        println!("warning: {warning}");
+    }
+    if !with_gpus {
+        println!(
+            "(no GPUs looked at: give --simulate N or --nvml-lib PATH to plan the resources on GPUs)"
+        );
+        return ExitCode::SUCCESS;
+    }
+    match plan_on_gpus(&settings) {
+        Ok(lines) => {
+            print!("{lines}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&format!("{e:#}")),
+    }
+}
+
+/// The resources `settings` would serve on this node's GPUs (or simulated ones), one line each, with the
+/// plan's warnings; an error where a start would be refused.
+fn plan_on_gpus(settings: &Settings) -> anyhow::Result<String> {
+    let mut source: Box<dyn DeviceSource> = match settings.simulate {
+        Some(count) => Box::new(SimulatedGpus::new(count).0),
+        None => Box::new(NvmlGpus::open(settings.nvml.clone())?),
+    };
+    let inventory = devices::Inventory::new(source.discover()?);
+    let natural = ResourceNaming {
+        strategy: settings.nvml.mig_strategy,
+        base: settings.resource_name.clone(),
+    };
+    let (plan, warnings) = ResourcePlan::build(
+        &natural,
+        settings.allocate.naming.ids,
+        settings.sharing.as_ref(),
+        &inventory,
+    )?;
+    let mut out = format!("devices found: {}\n", inventory.len());
+    for (position, served) in plan.resources().iter().enumerate() {
+        let subset = inventory.subset(|info| plan.serves(position, info), None);
+        let devices = subset.len();
+        kubelet::server::check_list_size(&served.name, &subset, &served.naming)?;
+        let listed = kubelet::server::list_response(&subset, &served.naming)
+            .devices
+            .len();
+        out.push_str(&format!(
+            "serves {}: {devices} devices, {listed} listed to the kubelet\n",
+            served.name
+        ));
+    }
+    for warning in warnings {
+        out.push_str(&format!("warning: {warning}\n"));
+    }
+    Ok(out)
 }
 
 fn status_command() -> ExitCode {

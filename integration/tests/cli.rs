@@ -43,6 +43,12 @@ fn unknown_flag_is_one_line_and_a_non_zero_exit() {
 }
 
 #[test]
+fn a_mistyped_flag_is_answered_with_the_flag_meant() {
+    let out = run(&["--kubelet-dri", "/x"], &[]);
+    assert_one_line_error(&out, &["--kubelet-dri", "did you mean --kubelet-dir?"]);
+}
+
+#[test]
 fn non_extended_resource_name_is_refused_naming_it() {
     let out = run(&["--resource-name", "gpu", "--simulate", "1"], &[]);
     assert_one_line_error(&out, &["--resource-name", "\"gpu\""]);
@@ -248,8 +254,8 @@ fn nvidias_settings_not_supported_yet_are_refused_by_name_from_flag_env_or_file(
     ];
     let out = run(&[&base[..], &["--mig-strategy", "many"]].concat(), &[]);
     assert_one_line_error(&out, &["migStrategy", "many", "none, single or mixed"]);
-    let out = run(&base, &[("NVIDIA_DRIVER_ROOT", "/run/nvidia/driver")]);
-    assert_one_line_error(&out, &["nvidiaDriverRoot", "/run/nvidia/driver"]);
+    let out = run(&base, &[("NVIDIA_DRIVER_ROOT", "run/nvidia/driver")]);
+    assert_one_line_error(&out, &["nvidiaDriverRoot", "run/nvidia/driver", "absolute"]);
     let out = run(
         &base,
         &[
@@ -338,4 +344,58 @@ fn a_device_list_larger_than_the_kubelet_accepts_stops_the_plugin_before_it_regi
         "{last}"
     );
     assert_eq!(sockets, 0, "no socket left behind");
+}
+
+#[test]
+fn check_config_prints_the_effective_settings_and_plans_sharing_on_simulated_gpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.yaml");
+    std::fs::write(
+        &file,
+        "version: v1\nflags:\n  gfd:\n    oneshot: true\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n",
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    let state = state.to_str().unwrap();
+    let file = file.to_str().unwrap();
+    let out = run(
+        &[
+            "check-config",
+            file,
+            "--simulate",
+            "2",
+            "--state-dir",
+            state,
+        ],
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in [
+        "sharing: time-slicing: nvidia.com/gpu × 4 replicas (all devices)",
+        "serves nvidia.com/gpu: 2 devices, 8 listed to the kubelet",
+        "warning: config key flags.gfd",
+    ] {
+        assert!(stdout.contains(line), "{line:?} not in:\n{stdout}");
+    }
+    // A check starts nothing and touches no GPU: no state directory, no NVML without --nvml-lib.
+    assert!(!std::path::Path::new(state).exists());
+    let out = run(&["check-config", file, "--state-dir", state], &[]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no GPUs looked at"));
+}
+
+#[test]
+fn check_config_refuses_what_a_start_would_refuse_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.yaml");
+    std::fs::write(&file, "version: v1\nflags:\n  migStrategy: sideways\n").unwrap();
+    let out = run(&["check-config", file.to_str().unwrap()], &[]);
+    assert_one_line_error(&out, &["sideways"]);
+    let out = run(&["check-config", "--resource-name", "gpu"], &[]);
+    assert_one_line_error(&out, &["--resource-name", "\"gpu\""]);
 }
