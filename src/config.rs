@@ -43,6 +43,11 @@ pub enum LogFormat {
     // A flag given twice takes its last value, as NVIDIA's plugin (and Go's flag packages) read it; list
     // flags (--device-list-strategy) add up instead.
     args_override_self = true,
+    override_usage = "gpu-device-plugin [OPTIONS]\n       \
+                      gpu-device-plugin check-config [FILE] [OPTIONS]\n       \
+                      gpu-device-plugin status [--addr HOST:PORT] [--json] [--watch]\n       \
+                      gpu-device-plugin fence <DEVICE> --reason <TEXT>\n       \
+                      gpu-device-plugin release <DEVICE> [--condition <CONDITION>]",
     about = "Kubernetes device plugin for NVIDIA GPUs",
     after_help = "`gpu-device-plugin status` shows a running plugin's devices, their health and messages \
                   (see `gpu-device-plugin status --help`)."
@@ -53,76 +58,151 @@ pub struct Args {
     version: Option<bool>,
 
     /// Kubelet device plugin directory [default: /var/lib/kubelet/device-plugins]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_KUBELET_DIR", value_name = "DIR")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_KUBELET_DIR",
+        value_name = "DIR",
+        help_heading = "Kubelet"
+    )]
     pub kubelet_dir: Option<PathBuf>,
 
     /// Extended resource name to advertise [default: nvidia.com/gpu]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_RESOURCE_NAME", value_name = "NAME")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_RESOURCE_NAME",
+        value_name = "NAME",
+        help_heading = "Kubelet"
+    )]
     pub resource_name: Option<String>,
 
     /// Directory for the plugin's own state [default: /var/lib/gpu-device-plugin]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_STATE_DIR", value_name = "DIR")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_STATE_DIR",
+        value_name = "DIR",
+        help_heading = "GPUs and health"
+    )]
     pub state_dir: Option<PathBuf>,
 
     /// YAML config file; flags and environment variables override it
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_CONFIG", value_name = "FILE")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_CONFIG",
+        value_name = "FILE",
+        help_heading = "GPUs and health"
+    )]
     pub config: Option<PathBuf>,
 
     /// Log format [default: text]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_LOG_FORMAT", value_name = "FORMAT")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_LOG_FORMAT",
+        value_name = "FORMAT",
+        help_heading = "Surfaces and operator inputs"
+    )]
     pub log_format: Option<LogFormat>,
 
     /// Serve N simulated GPUs instead of real ones, to try the plugin without a GPU
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_SIMULATE", value_name = "N")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_SIMULATE",
+        value_name = "N",
+        help_heading = "Testing and trying out"
+    )]
     pub simulate: Option<usize>,
 
     /// With --simulate: follow this fault script (created if missing); append `xid <uuid> 79` and the like
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_SIMULATE_EVENTS", value_name = "FILE")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_SIMULATE_EVENTS",
+        value_name = "FILE",
+        help_heading = "Testing and trying out"
+    )]
     pub simulate_events: Option<PathBuf>,
 
     /// NVML library to load [default: libnvidia-ml.so.1, found the way the dynamic loader finds it]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_NVML_LIB", value_name = "PATH")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_NVML_LIB",
+        value_name = "PATH",
+        help_heading = "GPUs and health"
+    )]
     pub nvml_lib: Option<PathBuf>,
 
     /// Exit when NVML cannot be loaded; false serves the driver's GPUs as unmonitored (also read from
     /// NVIDIA's FAIL_ON_INIT_ERROR) [default: true]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_FAIL_ON_INIT_ERROR", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_FAIL_ON_INIT_ERROR", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "GPUs and health")]
     pub fail_on_init_error: Option<bool>,
 
     /// Root of sysfs, where GPU NUMA nodes are read [default: /sys]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_SYSFS_ROOT", value_name = "DIR")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_SYSFS_ROOT",
+        value_name = "DIR",
+        help_heading = "Testing and trying out"
+    )]
     pub sysfs_root: Option<PathBuf>,
 
     /// Root of procfs, where the driver lists GPUs when NVML is unavailable [default: /proc]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_PROC_ROOT", value_name = "DIR")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_PROC_ROOT",
+        value_name = "DIR",
+        help_heading = "Testing and trying out"
+    )]
     pub proc_root: Option<PathBuf>,
 
     /// XIDs to ignore, `xids` (every XID) or `all` (every health check), as NVIDIA's plugin reads it
-    #[arg(long, env = "DP_DISABLE_HEALTHCHECKS", value_name = "LIST")]
+    #[arg(
+        long,
+        env = "DP_DISABLE_HEALTHCHECKS",
+        value_name = "LIST",
+        help_heading = "GPUs and health"
+    )]
     pub disable_healthchecks: Option<String>,
 
     /// XIDs that always make a GPU Unhealthy, over every ignore, as NVIDIA's plugin reads it
-    #[arg(long, env = "DP_ENABLE_HEALTHCHECKS", value_name = "LIST")]
+    #[arg(
+        long,
+        env = "DP_ENABLE_HEALTHCHECKS",
+        value_name = "LIST",
+        help_heading = "GPUs and health"
+    )]
     pub enable_healthchecks: Option<String>,
 
     /// File holding this boot's id, to recognise reboots [default: /proc/sys/kernel/random/boot_id]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_BOOT_ID_FILE", value_name = "FILE")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_BOOT_ID_FILE",
+        value_name = "FILE",
+        help_heading = "Testing and trying out"
+    )]
     pub boot_id_file: Option<PathBuf>,
 
     /// Socket file name in the kubelet directory [default: unique per process, gpu-device-plugin-<random>.sock]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_SOCKET_NAME", value_name = "NAME")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_SOCKET_NAME",
+        value_name = "NAME",
+        help_heading = "Testing and trying out"
+    )]
     pub socket_name: Option<String>,
 
     /// Return CDI device names (<cdi-kind>=<id>) from Allocate [default: false]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_CDI", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_CDI", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "Allocate")]
     pub cdi: Option<bool>,
 
     /// CDI kind used in CDI device names [default: nvidia.com/gpu]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_CDI_KIND", value_name = "KIND")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_CDI_KIND",
+        value_name = "KIND",
+        help_heading = "Allocate"
+    )]
     pub cdi_kind: Option<String>,
 
     /// Return device specs for the GPU's device nodes that exist [default: false]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "Allocate")]
     pub device_specs: Option<bool>,
 
     /// Where the device nodes are on the host, as NVIDIA's plugin reads it: device specs name
@@ -132,27 +212,38 @@ pub struct Args {
         long,
         visible_alias = "nvidia-dev-root",
         env = "NVIDIA_DEV_ROOT",
-        value_name = "DIR"
+        value_name = "DIR",
+        help_heading = "NVIDIA's device plugin's flags"
     )]
     pub dev_root: Option<PathBuf>,
 
     /// Where this process sees the host's root file system (e.g. /host in a pod); only used to check which
     /// device nodes exist [default: /]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_HOST_ROOT", value_name = "DIR")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_HOST_ROOT",
+        value_name = "DIR",
+        help_heading = "Allocate"
+    )]
     pub host_root: Option<PathBuf>,
 
     /// Address of the HTTP surfaces (/healthz, /readyz, /status); empty turns them off [default: 127.0.0.1:9412]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_HTTP_ADDR", value_name = "HOST:PORT")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_HTTP_ADDR",
+        value_name = "HOST:PORT",
+        help_heading = "Surfaces and operator inputs"
+    )]
     pub http_addr: Option<String>,
 
     /// /healthz turns red when a GPU's NVML event thread has not come round its loop for this long (stuck in
     /// the driver) [default: 30s]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_STUCK_AFTER", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_STUCK_AFTER", value_name = "DURATION", value_parser = humantime::parse_duration, help_heading = "GPUs and health")]
     pub stuck_after: Option<std::time::Duration>,
 
     /// Have the kubelet ask before every container start, and refuse a start on an Unhealthy GPU with its
     /// health message (PreStartContainer) [default: true]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_PRE_START_CHECK", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_PRE_START_CHECK", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "Kubelet")]
     pub pre_start_check: Option<bool>,
 
     /// The kubelet's pod-resources socket, to tell which pods hold a device; empty turns the lookup off
@@ -160,26 +251,42 @@ pub struct Args {
     #[arg(
         long,
         env = "GPU_DEVICE_PLUGIN_POD_RESOURCES_SOCKET",
-        value_name = "PATH"
+        value_name = "PATH",
+        help_heading = "Kubelet"
     )]
     pub pod_resources_socket: Option<String>,
 
     /// Report to the Kubernetes API (Events, the GPUUnhealthy node condition) when it can be reached
     /// [default: true]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_KUBE_API", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool)]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_KUBE_API", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "Surfaces and operator inputs")]
     pub kube_api: Option<bool>,
 
     /// A kubeconfig for the API server [default: the pod's service account]
-    #[arg(long, env = "KUBECONFIG", value_name = "FILE")]
+    #[arg(
+        long,
+        env = "KUBECONFIG",
+        value_name = "FILE",
+        help_heading = "Surfaces and operator inputs"
+    )]
     pub kubeconfig: Option<String>,
 
     /// A directory where detectors report faulty GPUs, one JSON file each ({"device", "reason", "by"}):
     /// a file fences its GPU, removing it releases the GPU [default: none]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_FENCE_DIR", value_name = "DIR")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_FENCE_DIR",
+        value_name = "DIR",
+        help_heading = "Surfaces and operator inputs"
+    )]
     pub fence_dir: Option<PathBuf>,
 
     /// The node's name, for its Events and condition (from the downward API: spec.nodeName)
-    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    #[arg(
+        long,
+        env = "NODE_NAME",
+        value_name = "NAME",
+        help_heading = "Surfaces and operator inputs"
+    )]
     pub node_name: Option<String>,
 
     /// Config file, as NVIDIA's plugin names the flag (either format; see --config)

@@ -521,7 +521,7 @@ fn command_runtime() -> Result<tokio::runtime::Runtime, ExitCode> {
 /// `gpu-device-plugin fence` and `release`: one request to the running plugin's control socket.
 fn control_command(fence: bool) -> ExitCode {
     use clap::Parser as _;
-    let argv = std::env::args_os().skip(1);
+    let argv = subcommand_argv();
     let parsed = if fence {
         FenceArgs::try_parse_from(argv).map(|a| {
             let request = gpu_device_plugin::control::ControlRequest {
@@ -663,9 +663,20 @@ fn plan_on_gpus(settings: &Settings) -> anyhow::Result<String> {
     Ok(out)
 }
 
+/// A subcommand's arguments for its parser, whose usage then reads `gpu-device-plugin <subcommand> ...`.
+fn subcommand_argv() -> Vec<std::ffi::OsString> {
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    if let Some(first) = argv.first_mut() {
+        let mut named = std::ffi::OsString::from("gpu-device-plugin ");
+        named.push(&*first);
+        *first = named;
+    }
+    argv
+}
+
 fn status_command() -> ExitCode {
     use clap::Parser as _;
-    let args = match StatusArgs::try_parse_from(std::env::args_os().skip(1)) {
+    let args = match StatusArgs::try_parse_from(subcommand_argv()) {
         Ok(args) => args,
         Err(e) => return usage_exit(&e),
     };

@@ -399,3 +399,45 @@ fn check_config_refuses_what_a_start_would_refuse_in_one_line() {
     let out = run(&["check-config", "--resource-name", "gpu"], &[]);
     assert_one_line_error(&out, &["--resource-name", "\"gpu\""]);
 }
+
+#[test]
+fn help_groups_the_flags_by_role_and_names_every_subcommand() {
+    let out = run(&["--help"], &[]);
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    let usage: String = help
+        .lines()
+        .skip_while(|l| !l.starts_with("Usage:"))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    for sub in ["check-config", "status", "fence", "release"] {
+        assert!(
+            usage.contains(&format!("gpu-device-plugin {sub}")),
+            "{sub}: {usage}"
+        );
+    }
+    let at = |text: &str| {
+        help.find(text)
+            .unwrap_or_else(|| panic!("{text:?} not in --help"))
+    };
+    // Test-only flags sit apart from the production ones, NVIDIA's under their own heading.
+    assert!(at("Testing and trying out:") < at("--simulate <N>"));
+    assert!(at("Kubelet:") < at("--kubelet-dir") && at("--kubelet-dir") < at("GPUs and health:"));
+    let nvidia = at("NVIDIA's device plugin's flags:");
+    for flag in [
+        "--imex-channel-ids",
+        "--driver-root-ctr-path",
+        "--kubelet-socket",
+        "--mig-strategy",
+    ] {
+        assert!(at(flag) > nvidia, "{flag} is not under NVIDIA's heading");
+    }
+    for sub in ["status", "fence", "release"] {
+        let out = run(&[sub, "--help"], &[]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains(&format!("Usage: gpu-device-plugin {sub}")),
+            "{text}"
+        );
+    }
+}
