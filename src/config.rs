@@ -444,6 +444,7 @@ impl Settings {
                 mps_root: args.mps_root,
                 shared_devices_allocation_policy: args.shared_devices_allocation_policy,
                 cdi_annotation_prefix: args.cdi_annotation_prefix,
+                ..nvidia::NvidiaSettings::default()
             }
             .or(loaded.nvidia),
         )?;
@@ -725,7 +726,9 @@ pub const MAX_CONFIG_BYTES: u64 = 1024 * 1024;
 /// took seconds), so such a file is refused before it is parsed.
 pub const MAX_FLOW_DEPTH: usize = 32;
 
-/// Reads the config file, in our format or NVIDIA's (`version: v1`).
+/// Reads the config file, in our format or NVIDIA's. NVIDIA's is recognised by its top-level keys (`version`,
+/// `flags`, `sharing`, `resources`, `imex`, in any case, as NVIDIA's decoder matches them), with or without
+/// `version:`; anything else is ours, read strictly.
 fn load_file(path: &Path) -> Result<nvidia::Loaded, ConfigError> {
     let text = read_config_text(path)?;
     if text.trim().is_empty() {
@@ -743,11 +746,27 @@ fn load_file(path: &Path) -> Result<nvidia::Loaded, ConfigError> {
             ),
         });
     }
-    let document: serde_norway::Value = serde_norway::from_str(&text).map_err(parse)?;
-    if nvidia::is_v1(&document) {
-        return nvidia::load(&text, path);
+    match nvidia::document(&text) {
+        Ok(document) if nvidia::is_nvidias(&document) => {
+            return nvidia::load(&document, &text, path);
+        }
+        Ok(_) => {}
+        // Not YAML to NVIDIA's (YAML 1.1) reader: its message where the file looks like NVIDIA's, else our
+        // own parser's below.
+        Err(message) => {
+            let looks_nvidias = serde_norway::from_str::<serde_norway::Value>(&text)
+                .ok()
+                .and_then(|v| serde_json::to_value(v).ok())
+                .is_some_and(|v| nvidia::is_nvidias(&v));
+            if looks_nvidias {
+                return Err(ConfigError::ParseFile {
+                    path: path.to_owned(),
+                    message,
+                });
+            }
+        }
     }
-    // Ours: parsed from the text again, so that an error names its line.
+    // Ours: parsed from the text, so that an error names its line.
     Ok(nvidia::Loaded {
         file: serde_norway::from_str(&text).map_err(parse)?,
         ..nvidia::Loaded::default()
