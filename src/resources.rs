@@ -540,7 +540,8 @@ mod tests {
     }
 
     #[test]
-    fn devices_of_other_nodes_are_warned_once_and_what_matches_is_shared() -> Result<(), PlanError> {
+    fn devices_of_other_nodes_are_warned_once_and_what_matches_is_shared() -> Result<(), PlanError>
+    {
         let none = ResourceNaming {
             strategy: MigStrategy::None,
             base: "nvidia.com/gpu".into(),
@@ -584,7 +585,10 @@ mod tests {
             ResourcePlan::build(&none, IdStrategy::Index, Some(&sharing), &inventory)?;
         assert_eq!(
             listed(&plan, &inventory),
-            [("nvidia.com/gpu".to_string(), vec!["0".to_string(), "1".into()])]
+            [(
+                "nvidia.com/gpu".to_string(),
+                vec!["0".to_string(), "1".into()]
+            )]
         );
         assert!(
             warnings.len() == 1 && warnings[0].contains("nothing of it is shared"),

@@ -303,9 +303,10 @@ pub fn load(document: &Value, text: &str, path: &Path) -> Result<Loaded, ConfigE
         config_file: Some(path.to_owned()),
         ..NvidiaSettings::default()
     };
-    let get_string = |level: &Level<'_>, key: &'static str| -> Result<Option<String>, ConfigError> {
-        string(level.get(key), &level.path(key)).map_err(bad)
-    };
+    let get_string =
+        |level: &Level<'_>, key: &'static str| -> Result<Option<String>, ConfigError> {
+            string(level.get(key), &level.path(key)).map_err(bad)
+        };
     let get_bool = |level: &Level<'_>, key: &'static str| -> Result<Option<bool>, ConfigError> {
         boolean(level.get(key), &level.path(key)).map_err(bad)
     };
@@ -549,7 +550,10 @@ impl<'v> Level<'v> {
                     let what = if prefix.is_empty() {
                         "not a key of NVIDIA's v1 format".to_string()
                     } else {
-                        format!("not a key of {} in NVIDIA's v1 format", prefix.trim_end_matches('.'))
+                        format!(
+                            "not a key of {} in NVIDIA's v1 format",
+                            prefix.trim_end_matches('.')
+                        )
                     };
                     warnings.push(format!(
                         "config key {prefix}{key}: {what}; ignored, as NVIDIA's plugin ignores it (what it would \
@@ -794,8 +798,8 @@ fn replicated(
             }
             Ok(n) => n,
         };
-        let devices = device_selection(entry.get("devices"))
-            .map_err(|why| invalid(at(".devices"), &why))?;
+        let devices =
+            device_selection(entry.get("devices")).map_err(|why| invalid(at(".devices"), &why))?;
         resources.push(SharedResource {
             name,
             rename,
@@ -1282,10 +1286,7 @@ mod tests {
                 "flags:\n  plugin:\n    sharedDevicesAllocationPolicy: tightly\n",
                 "sharedDevicesAllocationPolicy",
             ),
-            (
-                "flags:\n  deviceDiscoveryStrategy: tegra\n",
-                "no NVML",
-            ),
+            ("flags:\n  deviceDiscoveryStrategy: tegra\n", "no NVML"),
         ];
         for (yaml, named) in cases {
             let result = load_str(&format!("version: v1\n{yaml}"))
@@ -1345,7 +1346,8 @@ mod tests {
     }
 
     #[test]
-    fn keys_differing_only_in_case_set_the_setting_as_in_nvidias_decoder() -> Result<(), ConfigError> {
+    fn keys_differing_only_in_case_set_the_setting_as_in_nvidias_decoder() -> Result<(), ConfigError>
+    {
         let loaded = load_str(
             "Version: v1\nFlags:\n  MigStrategy: single\n  useNodeFeatureAPI: true\n  Plugin:\n    \
              deviceIdStrategy: index\n    PassDeviceSpecs: true\nIMEX:\n  channelIds: [0]\n",
@@ -1399,7 +1401,10 @@ mod tests {
         );
         // A quoted "true" is a string, which a boolean setting refuses, as NVIDIA's does.
         let err = err_of(load_str("flags:\n  failOnInitError: 'true'\n"));
-        assert!(err.contains("flags.failOnInitError: expected true or false"), "{err}");
+        assert!(
+            err.contains("flags.failOnInitError: expected true or false"),
+            "{err}"
+        );
         Ok(())
     }
 
@@ -1450,10 +1455,19 @@ mod tests {
         let warned = loaded.warnings.join("\n");
         for (key, meant) in [
             ("flags.migStrateg", "flags.migStrategy"),
-            ("flags.plugin.deviceListStrategie", "flags.plugin.deviceListStrategy"),
+            (
+                "flags.plugin.deviceListStrategie",
+                "flags.plugin.deviceListStrategy",
+            ),
             ("sharring", "sharing"),
-            ("sharing.timeSlicing.renamebydefault", "sharing.timeSlicing.renameByDefault"),
-            ("sharing.timeSlicing.resources[].replica", "sharing.timeSlicing.resources[].replicas"),
+            (
+                "sharing.timeSlicing.renamebydefault",
+                "sharing.timeSlicing.renameByDefault",
+            ),
+            (
+                "sharing.timeSlicing.resources[].replica",
+                "sharing.timeSlicing.resources[].replicas",
+            ),
         ] {
             assert!(
                 warned.contains(&format!("config key {key}:"))
@@ -1461,7 +1475,10 @@ mod tests {
                 "{key}:\n{warned}"
             );
         }
-        assert!(!warned.contains("ignored as NVIDIA's plugin ignores it"), "{warned}");
+        assert!(
+            !warned.contains("ignored as NVIDIA's plugin ignores it"),
+            "{warned}"
+        );
         assert_eq!(loaded.warnings.len(), 5, "{warned}");
         // renameByDefault spelled in another case sets nothing: NVIDIA looks it up exactly.
         let sharing = loaded.nvidia.sharing.ok_or(ConfigError::Invalid {
@@ -1492,7 +1509,9 @@ mod tests {
     fn replicas_above_1024_are_read_and_only_a_count_no_kubelet_list_holds_is_refused()
     -> Result<(), ConfigError> {
         let file = |n: usize| {
-            format!("sharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: {n}\n")
+            format!(
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: {n}\n"
+            )
         };
         let loaded = load_str(&file(5000))?;
         assert_eq!(
@@ -1557,7 +1576,10 @@ mod tests {
             "{err}"
         );
         let err = err_of(load_str("imex:\n  channelIDs: [zero]\n"));
-        assert!(err.contains("imex.channelIDs: expected a list of channel numbers"), "{err}");
+        assert!(
+            err.contains("imex.channelIDs: expected a list of channel numbers"),
+            "{err}"
+        );
         Ok(())
     }
 
@@ -1576,14 +1598,20 @@ mod tests {
             ..NvidiaSettings::default()
         };
         let err = err_of(apply(&flags.or(loaded.nvidia)));
-        assert!(err.starts_with("invalid migStrategy (--mig-strategy"), "{err}");
+        assert!(
+            err.starts_with("invalid migStrategy (--mig-strategy"),
+            "{err}"
+        );
         // A valid flag over an invalid file value runs, as NVIDIA's plugin checks the merged settings.
         let loaded = load_str("flags:\n  migStrategy: many\n")?;
         let flags = NvidiaSettings {
             mig_strategy: Some("single".into()),
             ..NvidiaSettings::default()
         };
-        assert_eq!(apply(&flags.or(loaded.nvidia))?.mig_strategy, MigStrategy::Single);
+        assert_eq!(
+            apply(&flags.or(loaded.nvidia))?.mig_strategy,
+            MigStrategy::Single
+        );
         Ok(())
     }
 }

@@ -123,7 +123,9 @@ impl<'a> Reader<'a> {
                 loop {
                     let key = match self.next()? {
                         Some(Event::MappingEnd) => break,
-                        Some(Event::Scalar(text, ScalarStyle::Plain, _, None)) if text == "<<" => None,
+                        Some(Event::Scalar(text, ScalarStyle::Plain, _, None)) if text == "<<" => {
+                            None
+                        }
                         Some(event) => Some(key_string(self.node(event)?)?),
                         None => return Err("the file ends inside a mapping".into()),
                     };
