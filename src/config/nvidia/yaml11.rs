@@ -53,9 +53,7 @@ impl<'a> Reader<'a> {
                 None => return Ok(None),
                 Some(Err(e)) => return Err(e.to_string()),
                 Some(Ok((event, _))) => match event {
-                    Event::Anchor(..) => {}
-                    #[allow(unreachable_patterns)]
-                    Event::Comment(..) => {}
+                    Event::Anchor(..) | Event::Comment(..) => {}
                     event => return Ok(Some(event)),
                 },
             }
