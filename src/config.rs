@@ -373,7 +373,7 @@ pub struct Args {
     )]
     pub mps_root: Option<String>,
 
-    /// How replicas are chosen: distributed (spread over the GPUs; packed is not supported) [default: distributed]
+    /// How replicas are chosen: distributed (spread over the GPUs) or packed (accepted with a warning: replicas are still spread) [default: distributed]
     #[arg(
         long,
         env = "SHARED_DEVICES_ALLOCATION_POLICY",
@@ -382,7 +382,7 @@ pub struct Args {
     )]
     pub shared_devices_allocation_policy: Option<String>,
 
-    /// Device discovery: auto or nvml (tegra is not supported) [default: auto]
+    /// Device discovery: auto or nvml (tegra is refused: there is no NVML on Tegra) [default: auto]
     #[arg(
         long,
         env = "DEVICE_DISCOVERY_STRATEGY",
@@ -538,7 +538,12 @@ fn find_imex_channels(
     for &id in ids {
         let node = crate::allocation::imex_channel_node(id);
         let relative = node.strip_prefix("/dev").unwrap_or(&node);
-        let places: Vec<PathBuf> = dev_dirs.iter().map(|d| d.join(relative)).collect();
+        let mut places: Vec<PathBuf> = Vec::new();
+        for place in dev_dirs.iter().map(|d| d.join(relative)) {
+            if !places.contains(&place) {
+                places.push(place);
+            }
+        }
         let present = places
             .iter()
             .any(|p| std::fs::metadata(p).is_ok_and(|m| m.file_type().is_char_device()));
@@ -748,9 +753,16 @@ impl Settings {
                     .filter(|v| !v.is_empty())
                     .map(PathBuf::from)
             })
+            .or_else(|| {
+                loaded
+                    .nvidia
+                    .container_driver_root
+                    .clone()
+                    .map(PathBuf::from)
+            })
+            .filter(|root| !root.as_os_str().is_empty())
             .unwrap_or_else(|| DEFAULT_CONTAINER_DRIVER_ROOT.into());
         let imex_ids = imex_channel_ids(&args.imex_channel_ids)?;
-        let imex_required = args.imex_required.unwrap_or(false);
         let fail_on_init_error_env = match std::env::var("FAIL_ON_INIT_ERROR") {
             Ok(value) => Some(parse_go_bool(&value).map_err(|why| ConfigError::Invalid {
                 setting: "FAIL_ON_INIT_ERROR",
@@ -779,6 +791,10 @@ impl Settings {
                 mps_root: args.mps_root,
                 shared_devices_allocation_policy: args.shared_devices_allocation_policy,
                 cdi_annotation_prefix: args.cdi_annotation_prefix,
+                imex_channel_ids: (!imex_ids.is_empty())
+                    .then(|| imex_ids.iter().map(|&id| i64::from(id)).collect()),
+                imex_required: args.imex_required,
+                ..nvidia::NvidiaSettings::default()
             }
             .or(loaded.nvidia),
         )?;
@@ -866,9 +882,10 @@ impl Settings {
             });
         }
         let mut allocate = allocate;
+        warnings.extend(nvidia.warnings.iter().cloned());
         allocate.imex_channels = find_imex_channels(
-            &imex_ids,
-            imex_required,
+            &nvidia.imex_channel_ids,
+            nvidia.imex_required,
             &[
                 container_driver_root.join("dev"),
                 PathBuf::from("/dev"),
@@ -1221,7 +1238,9 @@ pub const MAX_CONFIG_BYTES: u64 = 1024 * 1024;
 /// took seconds), so such a file is refused before it is parsed.
 pub const MAX_FLOW_DEPTH: usize = 32;
 
-/// Reads the config file, in our format or NVIDIA's (`version: v1`).
+/// Reads the config file, in our format or NVIDIA's. NVIDIA's is recognised by its top-level keys (`version`,
+/// `flags`, `sharing`, `resources`, `imex`, in any case, as NVIDIA's decoder matches them), with or without
+/// `version:`; anything else is ours, read strictly.
 fn load_file(path: &Path) -> Result<nvidia::Loaded, ConfigError> {
     let text = read_config_text(path)?;
     if text.trim().is_empty() {
@@ -1239,11 +1258,27 @@ fn load_file(path: &Path) -> Result<nvidia::Loaded, ConfigError> {
             ),
         });
     }
-    let document: serde_norway::Value = serde_norway::from_str(&text).map_err(parse)?;
-    if nvidia::is_v1(&document) {
-        return nvidia::load(&text, path);
+    match nvidia::document(&text) {
+        Ok(document) if nvidia::is_nvidias(&document) => {
+            return nvidia::load(&document, &text, path);
+        }
+        Ok(_) => {}
+        // Not YAML to NVIDIA's (YAML 1.1) reader: its message where the file looks like NVIDIA's, else our
+        // own parser's below.
+        Err(message) => {
+            let looks_nvidias = serde_norway::from_str::<serde_norway::Value>(&text)
+                .ok()
+                .and_then(|v| serde_json::to_value(v).ok())
+                .is_some_and(|v| nvidia::is_nvidias(&v));
+            if looks_nvidias {
+                return Err(ConfigError::ParseFile {
+                    path: path.to_owned(),
+                    message,
+                });
+            }
+        }
     }
-    // Ours: parsed from the text again, so that an error names its line.
+    // Ours: parsed from the text, so that an error names its line.
     Ok(nvidia::Loaded {
         file: serde_norway::from_str(&text).map_err(parse)?,
         ..nvidia::Loaded::default()

@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
-use crate::config::nvidia::{DeviceSelection, ShareKind, Sharing};
+use crate::config::nvidia::{DeviceSelection, MAX_LISTED_REPLICAS, ShareKind, Sharing};
 use crate::devices::mig::ResourceNaming;
 use crate::devices::{DeviceInfo, Inventory};
 use crate::naming::{IdStrategy, Naming};
@@ -48,15 +48,19 @@ pub enum PlanError {
         /// Devices of the resource found.
         available: usize,
     },
-    /// A device in `devices: [...]` that is not one of the resource's.
+    /// More devices listed under one resource than the kubelet could ever take in one message: refused
+    /// before the list is built, so that a huge replica count cannot exhaust memory first.
     #[error(
-        "sharing {resource}: no device of that resource is {reference:?} (give GPU or MIG indices as NVML numbers them, or UUIDs)"
+        "sharing {resource}: {devices} devices to list (replicas included), more than the {most} that could \
+         ever fit in the 4194304 bytes the kubelet accepts in one message; lower replicas"
     )]
-    NoSuchDevice {
-        /// The shared resource.
+    TooManyListed {
+        /// The resource listed.
         resource: String,
-        /// The entry as given.
-        reference: String,
+        /// Devices it would list.
+        devices: usize,
+        /// The most any list could hold.
+        most: usize,
     },
     /// A rename onto a name another resource of the node already has.
     #[error(
@@ -136,22 +140,38 @@ impl ResourcePlan {
                         members[..*count].to_vec()
                     }
                     DeviceSelection::List(references) => {
+                        // One ConfigMap serves many kinds of nodes (and NVIDIA's plugin ignores `devices`
+                        // altogether): entries naming devices of other nodes are one warning, and what
+                        // matches here is shared.
                         let mut chosen = Vec::with_capacity(references.len());
+                        let mut unmatched = Vec::new();
                         for reference in references {
                             let found = members.iter().copied().find(|&p| {
                                 let info = &devices[p].info;
                                 info.id == *reference
                                     || info.index.as_deref() == Some(reference.as_str())
                             });
-                            let Some(p) = found else {
-                                return Err(PlanError::NoSuchDevice {
-                                    resource: entry.name.clone(),
-                                    reference: reference.clone(),
-                                });
-                            };
-                            if !chosen.contains(&p) {
-                                chosen.push(p);
+                            match found {
+                                Some(p) if !chosen.contains(&p) => chosen.push(p),
+                                Some(_) => {}
+                                None => unmatched.push(reference.as_str()),
                             }
+                        }
+                        if !unmatched.is_empty() {
+                            let what = if chosen.is_empty() {
+                                "nothing of it is shared on this node".to_string()
+                            } else {
+                                format!("sharing the {} that match", chosen.len())
+                            };
+                            warnings.push(format!(
+                                "sharing {}: devices {} match no device of that resource on this node (GPU or \
+                                 MIG indices as NVML numbers them, or UUIDs); {what}",
+                                entry.name,
+                                unmatched.join(", "),
+                            ));
+                        }
+                        if chosen.is_empty() {
+                            continue;
                         }
                         chosen
                     }
@@ -166,6 +186,21 @@ impl ResourcePlan {
                 for p in chosen {
                     assigned[p] = (target.clone(), entry.replicas);
                 }
+            }
+        }
+        let mut listed: HashMap<&str, usize> = HashMap::new();
+        for (name, replicas) in &assigned {
+            let total = listed.entry(name.as_str()).or_default();
+            *total = total.saturating_add(*replicas);
+            if *total > MAX_LISTED_REPLICAS {
+                return Err(PlanError::TooManyListed {
+                    resource: name.clone(),
+                    devices: assigned
+                        .iter()
+                        .filter(|(n, _)| n == name)
+                        .fold(0usize, |sum, (_, r)| sum.saturating_add(*r)),
+                    most: MAX_LISTED_REPLICAS,
+                });
             }
         }
         let fail_requests = sharing.is_some_and(|s| s.fail_requests_greater_than_one);
@@ -462,15 +497,6 @@ mod tests {
             (
                 entry(
                     "nvidia.com/gpu",
-                    None,
-                    2,
-                    DeviceSelection::List(vec!["1".into()]),
-                ),
-                "no device of that resource is \"1\"",
-            ),
-            (
-                entry(
-                    "nvidia.com/gpu",
                     Some("nvidia.com/mig-1g.10gb"),
                     2,
                     DeviceSelection::All,
@@ -511,6 +537,92 @@ mod tests {
         let built = ResourcePlan::build(&mixed(), IdStrategy::Uuid, Some(&absent), &inventory);
         let warned = built.map(|(_, w)| w.join("\n")).unwrap_or_default();
         assert!(warned.contains("nvidia.com/mig-3g.40gb"), "{warned:?}");
+    }
+
+    #[test]
+    fn devices_of_other_nodes_are_warned_once_and_what_matches_is_shared() -> Result<(), PlanError>
+    {
+        let none = ResourceNaming {
+            strategy: MigStrategy::None,
+            base: "nvidia.com/gpu".into(),
+        };
+        let inventory = Inventory::new([gpu(0), gpu(1)]);
+        let sharing = share(
+            ShareKind::TimeSlicing,
+            vec![entry(
+                "nvidia.com/gpu",
+                None,
+                2,
+                DeviceSelection::List(vec!["1".into(), "5".into(), "GPU-other".into()]),
+            )],
+        );
+        let (plan, warnings) =
+            ResourcePlan::build(&none, IdStrategy::Index, Some(&sharing), &inventory)?;
+        assert_eq!(
+            listed(&plan, &inventory),
+            [(
+                "nvidia.com/gpu".to_string(),
+                vec!["0".to_string(), "1::0".into(), "1::1".into()]
+            )]
+        );
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("devices 5, GPU-other match no device")
+                && warnings[0].contains("sharing the 1 that match"),
+            "{warnings:?}"
+        );
+        // Nothing matches: nothing shared, still one warning, and the GPUs served whole.
+        let sharing = share(
+            ShareKind::TimeSlicing,
+            vec![entry(
+                "nvidia.com/gpu",
+                None,
+                2,
+                DeviceSelection::List(vec!["7".into()]),
+            )],
+        );
+        let (plan, warnings) =
+            ResourcePlan::build(&none, IdStrategy::Index, Some(&sharing), &inventory)?;
+        assert_eq!(
+            listed(&plan, &inventory),
+            [(
+                "nvidia.com/gpu".to_string(),
+                vec!["0".to_string(), "1".into()]
+            )]
+        );
+        assert!(
+            warnings.len() == 1 && warnings[0].contains("nothing of it is shared"),
+            "{warnings:?}"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn more_replicas_than_any_kubelet_list_holds_are_refused_before_the_list_is_built() {
+        let none = ResourceNaming {
+            strategy: MigStrategy::None,
+            base: "nvidia.com/gpu".into(),
+        };
+        let inventory = Inventory::new((0..8).map(gpu));
+        let sharing = share(
+            ShareKind::TimeSlicing,
+            vec![entry(
+                "nvidia.com/gpu",
+                None,
+                MAX_LISTED_REPLICAS,
+                DeviceSelection::All,
+            )],
+        );
+        let err = ResourcePlan::build(&none, IdStrategy::Uuid, Some(&sharing), &inventory)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("sharing nvidia.com/gpu:")
+                && err.contains(&format!("{} devices to list", 8 * MAX_LISTED_REPLICAS))
+                && err.contains("4194304 bytes the kubelet accepts"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -378,3 +378,196 @@ async fn the_cdi_annotations_strategy_puts_the_cdi_names_in_an_annotation() -> T
     );
     Ok(())
 }
+
+/// NVIDIA's sample files (written from its documented v1 schema), each with the node it runs on.
+const FIXTURES: &[(&str, &str)] = &[
+    (
+        "time-slicing.yaml",
+        include_str!("fixtures/nvidia/time-slicing.yaml"),
+    ),
+    (
+        "time-slicing-renamed.yaml",
+        include_str!("fixtures/nvidia/time-slicing-renamed.yaml"),
+    ),
+    ("mps.yaml", include_str!("fixtures/nvidia/mps.yaml")),
+    (
+        "helm-values-style.yaml",
+        include_str!("fixtures/nvidia/helm-values-style.yaml"),
+    ),
+    ("imex.yaml", include_str!("fixtures/nvidia/imex.yaml")),
+    (
+        "several-node-kinds.yaml",
+        include_str!("fixtures/nvidia/several-node-kinds.yaml"),
+    ),
+    (
+        "packed-and-both-sharings.yaml",
+        include_str!("fixtures/nvidia/packed-and-both-sharings.yaml"),
+    ),
+];
+
+fn fixture(name: &str) -> &'static str {
+    FIXTURES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, text)| *text)
+        .unwrap_or_else(|| panic!("no fixture {name}"))
+}
+
+/// On two GPUs, each sample file registers the resource NVIDIA's plugin would and lists as many devices.
+#[tokio::test]
+async fn nvidias_sample_files_register_the_resource_and_device_count_nvidias_plugin_would()
+-> TestResult {
+    let expected = [
+        ("time-slicing.yaml", "nvidia.com/gpu", 20),
+        ("time-slicing-renamed.yaml", "nvidia.com/gpu.shared", 8),
+        ("mps.yaml", "nvidia.com/gpu", 6),
+        ("helm-values-style.yaml", "nvidia.com/gpu", 2),
+        ("imex.yaml", "nvidia.com/gpu", 2),
+        // GPU 0 shared twice, GPU 1 (not listed) whole; the other entries name other nodes' devices.
+        ("several-node-kinds.yaml", "nvidia.com/gpu", 3),
+        // MPS wins over time-slicing: 2 replicas each, not 8.
+        ("packed-and-both-sharings.yaml", "nvidia.com/gpu", 4),
+    ];
+    assert_eq!(expected.len(), FIXTURES.len());
+    // The node has IMEX channel 0 (imex.yaml requires it): its device node under the driver root as the
+    // plugin's container sees it (a link to /dev/null: any character device passes the check).
+    let driver_root = tempfile::tempdir()?;
+    let channels = driver_root.path().join("dev/nvidia-caps-imex-channels");
+    std::fs::create_dir_all(&channels)?;
+    std::os::unix::fs::symlink("/dev/null", channels.join("channel0"))?;
+    let envs = [("DRIVER_ROOT_CTR_PATH", driver_root.path().as_os_str())];
+    for (name, resource, count) in expected {
+        let (kubelet, plugin, _dir) = start_with(fixture(name), 2, &envs).await?;
+        let registered = kubelet.registrations();
+        assert_eq!(
+            registered.last().map(|r| r.resource_name.as_str()),
+            Some(resource),
+            "{name}\n{}",
+            plugin.log()
+        );
+        assert_eq!(
+            kubelet.list().devices.len(),
+            count,
+            "{name}\n{}",
+            plugin.log()
+        );
+    }
+    Ok(())
+}
+
+/// No `version:`, `yes`/`no`/`off`, `MigStrategy`, `deviceIdStrategy`: read as NVIDIA's plugin reads them
+/// (index IDs, device specs off), with no key reported unknown.
+#[tokio::test]
+async fn a_file_without_version_with_yaml_1_1_booleans_and_case_variant_keys_is_read_as_nvidia_reads_it()
+-> TestResult {
+    let (kubelet, plugin, _dir) = start_with(fixture("helm-values-style.yaml"), 2, &[]).await?;
+    let listed: Vec<String> = kubelet
+        .list()
+        .devices
+        .iter()
+        .map(|d| d.id.clone())
+        .collect();
+    assert_eq!(listed, ["0", "1"]);
+    let response = kubelet.allocate(&[&["1"]]).await?;
+    let container = &response.container_responses[0];
+    assert_eq!(
+        container.envs.get("NVIDIA_VISIBLE_DEVICES"),
+        Some(&simulated_uuid(1))
+    );
+    assert!(container.devices.is_empty(), "{container:?}");
+    let log = plugin.log();
+    assert!(
+        !log.contains("not a key of") && !log.contains("did you mean"),
+        "{log}"
+    );
+    assert!(log.contains("config key flags.useNodeFeatureAPI"), "{log}");
+    Ok(())
+}
+
+/// `devices` naming GPUs of other nodes: one warning naming them, and the GPU that matches is shared.
+#[tokio::test]
+async fn devices_of_other_nodes_are_one_warning_naming_them_and_the_matching_gpu_is_shared()
+-> TestResult {
+    let (kubelet, plugin, _dir) = start_with(fixture("several-node-kinds.yaml"), 2, &[]).await?;
+    let (gpu0, gpu1) = (simulated_uuid(0), simulated_uuid(1));
+    let listed: Vec<String> = kubelet
+        .list()
+        .devices
+        .iter()
+        .map(|d| d.id.clone())
+        .collect();
+    assert_eq!(listed, [format!("{gpu0}::0"), format!("{gpu0}::1"), gpu1]);
+    let log = plugin.log();
+    let warned: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("match no device"))
+        .collect();
+    assert_eq!(warned.len(), 1, "{log}");
+    assert!(
+        warned[0].contains("devices 7, GPU-00000000-0000-0000-0000-00000000beef")
+            && warned[0].contains("sharing the 1 that match"),
+        "{log}"
+    );
+    Ok(())
+}
+
+/// Runs the binary on `gpus` simulated GPUs with NVIDIA's file `yaml`, expecting it to stop before it
+/// registers: its last stderr line.
+fn refusal(gpus: &str, yaml: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("nvidia.yaml");
+    std::fs::write(&config, yaml).unwrap();
+    let kubelet_dir = dir.path().join("device-plugins");
+    std::fs::create_dir(&kubelet_dir).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+        .args(["--simulate", gpus, "--http-addr", "", "--kubelet-dir"])
+        .arg(&kubelet_dir)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .arg("--config-file")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(&kubelet_dir).unwrap().count(),
+        0,
+        "no socket"
+    );
+    stderr.lines().last().unwrap_or_default().to_string()
+}
+
+#[test]
+fn version_v2_is_refused_naming_the_version_and_the_one_supported() {
+    let last = refusal("1", "version: v2\nflags:\n  migStrategy: none\n");
+    assert!(
+        last.contains("nvidia.yaml")
+            && last.contains("version \"v2\" is not supported")
+            && last.contains("version v1"),
+        "{last}"
+    );
+}
+
+#[test]
+fn a_replica_count_past_1024_reaches_the_kubelet_size_check_not_a_config_error() {
+    // 20 GPUs with 5000 replicas each: 100 000 devices, more than one kubelet message holds.
+    let last = refusal(
+        "20",
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: 5000\n",
+    );
+    assert!(
+        last.contains("the device list of nvidia.com/gpu is")
+            && last.contains("(100000 devices), more than the 4194304 bytes the kubelet accepts"),
+        "{last}"
+    );
+}
+
+#[test]
+fn a_mig_strategy_error_in_the_file_names_the_file_and_key() {
+    let last = refusal("1", "flags:\n  migStrategy: many\n");
+    assert!(
+        last.contains("nvidia.yaml: flags.migStrategy \"many\": must be none, single or mixed"),
+        "{last}"
+    );
+}

@@ -1,15 +1,25 @@
 //! NVIDIA's device plugin config file, version `v1`, read as a second format beside ours, with NVIDIA's flags and
-//! environment variables for the same settings. Every file NVIDIA's plugin accepts loads: keys NVIDIA ignores,
-//! keys of its other components (`flags.gfd`) and unknown keys are listed as warnings; a setting that would
-//! change behaviour and that this plugin does not do yet is refused by name, never dropped. Our own `health:`
-//! section may sit in the same file.
+//! environment variables for the same settings.
+//!
+//! The file is decoded as NVIDIA's plugin decodes it (`sigs.k8s.io/yaml`): YAML 1.1 turned into JSON
+//! ([`yaml11`]), then matched to its settings the way Go's `encoding/json` matches struct fields: a key
+//! spelled exactly wins, else one that differs only in case (`MigStrategy`, `deviceIdStrategy`) sets the
+//! same setting. Under `sharing.timeSlicing` and `sharing.mps` NVIDIA's own decoder looks keys up exactly
+//! as spelled, and so does this one. A file without `version:` is v1, as it is for NVIDIA's plugin.
+//!
+//! Every file NVIDIA's plugin accepts loads. Keys NVIDIA ignores, keys of its other components
+//! (`flags.gfd`) and unknown keys are one warning each that says what happens (for a typo: the default, and
+//! the key it probably meant); a setting that would change behaviour and that this plugin does not do is
+//! refused by name with the reason, never dropped. Our own `health:` section may sit in the same file.
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
+mod yaml11;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
 
 use crate::devices::mig::MigStrategy;
 use serde::Deserialize;
-use serde_norway::Value;
+use serde_json::{Map, Value};
 
 use super::{ConfigError, FileConfig};
 use crate::health::HealthConfig;
@@ -19,96 +29,52 @@ use crate::health::HealthConfig;
 /// does not write).
 pub const CDI_KIND: &str = "nvidia.com/gpu";
 
-/// Top level of a `version: v1` file.
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct V1 {
-    /// `v1`, checked before.
-    #[allow(dead_code)]
-    version: String,
-    #[serde(default)]
-    flags: Flags,
-    resources: Option<Value>,
-    sharing: Option<SharingSection>,
-    imex: Option<Imex>,
-    /// Ours.
-    health: Option<HealthConfig>,
-    #[serde(flatten)]
-    other: BTreeMap<String, Value>,
-}
+/// The keys at the top of NVIDIA's v1 file (its Go `Config` struct). A file with any of them (in any case)
+/// is NVIDIA's, with or without `version:`; ours has none of them.
+const TOP_KEYS: &[&str] = &["version", "flags", "resources", "sharing", "imex"];
+/// Our own section, allowed in NVIDIA's file too (spelled exactly: it is read by our decoder).
+const OURS: &str = "health";
+/// `flags` (Go's `CommandLineFlags`).
+const FLAG_KEYS: &[&str] = &[
+    "migStrategy",
+    "failOnInitError",
+    "mpsRoot",
+    "nvidiaDriverRoot",
+    "nvidiaDevRoot",
+    "gdrcopyEnabled",
+    "gdsEnabled",
+    "mofedEnabled",
+    "useNodeFeatureAPI",
+    "deviceDiscoveryStrategy",
+    "plugin",
+    "gfd",
+];
+/// `flags.plugin` (Go's `PluginCommandLineFlags`).
+const PLUGIN_KEYS: &[&str] = &[
+    "passDeviceSpecs",
+    "deviceListStrategy",
+    "deviceIDStrategy",
+    "cdiAnnotationPrefix",
+    "nvidiaCTKPath",
+    "containerDriverRoot",
+    "sharedDevicesAllocationPolicy",
+];
+const SHARING_KEYS: &[&str] = &["timeSlicing", "mps"];
+/// `sharing.timeSlicing` and `sharing.mps`: NVIDIA's decoder looks these up exactly as spelled.
+const SPEC_KEYS: &[&str] = &["renameByDefault", "failRequestsGreaterThanOne", "resources"];
+/// `sharing.*.resources[]`: looked up exactly as spelled, as above.
+const RESOURCE_KEYS: &[&str] = &["name", "rename", "devices", "replicas"];
+const IMEX_KEYS: &[&str] = &["channelIDs", "required"];
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Flags {
-    mig_strategy: Option<String>,
-    fail_on_init_error: Option<bool>,
-    mps_root: Option<String>,
-    nvidia_driver_root: Option<String>,
-    nvidia_dev_root: Option<String>,
-    gdrcopy_enabled: Option<bool>,
-    gds_enabled: Option<bool>,
-    mofed_enabled: Option<bool>,
-    use_node_feature_api: Option<Value>,
-    device_discovery_strategy: Option<String>,
-    #[serde(default)]
-    plugin: PluginFlags,
-    gfd: Option<Value>,
-    #[serde(flatten)]
-    other: BTreeMap<String, Value>,
-}
+/// The fewest bytes one listed device takes in a ListAndWatch message: the shortest replica ID (`0::0`) and
+/// the health word `Unhealthy`, each with its field tag and length, inside the entry's own tag and length.
+const MIN_LISTED_DEVICE_BYTES: usize = 19;
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct PluginFlags {
-    pass_device_specs: Option<bool>,
-    device_list_strategy: Option<StringOrList>,
-    #[serde(rename = "deviceIDStrategy")]
-    device_id_strategy: Option<String>,
-    cdi_annotation_prefix: Option<String>,
-    #[serde(rename = "nvidiaCTKPath")]
-    nvidia_ctk_path: Option<String>,
-    container_driver_root: Option<String>,
-    shared_devices_allocation_policy: Option<String>,
-    #[serde(flatten)]
-    other: BTreeMap<String, Value>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum StringOrList {
-    One(String),
-    Many(Vec<String>),
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct SharingSection {
-    time_slicing: Option<SharingSpec>,
-    mps: Option<SharingSpec>,
-    #[serde(flatten)]
-    other: BTreeMap<String, Value>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct SharingSpec {
-    rename_by_default: Option<bool>,
-    fail_requests_greater_than_one: Option<bool>,
-    resources: Option<Vec<ReplicatedResource>>,
-    #[serde(flatten)]
-    other: BTreeMap<String, Value>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ReplicatedResource {
-    name: Option<String>,
-    rename: Option<String>,
-    devices: Option<Value>,
-    replicas: Option<i64>,
-    #[serde(flatten)]
-    other: BTreeMap<String, Value>,
-}
+/// The most replicas of one device the kubelet could ever take in one list: its message limit (4 MiB,
+/// `kubelet::server::KUBELET_MAX_MESSAGE_BYTES`) over the smallest listed device. Below this, whether a list
+/// fits is checked at start against the real device IDs (`kubelet::server::check_list_size`), with the
+/// reason; above it the file is refused at once, before any list is built in memory.
+pub const MAX_LISTED_REPLICAS: usize = 4 * 1024 * 1024 / MIN_LISTED_DEVICE_BYTES;
 
 /// How replicas share a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,13 +106,15 @@ pub struct SharedResource {
     /// The resource the replicas are served under instead (`rename`, or `<name>.shared` with
     /// `renameByDefault`); `None`: under `name`.
     pub rename: Option<String>,
-    /// Devices listed per shared device, at least 2.
+    /// Devices listed per shared device, from 2 to [`MAX_LISTED_REPLICAS`].
     pub replicas: usize,
     /// Which of the resource's devices are shared.
     pub devices: DeviceSelection,
 }
 
-/// `devices` of a shared resource.
+/// `devices` of a shared resource. NVIDIA's plugin v0.20 ignores it (it shares every device); this one
+/// applies it, and entries that match no device of the node are a warning, not a refusal, because one
+/// ConfigMap serves many kinds of nodes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceSelection {
     /// `all` (or left out).
@@ -155,16 +123,6 @@ pub enum DeviceSelection {
     Count(usize),
     /// These devices, each by index (`0`, `<gpu>:<mig>` for a MIG device) or UUID (`GPU-…`, `MIG-…`).
     List(Vec<String>),
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Imex {
-    #[serde(rename = "channelIDs", default)]
-    channel_ids: Vec<Value>,
-    required: Option<bool>,
-    #[serde(flatten)]
-    other: BTreeMap<String, Value>,
 }
 
 /// NVIDIA's settings that are not ours by another name, merged from its flags, environment and file.
@@ -194,11 +152,32 @@ pub struct NvidiaSettings {
     pub shared_devices_allocation_policy: Option<String>,
     /// `cdiAnnotationPrefix`.
     pub cdi_annotation_prefix: Option<String>,
+    /// `imex.channelIDs` (`--imex-channel-ids`, `IMEX_CHANNEL_IDS`): the IMEX channels every container given
+    /// a GPU gets, as NVIDIA's plugin adds them; `null` in the file is none, as for NVIDIA. Checked in
+    /// [`apply`]: NVIDIA's plugin supports channel 0 only.
+    pub imex_channel_ids: Option<Vec<i64>>,
+    /// `imex.required` (`--imex-required`, `IMEX_REQUIRED`).
+    pub imex_required: Option<bool>,
+    /// `flags.plugin.containerDriverRoot` (`--driver-root-ctr-path`): where the host's driver root is mounted
+    /// in the plugin's container; NVML is looked for under it.
+    pub container_driver_root: Option<String>,
+    /// The config file these settings were (partly) read from, to name it in an error about one of them.
+    pub config_file: Option<PathBuf>,
+    /// The settings (by their key in NVIDIA's file, e.g. `flags.migStrategy`) whose value came from
+    /// `config_file`: an invalid one is refused naming the file and key, not a flag the user never gave.
+    pub from_file: BTreeSet<&'static str>,
 }
 
 impl NvidiaSettings {
     /// Each field from `self` where it is set, else from `under`.
     pub fn or(self, under: NvidiaSettings) -> NvidiaSettings {
+        let from_file: BTreeSet<&'static str> = under
+            .from_file
+            .iter()
+            .copied()
+            .filter(|key| !self.is_set(key))
+            .chain(self.from_file.iter().copied())
+            .collect();
         NvidiaSettings {
             mig_strategy: self.mig_strategy.or(under.mig_strategy),
             driver_root: self.driver_root.or(under.driver_root),
@@ -216,11 +195,42 @@ impl NvidiaSettings {
                 .shared_devices_allocation_policy
                 .or(under.shared_devices_allocation_policy),
             cdi_annotation_prefix: self.cdi_annotation_prefix.or(under.cdi_annotation_prefix),
+            imex_channel_ids: self.imex_channel_ids.or(under.imex_channel_ids),
+            imex_required: self.imex_required.or(under.imex_required),
+            container_driver_root: self.container_driver_root.or(under.container_driver_root),
+            config_file: self.config_file.or(under.config_file),
+            from_file,
+        }
+    }
+
+    /// Whether the setting with file key `key` has a value here.
+    fn is_set(&self, key: &str) -> bool {
+        match key {
+            MIG_STRATEGY => self.mig_strategy.is_some(),
+            DEVICE_ID_STRATEGY => self.device_id_strategy.is_some(),
+            DEVICE_LIST_STRATEGY => self.device_list_strategy.is_some(),
+            DISCOVERY => self.device_discovery_strategy.is_some(),
+            POLICY => self.shared_devices_allocation_policy.is_some(),
+            ANNOTATION_PREFIX => self.cdi_annotation_prefix.is_some(),
+            DRIVER_ROOT => self.driver_root.is_some(),
+            MPS_ROOT => self.mps_root.is_some(),
+            CHANNEL_IDS => self.imex_channel_ids.is_some(),
+            _ => false,
         }
     }
 }
 
-/// What a `version: v1` file gives: our settings it maps to, NVIDIA's own, and warnings to log.
+const MIG_STRATEGY: &str = "flags.migStrategy";
+const DEVICE_ID_STRATEGY: &str = "flags.plugin.deviceIDStrategy";
+const DEVICE_LIST_STRATEGY: &str = "flags.plugin.deviceListStrategy";
+const DISCOVERY: &str = "flags.deviceDiscoveryStrategy";
+const POLICY: &str = "flags.plugin.sharedDevicesAllocationPolicy";
+const ANNOTATION_PREFIX: &str = "flags.plugin.cdiAnnotationPrefix";
+const DRIVER_ROOT: &str = "flags.nvidiaDriverRoot";
+const MPS_ROOT: &str = "flags.mpsRoot";
+const CHANNEL_IDS: &str = "imex.channelIDs";
+
+/// What NVIDIA's file gives: our settings it maps to, NVIDIA's own, and warnings to log.
 #[derive(Debug, Default)]
 pub struct Loaded {
     /// Our settings it sets.
@@ -231,174 +241,510 @@ pub struct Loaded {
     pub warnings: Vec<String>,
 }
 
-/// Whether a parsed YAML document is NVIDIA's format: it says `version: v1`.
-pub fn is_v1(document: &Value) -> bool {
-    document.get("version").and_then(Value::as_str) == Some("v1")
+/// The file's text as NVIDIA's decoder sees it (YAML 1.1 as JSON); `Err` with the parser's message (and
+/// line) where it is not YAML.
+pub fn document(text: &str) -> Result<Value, String> {
+    yaml11::to_json(text)
 }
 
-/// Reads a `version: v1` file's text (errors name the key and line).
-pub fn load(text: &str, path: &std::path::Path) -> Result<Loaded, ConfigError> {
-    let v1: V1 = serde_norway::from_str(text).map_err(|e| ConfigError::ParseFile {
+/// Whether a document (from [`document`]) is NVIDIA's format: a mapping with `version` or any other of the
+/// top-level keys of NVIDIA's v1 file, in any case, as NVIDIA's decoder matches them. Our own format has
+/// none of them.
+pub fn is_nvidias(document: &Value) -> bool {
+    document.as_object().is_some_and(|map| {
+        map.keys()
+            .any(|key| TOP_KEYS.iter().any(|k| k.eq_ignore_ascii_case(key)))
+    })
+}
+
+/// Reads NVIDIA's file: `document` is its text as [`document`] gives it, `text` the text itself (for our
+/// `health:` section, read by our own decoder). Errors name the file and the key.
+pub fn load(document: &Value, text: &str, path: &Path) -> Result<Loaded, ConfigError> {
+    let bad = |message: String| ConfigError::ParseFile {
         path: path.to_owned(),
-        message: e.to_string().replace('\n', " "),
-    })?;
+        message,
+    };
     let mut warnings = Vec::new();
-    let mut ignored = |key: String, why: &str| warnings.push(format!("config key {key}: {why}"));
-    for key in v1.other.keys() {
-        ignored(
-            key.clone(),
-            "unknown to NVIDIA's v1 format; ignored as NVIDIA's plugin ignores it",
-        );
-    }
-    for key in v1.flags.other.keys() {
-        ignored(
-            format!("flags.{key}"),
-            "unknown; ignored as NVIDIA's plugin ignores it",
-        );
-    }
-    for key in v1.flags.plugin.other.keys() {
-        ignored(
-            format!("flags.plugin.{key}"),
-            "unknown; ignored as NVIDIA's plugin ignores it",
-        );
-    }
-    if v1.flags.gfd.is_some() {
-        ignored("flags.gfd".into(), "GPU feature discovery's; ignored");
-    }
-    if v1.flags.use_node_feature_api.is_some() {
-        ignored(
-            "flags.useNodeFeatureAPI".into(),
-            "GPU feature discovery's; ignored",
-        );
-    }
-    if v1.resources.is_some() {
-        ignored(
-            "resources".into(),
-            "NVIDIA's plugin v0.20 parses and ignores it; so does this one",
-        );
-    }
-    if let Some(path) = &v1.flags.plugin.nvidia_ctk_path {
-        ignored(
-            format!("flags.plugin.nvidiaCTKPath ({path})"),
-            "used to write CDI specs, which this plugin does not write; ignored",
-        );
-    }
-    let invalid = |setting: &'static str, value: String, why: &str| ConfigError::Invalid {
-        setting,
-        value,
-        why: why.into(),
+    let Some(top) = document.as_object() else {
+        return Err(bad(format!(
+            "NVIDIA's format is a mapping at the top, found {}",
+            yaml11::describe(document)
+        )));
     };
-    if let Some(sharing) = &v1.sharing {
-        for key in sharing.other.keys() {
-            ignored(
-                format!("sharing.{key}"),
-                "unknown sharing kind (NVIDIA's are timeSlicing and mps); ignored as NVIDIA's plugin ignores it",
-            );
+    let top = Level::read(top, "", TOP_KEYS, Match::AnyCase, &[OURS], &mut warnings);
+    let version = match top.get("version") {
+        None | Some(Value::Null) => String::new(),
+        // A number or boolean lands in Go's string field as its text (sigs.k8s.io/yaml does that at the
+        // top level only).
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Bool(b)) => b.to_string(),
+        Some(Value::Number(n)) => n.to_string(),
+        Some(other) => {
+            return Err(bad(format!(
+                "version: expected a string, found {}",
+                yaml11::describe(other)
+            )));
         }
-    }
-    let sharing = match v1.sharing.map(|s| (s.time_slicing, s.mps)) {
-        Some((Some(_), Some(_))) => {
-            return Err(invalid(
-                "config key",
-                "sharing".into(),
-                "at most one of timeSlicing and mps may be used",
-            ));
-        }
-        Some((Some(spec), None)) => Some(sharing(ShareKind::TimeSlicing, spec, &mut ignored)?),
-        Some((None, Some(spec))) => Some(sharing(ShareKind::Mps, spec, &mut ignored)?),
-        _ => None,
     };
-    if let Some(imex) = &v1.imex {
-        if !imex.channel_ids.is_empty() || imex.required == Some(true) {
-            return Err(invalid(
-                "config key",
-                "imex".into(),
-                "IMEX channels are not supported; remove the section",
-            ));
-        }
-        for key in imex.other.keys() {
-            ignored(
-                format!("imex.{key}"),
-                "unknown; ignored as NVIDIA's plugin ignores it",
-            );
-        }
+    if !version.is_empty() && version != "v1" {
+        return Err(bad(format!(
+            "version {version:?} is not supported: this plugin reads version v1 of NVIDIA's format (the only one \
+             NVIDIA's plugin reads; a file without version is v1), and its own format, which has no version key"
+        )));
     }
-    let flags = v1.flags;
-    let plugin = flags.plugin;
-    let device_list_strategy = plugin.device_list_strategy.map(|s| match s {
-        StringOrList::One(one) => vec![one],
-        StringOrList::Many(many) => many,
-    });
+
+    let flags = object(top.get("flags"), "flags").map_err(bad)?;
+    let flags = Level::read_opt(flags, "flags.", FLAG_KEYS, Match::AnyCase, &mut warnings);
+    let plugin = object(flags.get("plugin"), "flags.plugin").map_err(bad)?;
+    let plugin = Level::read_opt(
+        plugin,
+        "flags.plugin.",
+        PLUGIN_KEYS,
+        Match::AnyCase,
+        &mut warnings,
+    );
+    let mut nvidia = NvidiaSettings {
+        config_file: Some(path.to_owned()),
+        ..NvidiaSettings::default()
+    };
+    let get_string =
+        |level: &Level<'_>, key: &'static str| -> Result<Option<String>, ConfigError> {
+            string(level.get(key), &level.path(key)).map_err(bad)
+        };
+    let get_bool = |level: &Level<'_>, key: &'static str| -> Result<Option<bool>, ConfigError> {
+        boolean(level.get(key), &level.path(key)).map_err(bad)
+    };
+    nvidia.mig_strategy = get_string(&flags, "migStrategy")?;
+    nvidia.driver_root = get_string(&flags, "nvidiaDriverRoot")?;
+    nvidia.mps_root = get_string(&flags, "mpsRoot")?;
+    nvidia.gdrcopy = get_bool(&flags, "gdrcopyEnabled")?;
+    nvidia.gds = get_bool(&flags, "gdsEnabled")?;
+    nvidia.mofed = get_bool(&flags, "mofedEnabled")?;
+    nvidia.device_discovery_strategy = get_string(&flags, "deviceDiscoveryStrategy")?;
+    nvidia.device_id_strategy = get_string(&plugin, "deviceIDStrategy")?;
+    nvidia.cdi_annotation_prefix = get_string(&plugin, "cdiAnnotationPrefix")?;
+    nvidia.shared_devices_allocation_policy = get_string(&plugin, "sharedDevicesAllocationPolicy")?;
+    nvidia.device_list_strategy = match plugin.get("deviceListStrategy") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(one)) => Some(vec![one.clone()]),
+        Some(Value::Array(many)) => Some(
+            many.iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s.clone()),
+                    other => Err(bad(format!(
+                        "{DEVICE_LIST_STRATEGY}: expected a string or a list of strings, found {} in the list",
+                        yaml11::describe(other)
+                    ))),
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+        Some(other) => {
+            return Err(bad(format!(
+                "{DEVICE_LIST_STRATEGY}: expected a string or a list of strings, found {}",
+                yaml11::describe(other)
+            )));
+        }
+    };
     let file = FileConfig {
-        fail_on_init_error: flags.fail_on_init_error,
-        dev_root: flags.nvidia_dev_root.map(PathBuf::from),
-        device_specs: plugin.pass_device_specs,
-        health: v1.health,
+        fail_on_init_error: get_bool(&flags, "failOnInitError")?,
+        dev_root: get_string(&flags, "nvidiaDevRoot")?.map(PathBuf::from),
+        device_specs: get_bool(&plugin, "passDeviceSpecs")?,
+        health: health(&top, text).map_err(bad)?,
         ..FileConfig::default()
     };
-    // A setting that only acts together with one refused above: accepted.
-    let _ = plugin.container_driver_root;
+
+    let mut ignored = |key: &str, why: &str| warnings.push(format!("config key {key}: {why}"));
+    if flags.get("gfd").is_some() {
+        ignored(
+            "flags.gfd",
+            "GPU feature discovery's settings; no effect on a device plugin (NVIDIA's plugin drops them too)",
+        );
+    }
+    if get_bool(&flags, "useNodeFeatureAPI")?.is_some() {
+        ignored(
+            "flags.useNodeFeatureAPI",
+            "GPU feature discovery's setting; no effect on a device plugin (NVIDIA's plugin does not read it either)",
+        );
+    }
+    if top.get("resources").is_some_and(|v| !v.is_null()) {
+        ignored(
+            "resources",
+            "NVIDIA's plugin v0.20 ignores it (resources keep their default names); so does this one",
+        );
+    }
+    if let Some(ctk) = get_string(&plugin, "nvidiaCTKPath")? {
+        ignored(
+            &format!("flags.plugin.nvidiaCTKPath ({ctk})"),
+            "used by NVIDIA's plugin to write CDI specs, which this plugin does not write; no effect",
+        );
+    }
+    nvidia.container_driver_root = get_string(&plugin, "containerDriverRoot")?;
+    for (key, value) in [
+        (MIG_STRATEGY, nvidia.mig_strategy.is_some()),
+        (DEVICE_ID_STRATEGY, nvidia.device_id_strategy.is_some()),
+        (DEVICE_LIST_STRATEGY, nvidia.device_list_strategy.is_some()),
+        (DISCOVERY, nvidia.device_discovery_strategy.is_some()),
+        (POLICY, nvidia.shared_devices_allocation_policy.is_some()),
+        (ANNOTATION_PREFIX, nvidia.cdi_annotation_prefix.is_some()),
+        (DRIVER_ROOT, nvidia.driver_root.is_some()),
+        (MPS_ROOT, nvidia.mps_root.is_some()),
+    ] {
+        if value {
+            nvidia.from_file.insert(key);
+        }
+    }
+
+    let sharing = object(top.get("sharing"), "sharing").map_err(bad)?;
+    let sharing = Level::read_opt(
+        sharing,
+        "sharing.",
+        SHARING_KEYS,
+        Match::AnyCase,
+        &mut warnings,
+    );
+    // timeSlicing is a struct in NVIDIA's Config (null still runs its decoder, which then finds no
+    // resources); mps a pointer (null is no MPS).
+    let time_slicing = sharing
+        .get("timeSlicing")
+        .map(|spec| replicated(ShareKind::TimeSlicing, spec, &mut warnings))
+        .transpose()
+        .map_err(bad)?;
+    let mps = match sharing.get("mps") {
+        None | Some(Value::Null) => None,
+        Some(spec) => Some(replicated(ShareKind::Mps, spec, &mut warnings).map_err(bad)?),
+    };
+    nvidia.sharing = match (time_slicing, mps) {
+        (Some(_), Some(mps)) => {
+            warnings.push(
+                "config key sharing.timeSlicing: ignored: sharing.mps is set too, and NVIDIA's plugin then \
+                 shares through MPS only; so does this one"
+                    .into(),
+            );
+            Some(mps)
+        }
+        (time_slicing, mps) => mps.or(time_slicing),
+    };
+
+    let imex = object(top.get("imex"), "imex").map_err(bad)?;
+    let imex = Level::read_opt(imex, "imex.", IMEX_KEYS, Match::AnyCase, &mut warnings);
+    nvidia.imex_required = get_bool(&imex, "required")?;
+    nvidia.imex_channel_ids = match imex.get("channelIDs") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(ids)) => Some(
+            ids.iter()
+                .map(|id| {
+                    integer(id).ok_or_else(|| {
+                        bad(format!(
+                            "{CHANNEL_IDS}: expected a list of channel numbers, found {} in it",
+                            yaml11::describe(id)
+                        ))
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+        Some(other) => {
+            return Err(bad(format!(
+                "{CHANNEL_IDS}: expected a list of channel numbers, found {}",
+                yaml11::describe(other)
+            )));
+        }
+    };
+    if nvidia.imex_channel_ids.is_some() {
+        nvidia.from_file.insert(CHANNEL_IDS);
+    }
     Ok(Loaded {
         file,
-        nvidia: NvidiaSettings {
-            mig_strategy: flags.mig_strategy,
-            driver_root: flags.nvidia_driver_root,
-            device_list_strategy,
-            device_id_strategy: plugin.device_id_strategy,
-            gdrcopy: flags.gdrcopy_enabled,
-            gds: flags.gds_enabled,
-            mofed: flags.mofed_enabled,
-            device_discovery_strategy: flags.device_discovery_strategy,
-            sharing,
-            mps_root: flags.mps_root,
-            shared_devices_allocation_policy: plugin.shared_devices_allocation_policy,
-            cdi_annotation_prefix: plugin.cdi_annotation_prefix,
-        },
+        nvidia,
         warnings,
     })
 }
 
-/// More replicas than this per device is surely a mistake (and a list the kubelet would struggle with).
-const MAX_REPLICAS: i64 = 1024;
+/// Our `health:` section, read by our own (YAML 1.2, strict) decoder so that it means what it means in our
+/// format; errors name its line.
+fn health(top: &Level<'_>, text: &str) -> Result<Option<HealthConfig>, String> {
+    if top.ours.is_empty() {
+        return Ok(None);
+    }
+    /// The rest of the file is NVIDIA's: not denied here.
+    #[derive(Deserialize)]
+    struct Ours {
+        health: Option<HealthConfig>,
+    }
+    serde_norway::from_str::<Ours>(text)
+        .map(|ours| ours.health)
+        .map_err(|e| e.to_string().replace('\n', " "))
+}
 
-/// Checks `sharing.timeSlicing` or `sharing.mps` as NVIDIA's plugin does: at least one resource, each with a
-/// name and replicas of at least 2, `devices` as `all`, a count above 0 or a list of indices and UUIDs.
-fn sharing(
+/// How the keys of one level are matched to settings.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Match {
+    /// As Go's `encoding/json`: the key spelled exactly, else one equal but for case.
+    AnyCase,
+    /// As NVIDIA's own decoders under `sharing.*` do: exactly as spelled.
+    Exact,
+}
+
+/// One mapping of NVIDIA's file, its keys matched to the settings of that level.
+struct Level<'v> {
+    prefix: &'static str,
+    found: Vec<(&'static str, &'v Value)>,
+    /// Keys of ours (exact) present at this level.
+    ours: Vec<&'static str>,
+}
+
+impl<'v> Level<'v> {
+    fn read_opt(
+        map: Option<&'v Map<String, Value>>,
+        prefix: &'static str,
+        known: &'static [&'static str],
+        matching: Match,
+        warnings: &mut Vec<String>,
+    ) -> Level<'v> {
+        match map {
+            Some(map) => Level::read(map, prefix, known, matching, &[], warnings),
+            None => Level {
+                prefix,
+                found: Vec::new(),
+                ours: Vec::new(),
+            },
+        }
+    }
+
+    /// Matches `map`'s keys to `known` settings, warning about every key that sets nothing (with the
+    /// setting it probably meant) and about two keys that set the same setting.
+    fn read(
+        map: &'v Map<String, Value>,
+        prefix: &'static str,
+        known: &'static [&'static str],
+        matching: Match,
+        ours: &[&'static str],
+        warnings: &mut Vec<String>,
+    ) -> Level<'v> {
+        let mut level = Level {
+            prefix,
+            found: Vec::new(),
+            ours: Vec::new(),
+        };
+        // Go decodes the keys in sorted (byte) order, each overwriting what an earlier one set.
+        let mut keys: Vec<(&String, &Value)> = map.iter().collect();
+        keys.sort_by(|a, b| a.0.cmp(b.0));
+        let mut setters: Vec<(&'static str, Vec<&str>)> = Vec::new();
+        for (key, value) in keys {
+            if let Some(&mine) = ours.iter().find(|o| **o == key.as_str()) {
+                level.ours.push(mine);
+                continue;
+            }
+            let exact = known.iter().find(|k| **k == key.as_str());
+            let folded = known.iter().find(|k| k.eq_ignore_ascii_case(key));
+            let field = match (exact, folded, matching) {
+                (Some(k), _, _) | (None, Some(k), Match::AnyCase) => *k,
+                (None, Some(k), Match::Exact) => {
+                    warnings.push(format!(
+                        "config key {prefix}{key}: ignored: NVIDIA's plugin reads the keys under {} exactly as \
+                         spelled, so this one sets nothing there either (did you mean {prefix}{k}?)",
+                        prefix.trim_end_matches('.')
+                    ));
+                    continue;
+                }
+                (None, None, _) => {
+                    let hint = suggestion(key, known.iter().chain(ours.iter()).copied())
+                        .map(|k| format!(" (did you mean {prefix}{k}?)"))
+                        .unwrap_or_default();
+                    let what = if prefix.is_empty() {
+                        "not a key of NVIDIA's v1 format".to_string()
+                    } else {
+                        format!(
+                            "not a key of {} in NVIDIA's v1 format",
+                            prefix.trim_end_matches('.')
+                        )
+                    };
+                    warnings.push(format!(
+                        "config key {prefix}{key}: {what}; ignored, as NVIDIA's plugin ignores it (what it would \
+                         set keeps its default){hint}"
+                    ));
+                    continue;
+                }
+            };
+            level.found.retain(|(f, _)| *f != field);
+            level.found.push((field, value));
+            match setters.iter_mut().find(|(f, _)| *f == field) {
+                Some((_, keys)) => keys.push(key),
+                None => setters.push((field, vec![key])),
+            }
+        }
+        for (_, keys) in setters.iter().filter(|(_, keys)| keys.len() > 1) {
+            let used = keys.last().copied().unwrap_or_default();
+            let all: Vec<String> = keys.iter().map(|k| format!("{prefix}{k}")).collect();
+            warnings.push(format!(
+                "config keys {} set the same setting; the value of {prefix}{used} is used, as NVIDIA's plugin uses \
+                 it (the last in byte order)",
+                all.join(" and ")
+            ));
+        }
+        level
+    }
+
+    fn get(&self, field: &str) -> Option<&'v Value> {
+        self.found
+            .iter()
+            .find(|(f, _)| *f == field)
+            .map(|(_, v)| *v)
+    }
+
+    fn path(&self, field: &str) -> String {
+        format!("{}{field}", self.prefix)
+    }
+}
+
+/// The known key closest to a mistyped one, when it is close enough to be what was meant.
+fn suggestion<'k>(key: &str, known: impl Iterator<Item = &'k str>) -> Option<&'k str> {
+    let key = key.to_ascii_lowercase();
+    known
+        .map(|k| (strsim::levenshtein(&key, &k.to_ascii_lowercase()), k))
+        .filter(|(distance, k)| *distance <= 3.max(k.len() / 4) && *distance < k.len())
+        .min_by_key(|(distance, _)| *distance)
+        .map(|(_, k)| k)
+}
+
+/// A mapping value: `None` for absent or null (Go leaves the struct as it is).
+fn object<'v>(
+    value: Option<&'v Value>,
+    key: &str,
+) -> Result<Option<&'v Map<String, Value>>, String> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Object(map)) => Ok(Some(map)),
+        Some(other) => Err(format!(
+            "{key}: expected a mapping, found {}",
+            yaml11::describe(other)
+        )),
+    }
+}
+
+/// A string setting: Go's `*string`, which takes a JSON string only (no number, no boolean).
+fn string(value: Option<&Value>, key: &str) -> Result<Option<String>, String> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Bool(b)) => Err(format!(
+            "{key}: expected a string, found the boolean {b} (NVIDIA's plugin reads YAML 1.1, where an unquoted \
+             yes/no/on/off/y/n is a boolean, and refuses it here too; quote the value)"
+        )),
+        Some(other) => Err(format!(
+            "{key}: expected a string, found {} (NVIDIA's plugin refuses it too; quote the value)",
+            yaml11::describe(other)
+        )),
+    }
+}
+
+/// A boolean setting: Go's `*bool`, which takes a JSON boolean only (`"true"` in quotes is a string).
+fn boolean(value: Option<&Value>, key: &str) -> Result<Option<bool>, String> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(other) => Err(format!(
+            "{key}: expected true or false, found {} (NVIDIA's plugin refuses it too)",
+            yaml11::describe(other)
+        )),
+    }
+}
+
+/// A JSON number Go's `encoding/json` puts in an `int`: a whole number (`2.0` is 2, as `json.Marshal` writes
+/// it `2`).
+fn integer(value: &Value) -> Option<i64> {
+    let Value::Number(n) = value else { return None };
+    n.as_i64().or_else(|| {
+        n.as_f64()
+            .filter(|f| f.fract() == 0.0 && f.abs() < 9.0e18)
+            .map(|f| f as i64)
+    })
+}
+
+/// `sharing.timeSlicing` or `sharing.mps`, checked as NVIDIA's decoder checks it: at least one resource,
+/// each with a name and at least 2 replicas, `devices` as `all`, a count above 0 or a list of indices and
+/// UUIDs; keys looked up exactly as spelled.
+fn replicated(
     kind: ShareKind,
-    spec: SharingSpec,
-    ignored: &mut impl FnMut(String, &str),
-) -> Result<Sharing, ConfigError> {
+    spec: &Value,
+    warnings: &mut Vec<String>,
+) -> Result<Sharing, String> {
     let section = match kind {
         ShareKind::TimeSlicing => "sharing.timeSlicing",
         ShareKind::Mps => "sharing.mps",
     };
-    let invalid = |key: String, why: &str| ConfigError::Invalid {
-        setting: "config key",
-        value: format!("{section}{key}"),
-        why: why.into(),
+    let prefix = match kind {
+        ShareKind::TimeSlicing => "sharing.timeSlicing.",
+        ShareKind::Mps => "sharing.mps.",
     };
-    for key in spec.other.keys() {
-        ignored(
-            format!("{section}.{key}"),
-            "unknown; ignored as NVIDIA's plugin ignores it",
-        );
-    }
-    let entries = spec.resources.unwrap_or_default();
+    let invalid = |key: String, why: &str| format!("{section}{key}: {why}");
+    let spec = match spec {
+        Value::Object(map) => Some(map),
+        Value::Null => None,
+        other => {
+            return Err(invalid(
+                String::new(),
+                &format!("expected a mapping, found {}", yaml11::describe(other)),
+            ));
+        }
+    };
+    let spec = Level::read_opt(spec, prefix, SPEC_KEYS, Match::Exact, warnings);
+    let rename_by_default = match spec.get("renameByDefault") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(invalid(
+                ".renameByDefault".into(),
+                &format!("expected true or false, found {}", yaml11::describe(other)),
+            ));
+        }
+    };
+    let fail_requests = boolean(
+        spec.get("failRequestsGreaterThanOne"),
+        &format!("{prefix}failRequestsGreaterThanOne"),
+    )?;
+    let entries = match spec.get("resources") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(entries)) => entries.iter().collect(),
+        Some(other) => {
+            return Err(invalid(
+                ".resources".into(),
+                &format!("expected a list, found {}", yaml11::describe(other)),
+            ));
+        }
+    };
     if entries.is_empty() {
         return Err(invalid(".resources".into(), "no resources specified"));
     }
-    let rename_by_default = spec.rename_by_default.unwrap_or(false);
     let mut resources: Vec<SharedResource> = Vec::with_capacity(entries.len());
     for (i, entry) in entries.into_iter().enumerate() {
         let at = |key: &str| format!(".resources[{i}]{key}");
-        for key in entry.other.keys() {
-            ignored(
-                format!("{section}{}", at(&format!(".{key}"))),
-                "unknown; ignored as NVIDIA's plugin ignores it",
-            );
-        }
-        let name = entry
-            .name
+        let entry = match entry {
+            Value::Object(map) => Some(map),
+            Value::Null => None,
+            other => {
+                return Err(invalid(
+                    at(""),
+                    &format!("expected a mapping, found {}", yaml11::describe(other)),
+                ));
+            }
+        };
+        let entry_prefix: &'static str = match kind {
+            ShareKind::TimeSlicing => "sharing.timeSlicing.resources[].",
+            ShareKind::Mps => "sharing.mps.resources[].",
+        };
+        let entry = Level::read_opt(entry, entry_prefix, RESOURCE_KEYS, Match::Exact, warnings);
+        let name = match entry.get("name") {
+            None => None,
+            Some(Value::Null) => Some(String::new()),
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(other) => {
+                return Err(invalid(
+                    at(".name"),
+                    &format!("expected a string, found {}", yaml11::describe(other)),
+                ));
+            }
+        };
+        let name = name
             .filter(|n| !n.is_empty())
             .ok_or_else(|| invalid(at(".name"), "no resource name specified"))?;
         let name = full_resource_name(&name).map_err(|why| invalid(at(".name"), &why))?;
@@ -408,27 +754,55 @@ fn sharing(
                 &format!("{name} is shared twice; give each resource one entry"),
             ));
         }
-        let rename = match entry.rename.filter(|r| !r.is_empty()) {
-            Some(rename) => {
-                Some(full_resource_name(&rename).map_err(|why| invalid(at(".rename"), &why))?)
+        let rename = match entry.get("rename") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if s.is_empty() => None,
+            Some(Value::String(s)) => {
+                Some(full_resource_name(s).map_err(|why| invalid(at(".rename"), &why))?)
             }
+            Some(other) => {
+                return Err(invalid(
+                    at(".rename"),
+                    &format!("expected a string, found {}", yaml11::describe(other)),
+                ));
+            }
+        };
+        let rename = match rename {
+            Some(rename) => Some(rename),
             None if rename_by_default => Some(format!("{name}.shared")),
             None => None,
         }
         .filter(|rename| *rename != name);
-        let replicas = match entry.replicas {
-            Some(n) if (2..=MAX_REPLICAS).contains(&n) => usize::try_from(n).unwrap_or(2),
-            Some(n) if n > MAX_REPLICAS => {
+        let replicas = match entry.get("replicas") {
+            None => return Err(invalid(at(".replicas"), "no replicas specified")),
+            // Go leaves the int at 0.
+            Some(Value::Null) => 0,
+            Some(value) => integer(value).ok_or_else(|| {
+                invalid(
+                    at(".replicas"),
+                    &format!("expected a whole number, found {}", yaml11::describe(value)),
+                )
+            })?,
+        };
+        let replicas = match usize::try_from(replicas) {
+            Ok(n) if n < 2 => {
+                return Err(invalid(at(".replicas"), "number of replicas must be >= 2"));
+            }
+            Err(_) => return Err(invalid(at(".replicas"), "number of replicas must be >= 2")),
+            Ok(n) if n > MAX_LISTED_REPLICAS => {
                 return Err(invalid(
                     at(".replicas"),
-                    &format!("{n} replicas per device; at most {MAX_REPLICAS}"),
+                    &format!(
+                        "{n} replicas of a single device already make a device list larger than the 4194304 \
+                         bytes the kubelet accepts in one message (each listed replica takes at least \
+                         {MIN_LISTED_DEVICE_BYTES} bytes); at most {MAX_LISTED_REPLICAS}"
+                    ),
                 ));
             }
-            Some(_) => return Err(invalid(at(".replicas"), "number of replicas must be >= 2")),
-            None => return Err(invalid(at(".replicas"), "no replicas specified")),
+            Ok(n) => n,
         };
-        let devices = device_selection(entry.devices.as_ref())
-            .map_err(|why| invalid(at(".devices"), &why))?;
+        let devices =
+            device_selection(entry.get("devices")).map_err(|why| invalid(at(".devices"), &why))?;
         resources.push(SharedResource {
             name,
             rename,
@@ -439,9 +813,7 @@ fn sharing(
     Ok(Sharing {
         kind,
         // MPS refuses more than one replica per container unless told otherwise; time-slicing allows it.
-        fail_requests_greater_than_one: spec
-            .fail_requests_greater_than_one
-            .unwrap_or(kind == ShareKind::Mps),
+        fail_requests_greater_than_one: fail_requests.unwrap_or(kind == ShareKind::Mps),
         resources,
     })
 }
@@ -470,7 +842,12 @@ fn device_selection(devices: Option<&Value>) -> Result<DeviceSelection, String> 
                 .map(|n| n.to_string())
                 .ok_or_else(|| format!("{n} is not a device index"))?,
             Value::String(s) => s.clone(),
-            other => return Err(format!("{other:?} is not a device index or UUID")),
+            other => {
+                return Err(format!(
+                    "{} is not a device index or UUID",
+                    yaml11::describe(other)
+                ));
+            }
         };
         let is_index = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
         let is_mig_index = || {
@@ -494,13 +871,13 @@ fn device_selection(devices: Option<&Value>) -> Result<DeviceSelection, String> 
         Some(Value::String(other)) => Err(format!(
             "{other:?}: the only string allowed is all (or give a count or a list)"
         )),
-        Some(Value::Number(n)) => match n.as_u64() {
+        Some(Value::Number(n)) => match integer(&Value::Number(n.clone())) {
             Some(count) if count > 0 => Ok(DeviceSelection::Count(
                 usize::try_from(count).unwrap_or(usize::MAX),
             )),
             _ => Err(format!("{n}: a count of devices must be > 0")),
         },
-        Some(Value::Sequence(list)) if !list.is_empty() => {
+        Some(Value::Array(list)) if !list.is_empty() => {
             let mut refs = Vec::with_capacity(list.len());
             for value in list {
                 let text = entry(value)?;
@@ -510,10 +887,13 @@ fn device_selection(devices: Option<&Value>) -> Result<DeviceSelection, String> 
             }
             Ok(DeviceSelection::List(refs))
         }
-        Some(Value::Sequence(_)) => {
+        Some(Value::Array(_)) => {
             Err("an empty list shares nothing; leave devices out for all".into())
         }
-        Some(other) => Err(format!("{other:?}: must be all, a count or a list")),
+        Some(other) => Err(format!(
+            "{}: must be all, a count or a list",
+            yaml11::describe(other)
+        )),
     }
 }
 
@@ -540,6 +920,35 @@ pub struct Applied {
     pub mps_root: Option<PathBuf>,
     /// How GPUs in MIG mode are served.
     pub mig_strategy: MigStrategy,
+    /// IMEX channels every container given a device gets (`imex.channelIDs`): empty, or `[0]`, the only
+    /// channel NVIDIA's plugin supports. NVIDIA's plugin adds the channel's device node
+    /// (`/dev/nvidia-caps-imex-channels/channel<N>`) to each Allocate where it exists, and skips it where
+    /// it does not, unless `imex_required`.
+    pub imex_channel_ids: Vec<u32>,
+    /// `imex.required`: a listed channel whose device node is missing fails Allocate instead of being
+    /// skipped. With no channels it asks for nothing (NVIDIA's plugin accepts it so).
+    pub imex_required: bool,
+    /// Settings accepted that do less here than in NVIDIA's plugin, one line each saying what happens
+    /// instead, for the log.
+    pub warnings: Vec<String>,
+}
+
+/// The key in NVIDIA's file of the setting named `setting` in a refusal (`migStrategy (--mig-strategy, …)`).
+fn file_key(setting: &str) -> Option<&'static str> {
+    let name = setting.split(' ').next()?;
+    [
+        MIG_STRATEGY,
+        DEVICE_ID_STRATEGY,
+        DEVICE_LIST_STRATEGY,
+        DISCOVERY,
+        POLICY,
+        ANNOTATION_PREFIX,
+        DRIVER_ROOT,
+        MPS_ROOT,
+        CHANNEL_IDS,
+    ]
+    .into_iter()
+    .find(|key| key.rsplit('.').next() == Some(name))
 }
 
 /// NVIDIA's default prefix of the CDI annotations (`cdi-annotations` strategy).
@@ -566,11 +975,23 @@ fn check_annotation_prefix(prefix: &str) -> Result<(), &'static str> {
 
 /// Checks NVIDIA's settings, refusing by name what this plugin does not do.
 pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
-    let invalid = |setting: &'static str, value: &str, why: &str| ConfigError::Invalid {
-        setting,
-        value: value.into(),
-        why: why.into(),
+    // A value from the config file is refused naming the file and its key there; one from a flag or
+    // variable naming those.
+    let invalid = |setting: &'static str, value: &str, why: &str| {
+        let key = file_key(setting);
+        match (&settings.config_file, key) {
+            (Some(path), Some(key)) if settings.from_file.contains(key) => ConfigError::ParseFile {
+                path: path.clone(),
+                message: format!("{key} {value:?}: {why}"),
+            },
+            _ => ConfigError::Invalid {
+                setting,
+                value: value.into(),
+                why: why.into(),
+            },
+        }
     };
+    let mut warnings = Vec::new();
     let mig_strategy = match settings.mig_strategy.as_deref() {
         None => MigStrategy::None,
         Some(s) => MigStrategy::parse(s).ok_or_else(|| {
@@ -594,24 +1015,52 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
     };
     match settings.device_discovery_strategy.as_deref() {
         None | Some("auto" | "nvml") => {}
+        Some("tegra") => {
+            return Err(invalid(
+                "deviceDiscoveryStrategy (--device-discovery-strategy, DEVICE_DISCOVERY_STRATEGY)",
+                "tegra",
+                "Tegra systems (Jetson, Thor) have no NVML, and this plugin finds and watches GPUs through NVML \
+                 only; use auto or nvml on NVML systems",
+            ));
+        }
         Some(s) => {
             return Err(invalid(
                 "deviceDiscoveryStrategy (--device-discovery-strategy, DEVICE_DISCOVERY_STRATEGY)",
                 s,
-                "only NVML discovery (auto, nvml) is supported",
+                "must be auto, nvml or tegra",
             ));
         }
     }
     match settings.shared_devices_allocation_policy.as_deref() {
         None | Some("distributed") => {}
+        // NVIDIA's plugin then answers GetPreferredAllocation for replicas with the GPUs already holding the
+        // most allocated replicas; this one's answer (src/allocation.rs) does not weigh other pods' replicas.
+        Some("packed") => warnings.push(
+            "sharedDevicesAllocationPolicy packed: accepted, but not applied: the replicas this plugin prefers \
+             for a container are spread over the GPUs (distributed), where NVIDIA's plugin would prefer the GPUs \
+             already holding the most allocated replicas; the kubelet may still allocate any replicas"
+                .to_string(),
+        ),
         Some(s) => {
             return Err(invalid(
                 "sharedDevicesAllocationPolicy (--shared-devices-allocation-policy, SHARED_DEVICES_ALLOCATION_POLICY)",
                 s,
-                "only distributed (replicas spread over the GPUs) is supported",
+                "must be distributed or packed",
             ));
         }
     }
+    let imex_channel_ids: Vec<u32> = match settings.imex_channel_ids.as_deref() {
+        None | Some([]) => Vec::new(),
+        Some([0]) => vec![0],
+        Some(ids) => {
+            let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
+            return Err(invalid(
+                "channelIDs (--imex-channel-ids, IMEX_CHANNEL_IDS)",
+                &format!("[{}]", ids.join(", ")),
+                "must be [] or [0]: NVIDIA's plugin supports IMEX channel 0 only",
+            ));
+        }
+    };
     // The driver's root on the host: where device specs' host paths are, unless a dev root is given.
     let driver_root = match settings.driver_root.as_deref() {
         None | Some("") => PathBuf::from("/"),
@@ -718,6 +1167,9 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
         sharing: settings.sharing.clone(),
         mps_root,
         mig_strategy,
+        imex_channel_ids,
+        imex_required: settings.imex_required.unwrap_or(false),
+        warnings,
     })
 }
 
@@ -726,12 +1178,16 @@ mod tests {
     use super::*;
 
     fn load_str(yaml: &str) -> Result<Loaded, ConfigError> {
-        let document: Value = serde_norway::from_str(yaml).map_err(|e| ConfigError::ParseFile {
+        let document = document(yaml).map_err(|message| ConfigError::ParseFile {
             path: "test.yaml".into(),
-            message: e.to_string(),
+            message,
         })?;
-        assert!(is_v1(&document));
-        load(yaml, std::path::Path::new("test.yaml"))
+        assert!(is_nvidias(&document), "{yaml}");
+        load(&document, yaml, std::path::Path::new("test.yaml"))
+    }
+
+    fn err_of(result: Result<impl std::fmt::Debug, ConfigError>) -> String {
+        result.err().map(|e| e.to_string()).unwrap_or_default()
     }
 
     #[test]
@@ -830,15 +1286,12 @@ mod tests {
                 "sharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
                 "mpsRoot",
             ),
+            ("imex:\n  channelIDs: [0, 1]\n", "channelIDs"),
             (
-                "sharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n",
-                "at most one of timeSlicing and mps",
-            ),
-            ("imex:\n  channelIDs: [0]\n", "imex"),
-            (
-                "flags:\n  plugin:\n    sharedDevicesAllocationPolicy: packed\n",
+                "flags:\n  plugin:\n    sharedDevicesAllocationPolicy: tightly\n",
                 "sharedDevicesAllocationPolicy",
             ),
+            ("flags:\n  deviceDiscoveryStrategy: tegra\n", "no NVML"),
         ];
         for (yaml, named) in cases {
             let result = load_str(&format!("version: v1\n{yaml}"))
@@ -895,5 +1348,275 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(err.contains("failOnInitError"), "{err}");
+    }
+
+    #[test]
+    fn keys_differing_only_in_case_set_the_setting_as_in_nvidias_decoder() -> Result<(), ConfigError>
+    {
+        let loaded = load_str(
+            "Version: v1\nFlags:\n  MigStrategy: single\n  useNodeFeatureAPI: true\n  Plugin:\n    \
+             deviceIdStrategy: index\n    PassDeviceSpecs: true\nIMEX:\n  channelIds: [0]\n",
+        )?;
+        assert_eq!(loaded.nvidia.mig_strategy.as_deref(), Some("single"));
+        assert_eq!(loaded.nvidia.device_id_strategy.as_deref(), Some("index"));
+        assert_eq!(loaded.file.device_specs, Some(true));
+        assert_eq!(loaded.nvidia.imex_channel_ids, Some(vec![0]));
+        // The only warning: useNodeFeatureAPI is feature discovery's, not a typo.
+        assert_eq!(loaded.warnings.len(), 1, "{:?}", loaded.warnings);
+        assert!(loaded.warnings[0].contains("flags.useNodeFeatureAPI: GPU feature discovery"));
+        let applied = apply(&loaded.nvidia)?;
+        assert_eq!(applied.mig_strategy, MigStrategy::Single);
+        assert_eq!(applied.naming.ids, crate::naming::IdStrategy::Index);
+        Ok(())
+    }
+
+    #[test]
+    fn two_spellings_of_one_key_use_the_last_in_byte_order_and_say_so() -> Result<(), ConfigError> {
+        let loaded = load_str("flags:\n  migStrategy: mixed\n  MigStrategy: single\n")?;
+        assert_eq!(loaded.nvidia.mig_strategy.as_deref(), Some("mixed"));
+        let warned = loaded.warnings.join("\n");
+        assert!(
+            warned.contains("flags.MigStrategy and flags.migStrategy set the same setting")
+                && warned.contains("the value of flags.migStrategy is used"),
+            "{warned}"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn yaml_1_1_booleans_are_booleans_and_one_in_a_string_setting_is_refused()
+    -> Result<(), ConfigError> {
+        let loaded = load_str(
+            "flags:\n  failOnInitError: no\n  gdsEnabled: on\n  mofedEnabled: Off\n  plugin:\n    \
+             passDeviceSpecs: yes\n",
+        )?;
+        assert_eq!(loaded.file.fail_on_init_error, Some(false));
+        assert_eq!(loaded.file.device_specs, Some(true));
+        assert_eq!(
+            (loaded.nvidia.gds, loaded.nvidia.mofed),
+            (Some(true), Some(false))
+        );
+        // NVIDIA's decoder puts a boolean in no string setting (under flags): refused, naming the key.
+        let err = err_of(load_str("flags:\n  migStrategy: no\n"));
+        assert!(
+            err.contains("test.yaml")
+                && err.contains("flags.migStrategy: expected a string, found the boolean false")
+                && err.contains("quote"),
+            "{err}"
+        );
+        // A quoted "true" is a string, which a boolean setting refuses, as NVIDIA's does.
+        let err = err_of(load_str("flags:\n  failOnInitError: 'true'\n"));
+        assert!(
+            err.contains("flags.failOnInitError: expected true or false"),
+            "{err}"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_file_without_version_is_nvidias_when_it_has_nvidias_keys_and_ours_otherwise()
+    -> Result<(), String> {
+        for nvidias in [
+            "flags:\n  migStrategy: none\n",
+            "sharing:\n  timeSlicing:\n    resources: []\n",
+            "imex: {}\n",
+            "Resources: {}\n",
+            "version: v1\n",
+        ] {
+            assert!(is_nvidias(&document(nvidias)?), "{nvidias}");
+        }
+        for ours in [
+            "resourceName: nvidia.com/gpu\n",
+            "health:\n  quietPeriod: 5m\n",
+            "",
+        ] {
+            assert!(!is_nvidias(&document(ours)?), "{ours}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_version_other_than_v1_is_refused_naming_it_and_what_is_read() {
+        let err = err_of(load_str("version: v2\nflags: {}\n"));
+        assert!(
+            err.contains("version \"v2\" is not supported")
+                && err.contains("reads version v1 of NVIDIA's format")
+                && !err.contains("unknown field"),
+            "{err}"
+        );
+        // Empty is v1, as NVIDIA's plugin reads it.
+        assert!(load_str("version: ''\nflags: {}\n").is_ok());
+    }
+
+    #[test]
+    fn a_typo_is_one_warning_with_the_key_meant_and_the_default_runs() -> Result<(), ConfigError> {
+        let loaded = load_str(
+            "flags:\n  migStrateg: mixed\n  plugin:\n    deviceListStrategie: cdi-cri\nsharring: {}\n\
+             sharing:\n  timeSlicing:\n    renamebydefault: true\n    resources:\n    - name: gpu\n      \
+             replicas: 2\n      replica: 3\n",
+        )?;
+        assert_eq!(loaded.nvidia.mig_strategy, None);
+        assert_eq!(loaded.nvidia.device_list_strategy, None);
+        let warned = loaded.warnings.join("\n");
+        for (key, meant) in [
+            ("flags.migStrateg", "flags.migStrategy"),
+            (
+                "flags.plugin.deviceListStrategie",
+                "flags.plugin.deviceListStrategy",
+            ),
+            ("sharring", "sharing"),
+            (
+                "sharing.timeSlicing.renamebydefault",
+                "sharing.timeSlicing.renameByDefault",
+            ),
+            (
+                "sharing.timeSlicing.resources[].replica",
+                "sharing.timeSlicing.resources[].replicas",
+            ),
+        ] {
+            assert!(
+                warned.contains(&format!("config key {key}:"))
+                    && warned.contains(&format!("(did you mean {meant}?)")),
+                "{key}:\n{warned}"
+            );
+        }
+        assert!(
+            !warned.contains("ignored as NVIDIA's plugin ignores it"),
+            "{warned}"
+        );
+        assert_eq!(loaded.warnings.len(), 5, "{warned}");
+        // renameByDefault spelled in another case sets nothing: NVIDIA looks it up exactly.
+        let sharing = loaded.nvidia.sharing.ok_or(ConfigError::Invalid {
+            setting: "test",
+            value: String::new(),
+            why: "no sharing".into(),
+        })?;
+        assert_eq!(sharing.resources[0].rename, None);
+        Ok(())
+    }
+
+    #[test]
+    fn packed_allocation_is_accepted_with_a_warning_saying_what_happens_here()
+    -> Result<(), ConfigError> {
+        let loaded = load_str("flags:\n  plugin:\n    sharedDevicesAllocationPolicy: packed\n")?;
+        let applied = apply(&loaded.nvidia)?;
+        assert_eq!(applied.warnings.len(), 1);
+        assert!(
+            applied.warnings[0].contains("packed: accepted, but not applied")
+                && applied.warnings[0].contains("spread over the GPUs"),
+            "{:?}",
+            applied.warnings
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn replicas_above_1024_are_read_and_only_a_count_no_kubelet_list_holds_is_refused()
+    -> Result<(), ConfigError> {
+        let file = |n: usize| {
+            format!(
+                "sharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: {n}\n"
+            )
+        };
+        let loaded = load_str(&file(5000))?;
+        assert_eq!(
+            loaded.nvidia.sharing.map(|s| s.resources[0].replicas),
+            Some(5000)
+        );
+        assert!(load_str(&file(MAX_LISTED_REPLICAS)).is_ok());
+        let err = err_of(load_str(&file(MAX_LISTED_REPLICAS + 1)));
+        assert!(
+            err.contains("resources[0].replicas")
+                && err.contains("4194304 bytes the kubelet accepts")
+                && err.contains(&format!("at most {MAX_LISTED_REPLICAS}")),
+            "{err}"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn time_slicing_and_mps_together_share_through_mps_and_say_time_slicing_is_ignored()
+    -> Result<(), ConfigError> {
+        let loaded = load_str(
+            "sharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: 4\n  mps:\n    \
+             resources:\n    - name: gpu\n      replicas: 2\n",
+        )?;
+        let sharing = loaded.nvidia.sharing.clone();
+        assert_eq!(sharing.as_ref().map(|s| s.kind), Some(ShareKind::Mps));
+        assert_eq!(sharing.map(|s| s.resources[0].replicas), Some(2));
+        let warned = loaded.warnings.join("\n");
+        assert!(
+            warned.contains("config key sharing.timeSlicing: ignored: sharing.mps is set too"),
+            "{warned}"
+        );
+        // Errors in the ignored section still refuse the file, as NVIDIA's decoder reads both.
+        let err = err_of(load_str(
+            "sharing:\n  timeSlicing:\n    resources: []\n  mps:\n    resources:\n    - name: gpu\n      \
+             replicas: 2\n",
+        ));
+        assert!(err.contains("no resources specified"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn imex_channels_are_read_checked_and_carried_through() -> Result<(), ConfigError> {
+        let applied = apply(&load_str("imex:\n  channelIDs: [0]\n  required: yes\n")?.nvidia)?;
+        assert_eq!(
+            (applied.imex_channel_ids, applied.imex_required),
+            (vec![0], true)
+        );
+        // Required with no channels, and null channels: accepted, as NVIDIA's plugin accepts them.
+        let applied = apply(&load_str("imex:\n  required: true\n")?.nvidia)?;
+        assert_eq!(
+            (applied.imex_channel_ids, applied.imex_required),
+            (vec![], true)
+        );
+        let applied = apply(&load_str("imex:\n  channelIDs: null\n")?.nvidia)?;
+        assert!(applied.imex_channel_ids.is_empty());
+        let err = err_of(load_str("imex:\n  channelIDs: [1]\n").and_then(|l| apply(&l.nvidia)));
+        assert!(
+            err.contains("test.yaml")
+                && err.contains("imex.channelIDs \"[1]\"")
+                && err.contains("channel 0 only"),
+            "{err}"
+        );
+        let err = err_of(load_str("imex:\n  channelIDs: [zero]\n"));
+        assert!(
+            err.contains("imex.channelIDs: expected a list of channel numbers"),
+            "{err}"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn an_invalid_value_from_the_file_names_the_file_and_one_from_a_flag_the_flag()
+    -> Result<(), ConfigError> {
+        let loaded = load_str("flags:\n  migStrategy: many\n")?;
+        let err = err_of(apply(&loaded.nvidia));
+        assert_eq!(
+            err,
+            "config file test.yaml: flags.migStrategy \"many\": must be none, single or mixed"
+        );
+        // The same value given as a flag over the file's: the flag is named.
+        let flags = NvidiaSettings {
+            mig_strategy: Some("many".into()),
+            ..NvidiaSettings::default()
+        };
+        let err = err_of(apply(&flags.or(loaded.nvidia)));
+        assert!(
+            err.starts_with("invalid migStrategy (--mig-strategy"),
+            "{err}"
+        );
+        // A valid flag over an invalid file value runs, as NVIDIA's plugin checks the merged settings.
+        let loaded = load_str("flags:\n  migStrategy: many\n")?;
+        let flags = NvidiaSettings {
+            mig_strategy: Some("single".into()),
+            ..NvidiaSettings::default()
+        };
+        assert_eq!(
+            apply(&flags.or(loaded.nvidia))?.mig_strategy,
+            MigStrategy::Single
+        );
+        Ok(())
     }
 }
