@@ -385,7 +385,7 @@ impl Cluster {
                 }
                 dropped_since_warned += 1;
                 if warned_at.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
-                    tracing::warn!(dropped = dropped_since_warned, burst = budget.burst, every = ?budget.refill, "Kubernetes Events over budget dropped (the log and metrics still have every transition)");
+                    tracing::warn!(dropped = dropped_since_warned, burst = budget.burst, every = %humantime::format_duration(budget.refill), "Kubernetes Events over budget dropped (the log and metrics still have every transition)");
                     warned_at = Some(Instant::now());
                     dropped_since_warned = 0;
                 }
@@ -531,7 +531,7 @@ struct ConditionView {
 pub struct Transition {
     /// Device ID.
     pub id: String,
-    /// Its position in the device list.
+    /// NVML's index of its GPU (the list position where the source has none), as `nvidia-smi` shows it.
     pub index: usize,
     /// The health it changed to.
     pub to: Health,
@@ -546,12 +546,12 @@ pub fn transitions(before: &Inventory, after: &Inventory) -> Vec<Transition> {
         .devices()
         .iter()
         .enumerate()
-        .filter_map(|(index, d)| {
+        .filter_map(|(position, d)| {
             let was = before.get(&d.info.id);
             let was_health = was.map_or(Health::Healthy, |w| w.health);
             (was_health != d.health).then(|| Transition {
                 id: d.info.id.clone(),
-                index,
+                index: d.info.gpu_index().unwrap_or(position),
                 to: d.health,
                 message: match d.health {
                     Health::Unhealthy => d.reason.clone(),
@@ -596,7 +596,10 @@ pub fn condition_of(inventory: &Inventory) -> WantedCondition {
         .iter()
         .enumerate()
         .filter(|(_, d)| d.health == Health::Unhealthy)
-        .map(|(index, d)| device_line(&d.info.id, index, d.reason.as_deref()))
+        .map(|(position, d)| {
+            let index = d.info.gpu_index().unwrap_or(position);
+            device_line(&d.info.id, index, d.reason.as_deref())
+        })
         .collect();
     let total = inventory.len();
     let message = if unhealthy.is_empty() {

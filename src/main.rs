@@ -145,6 +145,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             }
         },
     };
+    log_start(&settings, source.driver_version());
     let metrics = Arc::new(Metrics::new());
     let mut monitor_config = settings.monitor.clone();
     monitor_config.metrics = Some(metrics.clone());
@@ -257,6 +258,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             stuck_after: settings.stuck_after,
             metrics,
             pods,
+            unserved: monitored.unserved.clone(),
         };
         http::spawn(addr, context, shutdown.clone());
     }
@@ -313,6 +315,47 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     }
     tracing::info!("stopped");
     Ok(Stopped::Shutdown)
+}
+
+/// One line at start with what is asked first when a node misbehaves: the version, the driver, how devices
+/// are handed to containers and the health policy in force.
+fn log_start(settings: &Settings, driver: Option<String>) {
+    let allocate = &settings.allocate;
+    let mut lists = Vec::new();
+    if allocate.volume_mounts {
+        lists.push("volume-mounts");
+    } else if allocate.envvar {
+        lists.push("envvar");
+    }
+    if allocate.cdi_annotations.is_some() {
+        lists.push("cdi-annotations");
+    }
+    if allocate.cdi {
+        lists.push("cdi-cri");
+    }
+    let driver = match (driver, settings.simulate) {
+        (Some(version), _) => version,
+        (None, Some(_)) => "none (simulated GPUs)".into(),
+        (None, None) => "unknown".into(),
+    };
+    let policy = settings.monitor.policy.summary();
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        driver = %driver,
+        resource = %settings.resource_name,
+        mig_strategy = %settings.nvml.mig_strategy,
+        device_list_strategy = %lists.join(","),
+        device_id_strategy = match allocate.naming.ids {
+            gpu_device_plugin::naming::IdStrategy::Uuid => "uuid",
+            gpu_device_plugin::naming::IdStrategy::Index => "index",
+        },
+        device_specs = allocate.device_specs,
+        xid_policy = %policy.xid_policy,
+        dp_disable_healthchecks = policy.dp_disable_healthchecks.as_deref(),
+        dp_enable_healthchecks = policy.dp_enable_healthchecks.as_deref(),
+        quiet_period = %policy.quiet_period,
+        "gpu-device-plugin starting"
+    );
 }
 
 /// The kubelet side's settings for `resource`.
@@ -469,11 +512,13 @@ struct StatusArgs {
              lists it Unhealthy with the reason, and keeps it so across restarts and reboots"
 )]
 struct FenceArgs {
-    /// The GPU or MIG device UUID (a GPU's UUID fences all its MIG devices)
+    /// The GPU or MIG device UUID, or its NVML index as nvidia-smi shows it (a GPU's UUID or index fences
+    /// all its MIG devices)
     device: String,
-    /// Why, as operators will read it in the device's message
+    /// Why, as operators will read it in the device's message (required; asked for by the plugin, so that
+    /// its refusal names the command that works)
     #[arg(long)]
-    reason: String,
+    reason: Option<String>,
     /// The running plugin's --state-dir (its control socket is there)
     #[arg(long, env = "GPU_DEVICE_PLUGIN_STATE_DIR", default_value = config::DEFAULT_STATE_DIR, value_name = "DIR")]
     state_dir: std::path::PathBuf,
@@ -485,7 +530,7 @@ struct FenceArgs {
     about = "Put a fenced GPU back in service, or clear one condition stuck on a repaired GPU (--condition)"
 )]
 struct ReleaseArgs {
-    /// The GPU or MIG device UUID
+    /// The GPU or MIG device UUID, or its NVML index as nvidia-smi shows it
     device: String,
     /// Why (logged with who released it)
     #[arg(long)]
@@ -525,7 +570,7 @@ fn control_command(fence: bool) -> ExitCode {
         FenceArgs::try_parse_from(argv).map(|a| {
             let request = gpu_device_plugin::control::ControlRequest {
                 device: a.device,
-                reason: Some(a.reason),
+                reason: a.reason,
                 ..Default::default()
             };
             (a.state_dir, request)
