@@ -96,6 +96,10 @@ fn restart_in_place() -> ExitCode {
 /// How long shutdown waits for the side surfaces' thread to end.
 const SIDE_EXIT: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// How long shutdown waits for the node condition to be left Unknown (a read and a patch; the pod's grace
+/// period is 10 s).
+const LEAVE_CONDITION: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// How long shutdown waits for the last checkpoint write (well within the 2 s a DaemonSet update allows).
 const FLUSH_AT_EXIT: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -221,6 +225,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         }
         Arc::new(pods)
     });
+    let mut api_stop = None;
     if let Some(api) = api {
         // The kubelet first: the API client starts once the first registration is accepted, or after a
         // couple of seconds without one. Health changes meanwhile are reported then.
@@ -229,14 +234,14 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             let _either = kubelet::registered_or_late(kubelet).await;
         };
         let before = monitored.inventory.borrow().clone();
-        api.spawn(
+        api_stop = Some(api.spawn(
             registered,
             before,
             monitored.inventory.clone(),
             pods.clone(),
             Some(metrics.clone()),
             Some(monitored.status.clone()),
-        );
+        ));
     }
 
     if let Some(heartbeat) = monitored.heartbeat.clone() {
@@ -312,6 +317,11 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     }
     if reload.load(std::sync::atomic::Ordering::SeqCst) {
         return Ok(Stopped::Reload);
+    }
+    // Stopping for good (a rollback, the DaemonSet deleted): the node condition must not go on claiming
+    // what nothing watches any more.
+    if let Some(api_stop) = api_stop {
+        api_stop.leave_condition(LEAVE_CONDITION).await;
     }
     tracing::info!("stopped");
     Ok(Stopped::Shutdown)
