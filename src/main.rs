@@ -350,12 +350,12 @@ fn log_start(settings: &Settings, driver: Option<String>) {
     };
     let policy = settings.monitor.policy.summary();
     tracing::info!(
-        version = env!("CARGO_PKG_VERSION"),
+        version = %env!("CARGO_PKG_VERSION"),
         driver = %driver,
         resource = %settings.resource_name,
         mig_strategy = %settings.nvml.mig_strategy,
         device_list_strategy = %lists.join(","),
-        device_id_strategy = match allocate.naming.ids {
+        device_id_strategy = %match allocate.naming.ids {
             gpu_device_plugin::naming::IdStrategy::Uuid => "uuid",
             gpu_device_plugin::naming::IdStrategy::Index => "index",
         },
