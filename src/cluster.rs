@@ -23,7 +23,7 @@ use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Config};
 use serde::Deserialize;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use crate::devices::{Health, Inventory, InventoryWatch};
@@ -37,6 +37,9 @@ pub const CONDITION_TYPE: &str = "GPUUnhealthy";
 pub const UNHEALTHY_REASON: &str = "GPUUnhealthy";
 /// Reason of the node condition while every GPU is Healthy.
 pub const HEALTHY_REASON: &str = "GPUsHealthy";
+/// Reason of the node condition once the plugin has stopped (status `Unknown`): nothing watches the GPUs'
+/// health for it any more, so neither `True` nor `False` would be the truth.
+pub const STOPPED_REASON: &str = "PluginStopped";
 /// Reason of the Normal Event on recovery.
 pub const RECOVERED_REASON: &str = "GPURecovered";
 /// The reporting controller named in every Event.
@@ -192,6 +195,8 @@ impl ApiAccess {
     ///
     /// With `fences`, it also follows the Node's fence annotation ([`crate::fence_annotation`]) and applies
     /// it through them.
+    ///
+    /// The returned [`ApiStop`] is for a plugin that stops for good: it leaves the condition saying so.
     pub fn spawn(
         self,
         start: impl std::future::Future<Output = ()> + Send + 'static,
@@ -200,10 +205,24 @@ impl ApiAccess {
         pods: Option<Arc<PodResources>>,
         metrics: Option<Arc<Metrics>>,
         fences: Option<StatusQueries>,
-    ) {
+    ) -> ApiStop {
         let budget = self.budget;
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let (done_tx, done_rx) = oneshot::channel::<()>();
+        // Resolves when asked to stop; never when the handle is dropped without asking (a SIGHUP's restart
+        // in place, which reports again at once: no reason to say the GPUs are unwatched meanwhile).
+        let stopped = async move {
+            if stop_rx.await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
         let report = async move {
-            start.await;
+            tokio::pin!(stopped);
+            tokio::select! {
+                () = start => {}
+                // Stopped before anything was written: nothing to leave behind.
+                () = &mut stopped => return,
+            }
             let server = self.config.cluster_url.to_string();
             // A watch waits for changes for minutes: its client has no read timeout (the server ends each
             // watch within its own timeout, and the watcher starts a new one).
@@ -240,16 +259,88 @@ impl ApiAccess {
                     }
                 }
             }
-            tokio::spawn(cluster.clone().keep_condition(wanted, metrics.clone()));
-            tokio::spawn(cluster.send_events(queue, budget, metrics.clone()));
-            follow(before, inventory, conditions, notes, pods, metrics).await;
+            let written = Arc::new(std::sync::Mutex::new(None));
+            let keeper = tokio::spawn(cluster.clone().keep_condition(
+                wanted,
+                metrics.clone(),
+                written.clone(),
+            ));
+            tokio::spawn(cluster.clone().send_events(queue, budget, metrics.clone()));
+            tokio::select! {
+                () = follow(before, inventory, conditions, notes, pods, metrics) => {}
+                () = &mut stopped => {
+                    // No write of ours may land after the last one.
+                    keeper.abort();
+                    let ours = written
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .clone();
+                    match cluster.leave_stopped(ours).await {
+                        Ok(Left::Unknown) => tracing::info!(node = %cluster.node, "node condition {CONDITION_TYPE} left Unknown ({STOPPED_REASON}): GPU health is not watched once this plugin is gone"),
+                        Ok(Left::Newer) => tracing::info!(node = %cluster.node, "node condition {CONDITION_TYPE} left as it is: another instance of the plugin has written it since"),
+                        Ok(Left::NothingWritten) => {}
+                        Err(e) => tracing::warn!(node = %cluster.node, error = %explain(&e, "get on nodes and patch on nodes/status"), "cannot leave the node condition {CONDITION_TYPE} Unknown at stop; it keeps its last status"),
+                    }
+                    let _exiting = done_tx.send(());
+                }
+            }
         };
         // A thread and runtime of their own: building the client (TLS roots: tens of milliseconds of CPU),
         // encoding Events and talking HTTP never take a turn on the thread that carries faults to the kubelet.
         if let Err(e) = crate::runtime::spawn_on_own_thread("kube-api", report) {
             tracing::warn!(error = %e, "cannot start the Kubernetes API side's thread: no Events and no node condition");
         }
+        ApiStop {
+            stop: stop_tx,
+            done: done_rx,
+        }
     }
+}
+
+/// Asks the API side of a plugin that stops for good to leave the node condition truthful.
+#[derive(Debug)]
+pub struct ApiStop {
+    stop: oneshot::Sender<()>,
+    done: oneshot::Receiver<()>,
+}
+
+impl ApiStop {
+    /// Sets the node condition to `Unknown` ([`STOPPED_REASON`]), unless another instance of the plugin
+    /// (the new pod of a rolling update) has written it since this one did: that one's report is the
+    /// truth, and a stopping instance must not overwrite it. Waits at most `within`.
+    ///
+    /// Left behind after a rollback to another device plugin, a `True` would keep saying a GPU is
+    /// Unhealthy, and a `False` that all are watched and Healthy, long after nothing watches them.
+    pub async fn leave_condition(self, within: Duration) {
+        if self.stop.send(()).is_err() {
+            return;
+        }
+        if tokio::time::timeout(within, self.done).await.is_err() {
+            tracing::warn!(
+                "the node condition {CONDITION_TYPE} was not left Unknown within {within:?} of shutdown; it keeps its last status"
+            );
+        }
+    }
+}
+
+/// What a stopping plugin did with the node condition.
+#[derive(Debug, PartialEq, Eq)]
+enum Left {
+    /// Set to `Unknown`.
+    Unknown,
+    /// Left alone: another instance wrote it after this one.
+    Newer,
+    /// This instance never wrote it.
+    NothingWritten,
+}
+
+/// The node condition as this instance last wrote it: at stop, the node still showing exactly this means no
+/// other instance has written since.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Written {
+    status: String,
+    message: String,
+    heartbeat: String,
 }
 
 impl Cluster {
@@ -259,6 +350,7 @@ impl Cluster {
         self,
         mut wanted: watch::Receiver<WantedCondition>,
         metrics: Option<Arc<Metrics>>,
+        written: Arc<std::sync::Mutex<Option<Written>>>,
     ) {
         // What the node says now: (status, lastTransitionTime) of our condition, once read.
         let mut on_node: Option<Option<(String, String)>> = None;
@@ -274,7 +366,10 @@ impl Cluster {
                     metrics.api_call("node_condition", result.is_ok());
                 }
                 match result {
-                    Ok(()) => {
+                    Ok(wrote) => {
+                        *written
+                            .lock()
+                            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(wrote);
                         if failing {
                             tracing::info!(node = %self.node, "node condition written again");
                         }
@@ -313,7 +408,7 @@ impl Cluster {
         &self,
         target: &WantedCondition,
         on_node: &mut Option<Option<(String, String)>>,
-    ) -> Result<(), kube::Error> {
+    ) -> Result<Written, kube::Error> {
         let path = format!("/api/v1/nodes/{}", self.node);
         let known = match on_node {
             Some(known) => known.clone(),
@@ -356,7 +451,71 @@ impl Cluster {
             .map_err(kube::Error::HttpError)?;
         self.client.request_text(request).await?;
         *on_node = Some(Some((status.to_string(), transition)));
-        Ok(())
+        Ok(Written {
+            status: status.to_string(),
+            message: target.message.clone(),
+            heartbeat: now,
+        })
+    }
+
+    /// At stop: the condition `Unknown` if it is still as this instance wrote it. The patch carries the
+    /// Node's `resourceVersion` as read, so that a write by another instance between the read and the
+    /// patch makes the API server refuse it (409) rather than be overwritten.
+    async fn leave_stopped(&self, ours: Option<Written>) -> Result<Left, kube::Error> {
+        let Some(ours) = ours else {
+            return Ok(Left::NothingWritten);
+        };
+        let path = format!("/api/v1/nodes/{}", self.node);
+        let request = hyper::Request::get(&path)
+            .body(Vec::new())
+            .map_err(kube::Error::HttpError)?;
+        let node: NodeView = self.client.request(request).await?;
+        let current = node
+            .status
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == CONDITION_TYPE)
+            .map(|c| Written {
+                status: c.status,
+                message: c.message.unwrap_or_default(),
+                heartbeat: c.last_heartbeat_time.unwrap_or_default(),
+            });
+        if current.as_ref() != Some(&ours) {
+            return Ok(Left::Newer);
+        }
+        let now = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+        let message = crate::text::cut_bytes(
+            &format!(
+                "gpu-device-plugin stopped on this node at {now}: GPU health is not watched by it; its last report ({}): {}",
+                ours.status, ours.message
+            ),
+            CONDITION_MESSAGE_LIMIT,
+        );
+        let mut patch = serde_json::json!({
+            "status": {
+                "conditions": [{
+                    "type": CONDITION_TYPE,
+                    "status": "Unknown",
+                    "reason": STOPPED_REASON,
+                    "message": message,
+                    "lastHeartbeatTime": now,
+                    "lastTransitionTime": now,
+                }]
+            }
+        });
+        if let Some(version) = node.metadata.resource_version {
+            patch["metadata"] = serde_json::json!({ "resourceVersion": version });
+        }
+        let request = hyper::Request::patch(format!("{path}/status"))
+            .header("content-type", "application/strategic-merge-patch+json")
+            .body(patch.to_string().into_bytes())
+            .map_err(kube::Error::HttpError)?;
+        match self.client.request_text(request).await {
+            Ok(_) => Ok(Left::Unknown),
+            // Written by another instance between the read and the patch: theirs stands.
+            Err(kube::Error::Api(status)) if status.code == 409 => Ok(Left::Newer),
+            Err(e) => Err(e),
+        }
     }
 
     /// Sends queued Events within the budget, each retried a few times with backoff.
@@ -385,7 +544,7 @@ impl Cluster {
                 }
                 dropped_since_warned += 1;
                 if warned_at.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
-                    tracing::warn!(dropped = dropped_since_warned, burst = budget.burst, every = ?budget.refill, "Kubernetes Events over budget dropped (the log and metrics still have every transition)");
+                    tracing::warn!(dropped = dropped_since_warned, burst = budget.burst, every = %humantime::format_duration(budget.refill), "Kubernetes Events over budget dropped (the log and metrics still have every transition)");
                     warned_at = Some(Instant::now());
                     dropped_since_warned = 0;
                 }
@@ -507,7 +666,16 @@ async fn follow(
 #[derive(Debug, Default, Deserialize)]
 struct NodeView {
     #[serde(default)]
+    metadata: MetadataView,
+    #[serde(default)]
     status: NodeStatusView,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct MetadataView {
+    #[serde(default)]
+    resource_version: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -523,6 +691,10 @@ struct ConditionView {
     type_: String,
     status: String,
     #[serde(default)]
+    message: Option<String>,
+    #[serde(default)]
+    last_heartbeat_time: Option<String>,
+    #[serde(default)]
     last_transition_time: Option<String>,
 }
 
@@ -531,7 +703,7 @@ struct ConditionView {
 pub struct Transition {
     /// Device ID.
     pub id: String,
-    /// Its position in the device list.
+    /// NVML's index of its GPU (the list position where the source has none), as `nvidia-smi` shows it.
     pub index: usize,
     /// The health it changed to.
     pub to: Health,
@@ -546,12 +718,12 @@ pub fn transitions(before: &Inventory, after: &Inventory) -> Vec<Transition> {
         .devices()
         .iter()
         .enumerate()
-        .filter_map(|(index, d)| {
+        .filter_map(|(position, d)| {
             let was = before.get(&d.info.id);
             let was_health = was.map_or(Health::Healthy, |w| w.health);
             (was_health != d.health).then(|| Transition {
                 id: d.info.id.clone(),
-                index,
+                index: d.info.gpu_index().unwrap_or(position),
                 to: d.health,
                 message: match d.health {
                     Health::Unhealthy => d.reason.clone(),
@@ -596,7 +768,10 @@ pub fn condition_of(inventory: &Inventory) -> WantedCondition {
         .iter()
         .enumerate()
         .filter(|(_, d)| d.health == Health::Unhealthy)
-        .map(|(index, d)| device_line(&d.info.id, index, d.reason.as_deref()))
+        .map(|(position, d)| {
+            let index = d.info.gpu_index().unwrap_or(position);
+            device_line(&d.info.id, index, d.reason.as_deref())
+        })
         .collect();
     let total = inventory.len();
     let message = if unhealthy.is_empty() {

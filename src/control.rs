@@ -82,7 +82,8 @@ pub fn bounds() -> Bounds {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ControlRequest {
-    /// A device ID (GPU or MIG UUID), or a GPU's UUID for all its MIG devices.
+    /// A device ID (GPU or MIG UUID) or NVML index (`3`, `3:1` for a MIG device), or a GPU's UUID or index
+    /// for all its MIG devices.
     pub device: String,
     /// Why; required to fence.
     #[serde(default)]
@@ -336,19 +337,26 @@ fn operator_request(
         None => format!("{who} via the control socket"),
     };
     let reason = asked.reason.as_deref().map(text).unwrap_or_default();
+    let device = text(&asked.device);
     let request = if fence {
         if reason.is_empty() {
-            return Err("a fence needs a reason (--reason)".into());
+            return Err(format!(
+                "a fence needs a reason — run: gpu-device-plugin fence {device} --reason \"<why>\""
+            ));
         }
         OperatorRequest::Fence { reason, by }
     } else {
         let which = match asked.condition.as_deref() {
             None => ConditionSelector::fenced(),
-            Some(name) => ConditionSelector::parse(name.trim())?,
+            Some(name) => ConditionSelector::parse(name.trim()).map_err(|e| {
+                format!(
+                    "{e} — see the device's conditions with gpu-device-plugin status, then run: gpu-device-plugin release {device} --condition <one of them>"
+                )
+            })?,
         };
         OperatorRequest::Release { which, reason, by }
     };
-    Ok((text(&asked.device), request))
+    Ok((device, request))
 }
 
 fn reply(status: StatusCode, devices: Vec<Operated>, error: &str) -> Response<Full<Bytes>> {

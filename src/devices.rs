@@ -42,6 +42,30 @@ pub struct DeviceInfo {
     pub mig: Option<mig::MigInfo>,
 }
 
+impl DeviceInfo {
+    /// NVML's index of the GPU this device is (or, for a MIG device, is part of): what `nvidia-smi` shows and
+    /// what an operator reads before pulling a card. It is not the position in the served list, which shifts
+    /// when a GPU before it is not served. `None` where the source has no such index.
+    pub fn gpu_index(&self) -> Option<usize> {
+        self.index.as_deref()?.split(':').next()?.parse().ok()
+    }
+}
+
+/// A device present on the node but not served to the kubelet, and why. Listed in the status report so that
+/// a gap in the indices reads as what it is, not as a GPU that is not there.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Unserved {
+    /// NVML's index of the GPU, where known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<usize>,
+    /// Its UUID, where it could be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// Why it is not served, in words an operator can act on.
+    pub why: String,
+}
+
 /// Health as the kubelet understands it: only Healthy devices are allocatable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Health {
@@ -302,6 +326,17 @@ pub trait DeviceSource: Send + 'static {
     /// of them may be such a device, and its conditions must outlive its silence.
     fn unidentified(&self) -> usize {
         0
+    }
+
+    /// The GPU driver's version, where the source talks to a driver (for the start-up line: the first thing
+    /// asked when a node misbehaves).
+    fn driver_version(&self) -> Option<String> {
+        None
+    }
+
+    /// Devices found at discovery but not served, each with why; asked once, after [`DeviceSource::discover`].
+    fn unserved(&self) -> Vec<Unserved> {
+        Vec::new()
     }
 }
 

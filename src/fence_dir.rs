@@ -430,6 +430,7 @@ fn plan(
                 OperatorError::UnknownDevice {
                     target: crate::text::printable(&crate::text::cut_bytes(&want.device, 80)),
                     known: crate::text::cut_bytes(&known.join(", "), 400),
+                    command: None,
                 },
             ));
             continue;

@@ -90,6 +90,8 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Where `/status` learns which pods hold each device, if anywhere.
     pub pods: Option<Arc<PodResources>>,
+    /// Devices present but not served, with why (found at start).
+    pub unserved: Vec<crate::devices::Unserved>,
 }
 
 /// `/status` asks the kubelet which pods hold the devices at most this often.
@@ -326,6 +328,7 @@ async fn report(context: &Context) -> Option<Report> {
         kubelet: kubelet.next().unwrap_or_default(),
         other_resources: kubelet.collect(),
         policy: context.policy.clone(),
+        unserved: context.unserved.clone(),
     })
 }
 

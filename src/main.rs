@@ -97,6 +97,10 @@ fn restart_in_place() -> ExitCode {
 /// How long shutdown waits for the side surfaces' thread to end.
 const SIDE_EXIT: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// How long shutdown waits for the node condition to be left Unknown (a read and a patch; the pod's grace
+/// period is 10 s).
+const LEAVE_CONDITION: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// How long shutdown waits for the last checkpoint write (well within the 2 s a DaemonSet update allows).
 const FLUSH_AT_EXIT: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -146,6 +150,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             }
         },
     };
+    log_start(&settings, source.driver_version());
     let metrics = Arc::new(Metrics::new());
     let mut monitor_config = settings.monitor.clone();
     monitor_config.metrics = Some(metrics.clone());
@@ -221,6 +226,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         }
         Arc::new(pods)
     });
+    let mut api_stop = None;
     if let Some(api) = api {
         // The kubelet first: the API client starts once the first registration is accepted, or after a
         // couple of seconds without one. Health changes meanwhile are reported then.
@@ -229,14 +235,14 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             let _either = kubelet::registered_or_late(kubelet).await;
         };
         let before = monitored.inventory.borrow().clone();
-        api.spawn(
+        api_stop = Some(api.spawn(
             registered,
             before,
             monitored.inventory.clone(),
             pods.clone(),
             Some(metrics.clone()),
             Some(monitored.status.clone()),
-        );
+        ));
     }
 
     if let Some(heartbeat) = monitored.heartbeat.clone() {
@@ -258,6 +264,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             stuck_after: settings.stuck_after,
             metrics,
             pods,
+            unserved: monitored.unserved.clone(),
         };
         http::spawn(addr, context, shutdown.clone());
     }
@@ -312,8 +319,54 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     if reload.load(std::sync::atomic::Ordering::SeqCst) {
         return Ok(Stopped::Reload);
     }
+    // Stopping for good (a rollback, the DaemonSet deleted): the node condition must not go on claiming
+    // what nothing watches any more.
+    if let Some(api_stop) = api_stop {
+        api_stop.leave_condition(LEAVE_CONDITION).await;
+    }
     tracing::info!("stopped");
     Ok(Stopped::Shutdown)
+}
+
+/// One line at start with what is asked first when a node misbehaves: the version, the driver, how devices
+/// are handed to containers and the health policy in force.
+fn log_start(settings: &Settings, driver: Option<String>) {
+    let allocate = &settings.allocate;
+    let mut lists = Vec::new();
+    if allocate.volume_mounts {
+        lists.push("volume-mounts");
+    } else if allocate.envvar {
+        lists.push("envvar");
+    }
+    if allocate.cdi_annotations.is_some() {
+        lists.push("cdi-annotations");
+    }
+    if allocate.cdi {
+        lists.push("cdi-cri");
+    }
+    let driver = match (driver, settings.simulate) {
+        (Some(version), _) => version,
+        (None, Some(_)) => "none (simulated GPUs)".into(),
+        (None, None) => "unknown".into(),
+    };
+    let policy = settings.monitor.policy.summary();
+    tracing::info!(
+        version = %env!("CARGO_PKG_VERSION"),
+        driver = %driver,
+        resource = %settings.resource_name,
+        mig_strategy = %settings.nvml.mig_strategy,
+        device_list_strategy = %lists.join(","),
+        device_id_strategy = %match allocate.naming.ids {
+            gpu_device_plugin::naming::IdStrategy::Uuid => "uuid",
+            gpu_device_plugin::naming::IdStrategy::Index => "index",
+        },
+        device_specs = allocate.device_specs,
+        xid_policy = %policy.xid_policy,
+        dp_disable_healthchecks = policy.dp_disable_healthchecks.as_deref(),
+        dp_enable_healthchecks = policy.dp_enable_healthchecks.as_deref(),
+        quiet_period = %policy.quiet_period,
+        "gpu-device-plugin starting"
+    );
 }
 
 /// The kubelet side's settings for `resource`.
@@ -470,11 +523,13 @@ struct StatusArgs {
              lists it Unhealthy with the reason, and keeps it so across restarts and reboots"
 )]
 struct FenceArgs {
-    /// The GPU or MIG device UUID (a GPU's UUID fences all its MIG devices)
+    /// The GPU or MIG device UUID, or its NVML index as nvidia-smi shows it (a GPU's UUID or index fences
+    /// all its MIG devices)
     device: String,
-    /// Why, as operators will read it in the device's message
+    /// Why, as operators will read it in the device's message (required; asked for by the plugin, so that
+    /// its refusal names the command that works)
     #[arg(long)]
-    reason: String,
+    reason: Option<String>,
     /// The running plugin's --state-dir (its control socket is there)
     #[arg(long, env = "GPU_DEVICE_PLUGIN_STATE_DIR", default_value = config::DEFAULT_STATE_DIR, value_name = "DIR")]
     state_dir: std::path::PathBuf,
@@ -486,7 +541,7 @@ struct FenceArgs {
     about = "Put a fenced GPU back in service, or clear one condition stuck on a repaired GPU (--condition)"
 )]
 struct ReleaseArgs {
-    /// The GPU or MIG device UUID
+    /// The GPU or MIG device UUID, or its NVML index as nvidia-smi shows it
     device: String,
     /// Why (logged with who released it)
     #[arg(long)]
@@ -526,7 +581,7 @@ fn control_command(fence: bool) -> ExitCode {
         FenceArgs::try_parse_from(argv).map(|a| {
             let request = gpu_device_plugin::control::ControlRequest {
                 device: a.device,
-                reason: Some(a.reason),
+                reason: a.reason,
                 ..Default::default()
             };
             (a.state_dir, request)

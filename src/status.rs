@@ -18,6 +18,9 @@ pub struct Report {
     pub other_resources: Vec<KubeletStatus>,
     /// The health policy in force.
     pub policy: PolicySummary,
+    /// Devices present on the node but not served, each with why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unserved: Vec<crate::devices::Unserved>,
 }
 
 /// One device.
@@ -26,7 +29,8 @@ pub struct Report {
 pub struct DeviceStatus {
     /// Device ID as the kubelet knows it (the GPU UUID).
     pub id: String,
-    /// Position in the device list (NVML's index order for NVML's GPUs).
+    /// NVML's index of the GPU (for a MIG device, of its GPU), as `nvidia-smi` numbers it: with GPU 0 not
+    /// served, GPU 1 is still 1. The position in the device list where the source has no index.
     pub index: usize,
     /// The extended resource the device is served under.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -140,7 +144,7 @@ impl Report {
                     .conditions
                     .iter()
                     .map(|c| match c.value {
-                        Some(v) => format!("{}={v}", c.kind),
+                        Some(v) => format!("{}-{v}", c.kind),
                         None => c.kind.clone(),
                     })
                     .collect();
@@ -168,6 +172,17 @@ impl Report {
                 .map(|cell| printable(&cell))
             })
             .collect();
+        let unserved_rows = self.unserved.iter().map(|u| {
+            [
+                u.index.map_or_else(|| "-".into(), |i| i.to_string()),
+                u.id.clone().unwrap_or_else(|| "-".into()),
+                NOT_SERVED.into(),
+                "-".into(),
+                "-".into(),
+            ]
+            .map(|cell| printable(&cell))
+        });
+        let rows: Vec<[String; 5]> = rows.into_iter().chain(unserved_rows).collect();
         let header = ["INDEX", "DEVICE", "HEALTH", "PODS", "CONDITIONS"];
         let widths: Vec<usize> = (0..header.len())
             .map(|i| {
@@ -216,8 +231,13 @@ impl Report {
             .iter()
             .filter(|d| d.health != "Healthy")
             .count();
+        let not_served = if self.unserved.is_empty() {
+            String::new()
+        } else {
+            format!(", {} not served", self.unserved.len())
+        };
         out.push_str(&format!(
-            "\n{} devices, {} Unhealthy; kubelet: {} ({} as {}, {} stream{} open, {} registration{}){}\n",
+            "\n{} devices, {} Unhealthy{not_served}; kubelet: {} ({} as {}, {} stream{} open, {} registration{}){}\n",
             self.devices.len(),
             unhealthy,
             if k.registered {
@@ -243,9 +263,24 @@ impl Report {
                 ));
             }
         }
+        for u in &self.unserved {
+            let what = match (&u.id, u.index) {
+                (Some(id), Some(index)) => format!("{} ({index})", printable(id)),
+                (Some(id), None) => printable(id),
+                (None, Some(index)) => format!("GPU {index}"),
+                (None, None) => "a GPU".into(),
+            };
+            out.push_str(&format!(
+                "\n{what}: {NOT_SERVED}:\n  {}\n",
+                printable(&u.why)
+            ));
+        }
         out
     }
 }
+
+/// What the table's HEALTH column says of a device present but not served.
+const NOT_SERVED: &str = "not served";
 
 #[cfg(test)]
 mod tests {
@@ -293,6 +328,7 @@ mod tests {
             },
             other_resources: Vec::new(),
             policy: PolicySummary::default(),
+            unserved: Vec::new(),
         }
     }
 
@@ -325,7 +361,7 @@ mod tests {
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(lines[0], "INDEX  DEVICE  HEALTH     PODS        CONDITIONS");
         assert_eq!(lines[1], "0      GPU-a   Healthy    -           -");
-        assert_eq!(lines[2], "1      GPU-bb  Unhealthy  ml/train-0  xid=79");
+        assert_eq!(lines[2], "1      GPU-bb  Unhealthy  ml/train-0  xid-79");
         assert!(
             table.contains(
                 "2 devices, 1 Unhealthy; kubelet: registered (nvidia.com/gpu as \
@@ -335,6 +371,30 @@ mod tests {
         );
         assert!(
             table.ends_with("GPU-bb (1):\n  Unhealthy: XID 79: the GPU has fallen off the bus\n"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn a_gpu_present_but_not_served_is_a_row_of_its_own_with_why() {
+        let mut report = report();
+        report.devices[0].index = 1;
+        report.devices[1].index = 2;
+        report.unserved = vec![crate::devices::Unserved {
+            index: Some(0),
+            id: Some("GPU-z".into()),
+            why: "MIG mode is on and it has no MIG devices".into(),
+        }];
+        let table = report.table();
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines[1], "1      GPU-a   Healthy     -           -");
+        assert_eq!(lines[3], "0      GPU-z   not served  -           -");
+        assert!(
+            table.contains("2 devices, 1 Unhealthy, 1 not served;"),
+            "{table}"
+        );
+        assert!(
+            table.ends_with("GPU-z (0): not served:\n  MIG mode is on and it has no MIG devices\n"),
             "{table}"
         );
     }

@@ -313,6 +313,59 @@ async fn a_fault_reaches_the_pod_and_the_node_and_recovery_clears_it() -> TestRe
 }
 
 #[tokio::test]
+async fn a_plugin_stopped_for_good_leaves_the_node_condition_unknown_not_a_stale_true() -> TestResult
+{
+    let mut node = ApiNode::start("{}\n").await?;
+    node.inject(&[format!("xid {} 79", gpu(1))]);
+    node.wait("the condition True", |r| {
+        condition_patches(r)
+            .last()
+            .is_some_and(|p| p.status == 200 && patched_condition(p)["status"] == "True")
+    })
+    .await?;
+    // A rollback: the plugin's pod is deleted.
+    node.plugin.signal(nix::sys::signal::Signal::SIGTERM);
+    let exit = node.plugin.wait_exit(WAIT).await;
+    assert!(exit.is_some_and(|s| s.success()), "{}", node.plugin.log());
+    let condition = node.api.node_condition(NODE, "GPUUnhealthy").unwrap();
+    assert_eq!(condition["status"], "Unknown", "{condition}");
+    assert_eq!(condition["reason"], "PluginStopped");
+    let message = condition["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("GPU health is not watched by it")
+            && message.contains("its last report (True): 1 of 4 GPUs Unhealthy"),
+        "{message}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_stopping_plugin_leaves_alone_the_condition_a_newer_instance_wrote() -> TestResult {
+    let mut node = ApiNode::start("{}\n").await?;
+    node.wait("the first condition", |r| !condition_patches(r).is_empty())
+        .await?;
+    // The new pod of a rolling update has written its own report since.
+    let newer = json!({
+        "type": "GPUUnhealthy", "status": "True", "reason": "GPUUnhealthy",
+        "message": "1 of 4 GPUs Unhealthy. device GPU-x (index 3): Unhealthy: seen by the new pod",
+        "lastHeartbeatTime": "2099-01-01T00:00:00Z", "lastTransitionTime": "2099-01-01T00:00:00Z"
+    });
+    node.api.set_condition(NODE, newer.clone());
+    node.plugin.signal(nix::sys::signal::Signal::SIGTERM);
+    let exit = node.plugin.wait_exit(WAIT).await;
+    assert!(exit.is_some_and(|s| s.success()), "{}", node.plugin.log());
+    assert_eq!(node.api.node_condition(NODE, "GPUUnhealthy"), Some(newer));
+    assert!(
+        node.plugin
+            .log()
+            .contains("another instance of the plugin has written it since"),
+        "{}",
+        node.plugin.log()
+    );
+    Ok(())
+}
+
+#[tokio::test]
 async fn an_api_server_that_fails_for_a_while_gets_the_newest_condition_once_it_answers()
 -> TestResult {
     let node = ApiNode::start("{}\n").await?;

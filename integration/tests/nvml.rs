@@ -133,7 +133,7 @@ async fn restored_and_watched_again(node: &NvmlNode, index: usize) -> TestResult
     let id = gpu(index);
     let seen = node
         .plugin
-        .wait_log(WAIT, |l| l.contains("xid=48") && l.contains(&id))
+        .wait_log(WAIT, |l| l.contains("xid-48") && l.contains(&id))
         .await;
     assert!(seen.is_some(), "{}", node.plugin.log());
     Ok(())
@@ -229,7 +229,9 @@ async fn every_transition_is_one_structured_log_event() -> TestResult {
         (t["device"].as_str(), t["old"].as_str(), t["new"].as_str()),
         (Some(gpu(1).as_str()), Some("Healthy"), Some("Unhealthy"))
     );
-    assert_eq!(t["conditions"], "xid=13,xid=79");
+    assert_eq!(t["conditions"], "xid-13,xid-79");
+    // Taken out of service is a warning, whatever took it out: alerting on warn sees it.
+    assert_eq!(t["level"], "WARN", "{log}");
     let message = t["health_message"].as_str().unwrap_or_default();
     assert!(
         message.starts_with("Unhealthy: XID 79: the GPU has fallen off the bus"),
@@ -427,6 +429,37 @@ async fn a_silent_gpu_the_driver_does_not_name_is_not_served_under_a_made_up_id(
     assert!(
         log.contains("index=1") && log.contains("not served"),
         "{log}"
+    );
+    // Status numbers the GPUs as NVML does, and lists the silent one with why: nobody reads GPU 2 as 1.
+    let addr = node
+        .plugin
+        .http_addr()
+        .await
+        .ok_or_else(|| format!("no HTTP address\n{}", node.plugin.log()))?;
+    let report = gpu_device_plugin::http::fetch_report(&addr).await?;
+    let shown: Vec<(usize, &str)> = report
+        .devices
+        .iter()
+        .map(|d| (d.index, d.id.as_str()))
+        .collect();
+    let (g0, g2, g3) = (gpu(0), gpu(2), gpu(3));
+    assert_eq!(
+        shown,
+        [(0, g0.as_str()), (2, g2.as_str()), (3, g3.as_str())]
+    );
+    assert_eq!(report.unserved.len(), 1, "{:?}", report.unserved);
+    assert_eq!(report.unserved[0].index, Some(1));
+    assert!(
+        report.unserved[0].why.contains("does not answer NVML"),
+        "{:?}",
+        report.unserved
+    );
+    let table = report.table();
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("1 ") && l.contains("not served")),
+        "{table}"
     );
     Ok(())
 }
@@ -662,7 +695,7 @@ async fn dbe_count(node: &NvmlNode, index: usize) -> Result<u64, Box<dyn std::er
     node.inject(&[format!("xid {id} 13")]);
     node.plugin
         .wait_log(WAIT, |log| {
-            log.lines().any(|l| l.contains(&id) && l.contains("xid=13"))
+            log.lines().any(|l| l.contains(&id) && l.contains("xid-13"))
         })
         .await
         .ok_or_else(|| {

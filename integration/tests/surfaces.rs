@@ -120,7 +120,7 @@ async fn readyz_follows_the_kubelet_and_status_shows_a_fault_with_its_conditions
         .find(|l| l.contains(&gpu(2)))
         .unwrap_or_default();
     assert!(
-        row.contains("Unhealthy") && row.ends_with("xid=79"),
+        row.contains("Unhealthy") && row.ends_with("xid-79"),
         "{table}"
     );
     assert!(

@@ -31,6 +31,17 @@ pub enum MigStrategy {
     Mixed,
 }
 
+/// NVIDIA's spelling, as the flag and the config file take it.
+impl std::fmt::Display for MigStrategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            MigStrategy::None => "none",
+            MigStrategy::Single => "single",
+            MigStrategy::Mixed => "mixed",
+        })
+    }
+}
+
 impl MigStrategy {
     /// Parses NVIDIA's spelling.
     pub fn parse(s: &str) -> Option<Self> {
@@ -233,6 +244,14 @@ pub fn check_layout(strategy: MigStrategy, gpus: &[GpuLayout]) -> Result<Vec<Str
     let mut warnings = Vec::new();
     if strategy == MigStrategy::None {
         return Ok(warnings);
+    }
+    // Asked for MIG devices where there are none: said once, with what the node gets instead, so that a
+    // fleet-wide setting on a node without MIG is not mistaken for a MIG layout that failed.
+    if !gpus.is_empty() && gpus.iter().all(|g| !g.mig_enabled) {
+        warnings.push(format!(
+            "migStrategy {strategy}: no GPU on this node has MIG mode on; all {} GPUs are served whole, as with migStrategy none",
+            gpus.len()
+        ));
     }
     for gpu in gpus.iter().filter(|g| g.mig_enabled && g.migs.is_empty()) {
         match strategy {
@@ -450,6 +469,21 @@ mod tests {
             check_layout(MigStrategy::Mixed, &empty).map(|w| w.len()),
             Ok(1)
         );
+    }
+
+    #[test]
+    fn a_mig_strategy_on_a_node_without_mig_says_so_once_and_what_is_served() {
+        let plain = [layout("GPU-a", false, &[]), layout("GPU-b", false, &[])];
+        for strategy in [MigStrategy::Mixed, MigStrategy::Single] {
+            let warnings = check_layout(strategy, &plain).unwrap_or_default();
+            assert_eq!(
+                warnings,
+                [format!(
+                    "migStrategy {strategy}: no GPU on this node has MIG mode on; all 2 GPUs are served whole, as with migStrategy none"
+                )]
+            );
+        }
+        assert_eq!(check_layout(MigStrategy::None, &plain), Ok(vec![]));
     }
 
     #[test]

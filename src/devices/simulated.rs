@@ -10,7 +10,7 @@ use std::time::SystemTime;
 use tokio::sync::mpsc;
 
 use super::script::{self, Command, Line};
-use super::{DeviceEvent, DeviceInfo, DeviceSource, SourceError};
+use super::{DeviceEvent, DeviceInfo, DeviceSource, SourceError, Unserved};
 use crate::health::{Observation, ProbeResult};
 
 /// Devices per simulated NUMA node, so that simulated nodes exercise NUMA-aware preferred allocation the way a
@@ -20,6 +20,7 @@ const GPUS_PER_NUMA_NODE: usize = 4;
 /// A fixed set of simulated GPUs with deterministic UUIDs.
 pub struct SimulatedGpus {
     devices: Vec<DeviceInfo>,
+    unserved: Vec<Unserved>,
     control: mpsc::Receiver<DeviceEvent>,
     script: Option<PathBuf>,
 }
@@ -45,10 +46,26 @@ impl SimulatedGpus {
         let (tx, control) = mpsc::channel(64);
         let gpus = SimulatedGpus {
             devices,
+            unserved: Vec::new(),
             control,
             script: None,
         };
         (gpus, SimulatedControl { tx })
+    }
+
+    /// Leaves GPU `index` out of what is served, as a node does with a GPU it finds but cannot serve; the
+    /// source reports it as unserved with `why`.
+    pub fn leave_unserved(mut self, index: usize, why: &str) -> Self {
+        let id = simulated_uuid(index);
+        if let Some(position) = self.devices.iter().position(|d| d.id == id) {
+            self.devices.remove(position);
+            self.unserved.push(Unserved {
+                index: Some(index),
+                id: Some(id),
+                why: why.into(),
+            });
+        }
+        self
     }
 
     /// Also follows the fault script at `path` (created if missing): each command appended to it becomes an
@@ -121,6 +138,10 @@ fn lock(states: &Mutex<GpuStates>) -> MutexGuard<'_, GpuStates> {
 impl DeviceSource for SimulatedGpus {
     fn discover(&mut self) -> Result<Vec<DeviceInfo>, SourceError> {
         Ok(self.devices.clone())
+    }
+
+    fn unserved(&self) -> Vec<Unserved> {
+        self.unserved.clone()
     }
 
     fn start(

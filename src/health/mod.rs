@@ -56,6 +56,30 @@ pub enum Observation {
     },
 }
 
+/// In words for a log line an operator reads (`XID 79`, `GPU lost`), not Rust's debug form.
+impl fmt::Display for Observation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Observation::Xid(xid) => write!(f, "XID {xid}"),
+            Observation::DoubleBitEcc => f.write_str("double-bit ECC error"),
+            Observation::SingleBitEcc => f.write_str("single-bit ECC error"),
+            Observation::GpuLost => f.write_str("GPU lost"),
+            Observation::Unmonitored(why) => write!(f, "unmonitored: {why}"),
+            Observation::Monitored => f.write_str("monitored again"),
+            Observation::Probe(ProbeResult::Answered { recovery_action }) => {
+                match recovery_action {
+                    Some(action) => write!(f, "probe answered, recovery action {action}"),
+                    None => f.write_str("probe answered"),
+                }
+            }
+            Observation::Probe(ProbeResult::Lost) => f.write_str("probe: GPU lost"),
+            Observation::Probe(ProbeResult::Failed(why)) => write!(f, "probe failed: {why}"),
+            Observation::Fence { reason, by } => write!(f, "fence by {by}: {reason}"),
+            Observation::Release { which } => write!(f, "release of {which}"),
+        }
+    }
+}
+
 /// Conditions named the way the config file and `release --condition` name them: `fenced`, `gpu-lost`,
 /// `ecc-dbe`, `ecc-sbe-burst`, `unmonitored`, `recovery-action`, `xid-<N>`, or `xid` for every XID.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,7 +97,8 @@ impl ConditionSelector {
         }
     }
 
-    /// Reads a condition's name; the error lists the names there are.
+    /// Reads a condition's name; the error lists the names there are. A value is written `xid-79` (the
+    /// spelling every output uses); `xid=79`, as earlier versions showed it, is accepted too.
     pub fn parse(text: &str) -> Result<Self, String> {
         const NAMES: [&str; 7] = [
             "fenced",
@@ -87,13 +112,19 @@ impl ConditionSelector {
         if let Some(name) = NAMES.iter().find(|n| **n == text) {
             return Ok(ConditionSelector { name, value: None });
         }
-        if let Some(xid) = text.strip_prefix("xid-") {
-            let xid = xid
+        for name in ["xid", "recovery-action"] {
+            let Some(value) = text
+                .strip_prefix(name)
+                .and_then(|rest| rest.strip_prefix('-').or_else(|| rest.strip_prefix('=')))
+            else {
+                continue;
+            };
+            let value = value
                 .parse()
-                .map_err(|_| format!("{text:?}: the XID after xid- is not a number"))?;
+                .map_err(|_| format!("{text:?}: the value after {name}- is not a number"))?;
             return Ok(ConditionSelector {
-                name: "xid",
-                value: Some(xid),
+                name,
+                value: Some(value),
             });
         }
         Err(format!(
@@ -210,10 +241,11 @@ impl ConditionKind {
     }
 }
 
+/// Written as `release --condition` and the config file's `conditions:` take it: `xid-79`, `recovery-action-2`.
 impl fmt::Display for ConditionKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.value() {
-            Some(value) => write!(f, "{}={value}", self.name()),
+            Some(value) => write!(f, "{}-{value}", self.name()),
             None => f.write_str(self.name()),
         }
     }

@@ -19,7 +19,7 @@ use super::checkpoint::{self, Checkpoint, DeviceRecord, Durability, Store};
 use super::policy::Recover;
 use super::{ConditionKind, ConditionSelector, HealthEngine, Observation, Outcome, Policy};
 use crate::devices::{
-    DeviceEvent, DeviceSource, Heartbeat, Inventory, InventoryWatch, SourceError,
+    DeviceEvent, DeviceSource, Health, Heartbeat, Inventory, InventoryWatch, SourceError,
 };
 use crate::metrics::Metrics;
 use crate::status::{ConditionStatus, DeviceStatus};
@@ -102,16 +102,25 @@ pub struct Operated {
 /// Why an operator's request did nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OperatorError {
-    /// No device has that ID, and no GPU of MIG devices has that UUID.
-    #[error("no device {target} on this node (devices: {known})")]
+    /// No device has that ID or NVML index, and no GPU of MIG devices has that UUID.
+    #[error(
+        "no device {target} on this node (devices: {known}){}",
+        .command.as_ref().map(|c| format!(" — name one by UUID or NVML index, e.g. run: {c}")).unwrap_or_default()
+    )]
     UnknownDevice {
         /// What was asked for.
         target: String,
-        /// The devices there are, comma-separated (cut short on a large node).
+        /// The devices there are, comma-separated (cut short on a large node); `index=UUID` where the
+        /// request could name them by index too.
         known: String,
+        /// A command that names a device that is there, for a request from the command line.
+        command: Option<String>,
     },
     /// The device holds no condition of that name.
-    #[error("{target} has no {which} condition (it has: {has})")]
+    #[error(
+        "no condition {which} on {target}; conditions there: {has}{}",
+        .command.as_ref().map(|c| format!(" — run: {c}")).unwrap_or_else(|| " (nothing to release)".into())
+    )]
     NoSuchCondition {
         /// The device.
         target: String,
@@ -119,6 +128,8 @@ pub enum OperatorError {
         which: String,
         /// The conditions it has.
         has: String,
+        /// The command that releases what it has, when it has anything.
+        command: Option<String>,
     },
     /// The monitor is gone (the plugin is stopping).
     #[error("the plugin is stopping")]
@@ -174,6 +185,8 @@ pub struct Monitored {
     pub status: StatusQueries,
     /// The heartbeats of the source's event threads, where it has them.
     pub heartbeat: Option<Heartbeat>,
+    /// Devices the source found but does not serve, with why (for the status report).
+    pub unserved: Vec<crate::devices::Unserved>,
 }
 
 /// Discovers the source's devices, restores their health from the checkpoint, starts the source and the
@@ -192,7 +205,12 @@ pub fn spawn_monitored(
 ) -> Result<Monitored, SourceError> {
     let heartbeat = source.heartbeat();
     let found = source.discover()?;
-    tracing::info!(devices = found.len(), "discovered devices");
+    let unserved = source.unserved();
+    tracing::info!(
+        devices = found.len(),
+        not_served = unserved.len(),
+        "discovered devices"
+    );
     let mut inventory = Inventory::new(found);
     let mut engine = HealthEngine::new(config.policy.clone());
     let store = config.state_dir.as_deref().map(Store::in_dir);
@@ -240,6 +258,7 @@ pub fn spawn_monitored(
         inventory: rx,
         status: StatusQueries(query_tx),
         heartbeat,
+        unserved,
     })
 }
 
@@ -313,7 +332,16 @@ fn restore(
             rebooted,
             now,
         );
-        if !outcome.conditions.is_empty() {
+        // Listed Unhealthy from the start: out of service, so at warn level as any other way out is.
+        if outcome.new == Health::Unhealthy {
+            tracing::warn!(
+                device = %id,
+                health = %outcome.new,
+                conditions = %outcome.conditions.join(","),
+                health_message = outcome.message.as_deref().unwrap_or(""),
+                "restored device health from the checkpoint"
+            );
+        } else if !outcome.conditions.is_empty() {
             tracing::info!(
                 device = %id,
                 health = %outcome.new,
@@ -432,28 +460,64 @@ impl Monitor {
         target: &str,
         request: OperatorRequest,
     ) -> Result<Vec<Operated>, OperatorError> {
-        let devices: Vec<String> = self
-            .inventory
-            .borrow()
-            .devices()
-            .iter()
-            .filter(|d| {
-                d.info.id == target || d.info.mig.as_ref().is_some_and(|m| m.parent == target)
-            })
-            .map(|d| d.info.id.clone())
-            .collect();
-        if devices.is_empty() {
+        let command = match &request {
+            OperatorRequest::Fence { .. } => "fence",
+            OperatorRequest::Release { .. } => "release",
+        };
+        // An NVML index (`3`, or `3:1` for a MIG device) names the same devices as the UUID `nvidia-smi`
+        // shows beside it: what an operator reads off a node before pulling a card.
+        let by_index = target.parse::<usize>().ok();
+        let (devices, name): (Vec<String>, String) = {
             let inventory = self.inventory.borrow();
-            let ids: Vec<&str> = inventory
+            let chosen: Vec<&crate::devices::DeviceState> = inventory
                 .devices()
                 .iter()
-                .map(|d| d.info.id.as_str())
+                .filter(|d| {
+                    d.info.id == target
+                        || d.info.mig.as_ref().is_some_and(|m| m.parent == target)
+                        || d.info.index.as_deref() == Some(target)
+                        || by_index.is_some_and(|i| d.info.gpu_index() == Some(i))
+                })
                 .collect();
+            // Logged and answered under the UUID, whichever way it was named.
+            let name = match chosen.as_slice() {
+                [one] => one.info.id.clone(),
+                [first, ..] => first
+                    .info
+                    .mig
+                    .as_ref()
+                    .filter(|m| {
+                        chosen
+                            .iter()
+                            .all(|d| d.info.mig.as_ref().is_some_and(|o| o.parent == m.parent))
+                    })
+                    .map_or_else(|| target.to_string(), |m| m.parent.clone()),
+                [] => target.to_string(),
+            };
+            (chosen.iter().map(|d| d.info.id.clone()).collect(), name)
+        };
+        if devices.is_empty() {
+            let inventory = self.inventory.borrow();
+            let known: Vec<String> = inventory
+                .devices()
+                .iter()
+                .enumerate()
+                .map(|(position, d)| match &d.info.index {
+                    Some(index) => format!("{index}={}", d.info.id),
+                    None => format!("{position}={}", d.info.id),
+                })
+                .collect();
+            let example = inventory
+                .devices()
+                .first()
+                .map_or_else(|| "GPU-…".to_string(), |d| d.info.id.clone());
             return Err(OperatorError::UnknownDevice {
                 target: crate::text::printable(&crate::text::cut_bytes(target, 80)),
-                known: crate::text::cut_bytes(&ids.join(", "), 400),
+                known: crate::text::cut_bytes(&known.join(", "), 400),
+                command: Some(format!("gpu-device-plugin {command} {example}")),
             });
         }
+        let target = name.as_str();
         let (observation, devices) = match request {
             OperatorRequest::Fence { reason, by } => {
                 tracing::warn!(device = %target, %by, %reason, "fenced by an operator: out of service until released");
@@ -470,11 +534,17 @@ impl Monitor {
                     .cloned()
                     .collect();
                 if holding.is_empty() {
-                    let has: Vec<String> = devices
+                    let mut has: Vec<String> = devices
                         .iter()
                         .filter_map(|id| self.engine.device(id))
                         .flat_map(|h| h.conditions().iter().map(|c| c.kind.to_string()))
                         .collect();
+                    has.dedup();
+                    // The command that would release what is there: a fence without --condition.
+                    let command = has.first().map(|first| match first.as_str() {
+                        "fenced" => format!("gpu-device-plugin release {target}"),
+                        other => format!("gpu-device-plugin release {target} --condition {other}"),
+                    });
                     return Err(OperatorError::NoSuchCondition {
                         target: target.to_string(),
                         which: which.to_string(),
@@ -483,6 +553,7 @@ impl Monitor {
                         } else {
                             has.join(", ")
                         },
+                        command,
                     });
                 }
                 let never = holding
@@ -530,7 +601,7 @@ impl Monitor {
             .devices()
             .iter()
             .enumerate()
-            .map(|(index, d)| {
+            .map(|(position, d)| {
                 let conditions = self
                     .engine
                     .device(&d.info.id)
@@ -556,7 +627,7 @@ impl Monitor {
                     .collect();
                 DeviceStatus {
                     id: d.info.id.clone(),
-                    index,
+                    index: d.info.gpu_index().unwrap_or(position),
                     health: d.health.as_api_str().into(),
                     numa_node: d.info.numa_node,
                     mig: d.info.mig.as_ref().map(|m| crate::status::MigStatus {
@@ -591,7 +662,7 @@ impl Monitor {
                 at,
             } => {
                 if self.inventory.borrow().get(&id).is_none() {
-                    tracing::warn!(device = %id, ?observation, "event for a device that is not present; ignored");
+                    tracing::warn!(device = %id, %observation, "event for a device that is not present; ignored");
                     return None;
                 }
                 if let Some(metrics) = &self.metrics {
@@ -747,7 +818,7 @@ impl Writer {
                         failed.send_replace(failures);
                         let pause = save_retry_pause(failures);
                         if failures == 1 {
-                            tracing::error!(error = %e, retry_in = ?pause, "cannot save the health checkpoint; a restart would forget GPU faults; trying again until it is saved");
+                            tracing::error!(error = %e, retry_in = %humantime::format_duration(pause), "cannot save the health checkpoint; a restart would forget GPU faults; trying again until it is saved");
                         } else {
                             tracing::debug!(error = %e, failures, "health checkpoint still not saved");
                         }
@@ -774,8 +845,19 @@ fn lock(state: &std::sync::Mutex<WriterState>) -> std::sync::MutexGuard<'_, Writ
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// A device taken out of service is logged at warn level, whatever took it out (a fault, a fence, a
+/// restored condition): alerting on warn must not miss the event that matters most. Recovery is info.
 fn log(id: &str, observation: &Observation, outcome: &Outcome) {
-    if outcome.is_transition() {
+    if outcome.is_transition() && outcome.new == Health::Unhealthy {
+        tracing::warn!(
+            device = %id,
+            old = %outcome.old,
+            new = %outcome.new,
+            conditions = %outcome.conditions.join(","),
+            health_message = outcome.message.as_deref().unwrap_or(""),
+            "device health changed"
+        );
+    } else if outcome.is_transition() {
         tracing::info!(
             device = %id,
             old = %outcome.old,
@@ -833,6 +915,28 @@ mod tests {
         // The clock is paused and moves only when every task waits for a timer: had the monitor waited for
         // one (even one due now, which the timer wheel rounds up to its next millisecond), time would show it.
         assert_eq!(tokio::time::Instant::now(), started);
+    }
+
+    #[tokio::test]
+    async fn status_shows_nvml_index_and_the_gpu_not_served_with_why() {
+        use crate::devices::simulated::{SimulatedGpus, simulated_uuid};
+        let (gpus, _control) = SimulatedGpus::new(3);
+        let gpus = gpus.leave_unserved(0, "MIG mode is on and it has no MIG devices");
+        let monitored = spawn_monitored(Box::new(gpus), MonitorConfig::in_memory())
+            .unwrap_or_else(|e| panic!("monitor: {e}"));
+        let devices = monitored.status.devices().await.unwrap_or_default();
+        let shown: Vec<(usize, &str)> = devices.iter().map(|d| (d.index, d.id.as_str())).collect();
+        // GPU 1 is 1, as nvidia-smi numbers it, though it is first in the list.
+        let (one, two) = (simulated_uuid(1), simulated_uuid(2));
+        assert_eq!(shown, [(1, one.as_str()), (2, two.as_str())]);
+        assert_eq!(
+            monitored.unserved,
+            [crate::devices::Unserved {
+                index: Some(0),
+                id: Some(simulated_uuid(0)),
+                why: "MIG mode is on and it has no MIG devices".into(),
+            }]
+        );
     }
 
     #[test]

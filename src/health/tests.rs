@@ -200,7 +200,7 @@ fn recover_never_holds_against_probes_and_the_driver() {
     assert_eq!(after.new, Health::Unhealthy);
     assert_eq!(
         after.conditions,
-        vec!["xid=79".to_string()],
+        vec!["xid-79".to_string()],
         "109 cleared, 79 held"
     );
     assert_eq!(
@@ -405,7 +405,7 @@ fn a_gpu_watched_again_loses_its_unmonitored_condition_and_keeps_the_others() {
     );
     let m = e.observe(GPU, &Observation::Monitored, t(2));
     assert!(m.conditions_changed);
-    assert_eq!(m.conditions, ["xid=79"]);
+    assert_eq!(m.conditions, ["xid-79"]);
     assert_eq!(m.new, Health::Unhealthy);
     let again = e.observe(GPU, &Observation::Monitored, t(3));
     assert!(!again.conditions_changed, "nothing to end the second time");
@@ -498,12 +498,30 @@ fn a_release_clears_the_conditions_it_names_and_nothing_else() {
     e.observe(GPU, &fence(), t(1));
     let fenced_only = ConditionSelector::fenced();
     let out = e.observe(GPU, &Observation::Release { which: fenced_only }, t(2));
-    assert_eq!(out.conditions, ["xid=79"]);
+    assert_eq!(out.conditions, ["xid-79"]);
     assert_eq!(out.new, Health::Unhealthy, "XID 79 still holds");
     let which = ConditionSelector::parse("xid-79").unwrap_or_else(|e| panic!("{e}"));
     let out = e.observe(GPU, &Observation::Release { which }, t(3));
     assert!(out.conditions.is_empty());
     assert_eq!(out.new, Health::Healthy);
+}
+
+#[test]
+fn every_condition_is_shown_as_release_takes_it_and_the_old_spelling_is_still_read() {
+    for kind in [
+        ConditionKind::Xid(79),
+        ConditionKind::RecoveryAction(2),
+        ConditionKind::EccDbe,
+        ConditionKind::GpuLost,
+        ConditionKind::Fenced,
+    ] {
+        let shown = kind.to_string();
+        let read = ConditionSelector::parse(&shown).unwrap_or_else(|e| panic!("{shown}: {e}"));
+        assert!(read.matches(&kind), "{shown} does not name {kind:?}");
+    }
+    assert_eq!(ConditionKind::Xid(79).to_string(), "xid-79");
+    let old = ConditionSelector::parse("xid=79").unwrap_or_else(|e| panic!("{e}"));
+    assert!(old.matches(&ConditionKind::Xid(79)) && !old.matches(&ConditionKind::Xid(13)));
 }
 
 #[test]

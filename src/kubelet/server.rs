@@ -264,7 +264,9 @@ impl DevicePlugin for PluginService {
         match allocation::allocate(&inventory, &containers, &self.options, |p| p.exists()) {
             Ok(container_responses) => {
                 self.count("Allocate", tonic::Code::Ok);
-                tracing::info!(devices = ?containers, "allocated");
+                // One container's devices comma-separated, containers apart by `; `: read by people, not parsed.
+                let devices: Vec<String> = containers.iter().map(|c| c.join(",")).collect();
+                tracing::info!(devices = %devices.join("; "), "allocated");
                 Ok(Response::new(AllocateResponse {
                     container_responses,
                 }))

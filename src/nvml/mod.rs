@@ -186,6 +186,8 @@ pub struct NvmlGpus {
     lost_at_start: Vec<String>,
     /// GPUs that do not answer at discovery and could not be named: not served.
     unidentified: usize,
+    /// GPUs found but not served, with why, for the status report.
+    unserved: Vec<crate::devices::Unserved>,
     /// Beaten by each GPU's event thread each time round its loop (at least every [`WAIT_TIMEOUT_MS`]).
     heartbeat: Heartbeat,
 }
@@ -214,6 +216,7 @@ impl NvmlGpus {
             gpus: Vec::new(),
             lost_at_start: Vec::new(),
             unidentified: 0,
+            unserved: Vec::new(),
             heartbeat: Heartbeat::default(),
         })
     }
@@ -234,6 +237,7 @@ impl DeviceSource for NvmlGpus {
         let mut layout = Vec::new();
         let mut unreadable = Vec::new();
         self.gpus.clear();
+        self.unserved.clear();
         for index in 0..count {
             let gpu = self
                 .nvml
@@ -282,6 +286,15 @@ impl DeviceSource for NvmlGpus {
                 watched.devices.push(mig_info.id.clone());
                 found.push(mig_info);
             }
+            if watched.devices.is_empty() {
+                self.unserved.push(crate::devices::Unserved {
+                    index: usize::try_from(index).ok(),
+                    id: Some(uuid.clone()),
+                    why: format!(
+                        "MIG mode is on and no MIG device of it can be served (migStrategy {strategy} serves its MIG devices, not the whole GPU): create MIG devices, or turn MIG mode off"
+                    ),
+                });
+            }
             layout.push(GpuLayout {
                 id: uuid,
                 mig_enabled: true,
@@ -295,6 +308,11 @@ impl DeviceSource for NvmlGpus {
             for (index, named) in name_unreadable(&driver, &answered, &unreadable) {
                 let Some(mut info) = named else {
                     self.unidentified += 1;
+                    self.unserved.push(crate::devices::Unserved {
+                        index: usize::try_from(index).ok(),
+                        id: None,
+                        why: "does not answer NVML and the driver's GPU list does not name it; served once it answers at a restart".into(),
+                    });
                     tracing::error!(
                         index,
                         "GPU does not answer NVML and the driver's GPU list does not tell which it is; not served until it answers at a restart (its checkpointed conditions are kept)"
@@ -399,6 +417,14 @@ impl DeviceSource for NvmlGpus {
     fn unidentified(&self) -> usize {
         self.unidentified
     }
+
+    fn unserved(&self) -> Vec<crate::devices::Unserved> {
+        self.unserved.clone()
+    }
+
+    fn driver_version(&self) -> Option<String> {
+        self.nvml.sys_driver_version().ok()
+    }
 }
 
 /// `NVML_DEVICE_MIG_ENABLE`.
@@ -466,7 +492,7 @@ fn mig_devices(
         };
         let (device_nodes, missing) = mig::device_nodes(minors, gpu_minor, &mig);
         if !missing.is_empty() {
-            tracing::warn!(device = %uuid, missing = ?missing, "MIG capability device nodes not found in the driver's \
+            tracing::warn!(device = %uuid, missing = %missing.join(", "), "MIG capability device nodes not found in the driver's \
                 mig-minors (is the host's /proc mounted at --proc-root?); device specs will lack them");
         }
         tracing::info!(device = %uuid, gpu = %gpu_info.id, profile = %mig.profile, gpu_instance, compute_instance, "found MIG device");
@@ -496,7 +522,8 @@ fn describe(device: &Device<'_>, uuid: String, sysfs_root: &Path, index: u32) ->
         .ok()
         .and_then(|pci| numa_node(sysfs_root, &pci.bus_id));
     let name = device.name().unwrap_or_default();
-    tracing::info!(device = %uuid, name = %name, minor = ?minor.as_ref().ok(), numa = ?numa_node, "found GPU");
+    // A value the driver does not give is left out of the line (`Option` fields record nothing when `None`).
+    tracing::info!(device = %uuid, name = %name, index, minor = minor.as_ref().ok().copied(), numa = numa_node, "found GPU");
     DeviceInfo {
         id: uuid,
         numa_node,

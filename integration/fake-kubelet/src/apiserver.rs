@@ -170,6 +170,27 @@ impl FakeApiServer {
         });
     }
 
+    /// Sets a condition on node `name` as another writer would (another instance of the plugin): replaces
+    /// the one of the same type, or adds it.
+    pub fn set_condition(&self, name: &str, condition: Value) {
+        self.with_state(|s| {
+            s.version += 1;
+            let version = s.version.to_string();
+            let Some(node) = s.nodes.get_mut(name) else {
+                return;
+            };
+            if !node["status"]["conditions"].is_array() {
+                node["status"]["conditions"] = json!([]);
+            }
+            if let Some(conditions) = node["status"]["conditions"].as_array_mut() {
+                conditions.retain(|c| c["type"] != condition["type"]);
+                conditions.push(condition);
+            }
+            node["metadata"]["resourceVersion"] = Value::String(version);
+            s.changed(name);
+        });
+    }
+
     /// Whether a watch on node `name` is open.
     pub fn watching(&self, name: &str) -> bool {
         self.with_state(|s| {
@@ -492,6 +513,18 @@ fn route(
             let Some(node) = state.nodes.get_mut(*name) else {
                 return not_found("nodes", name);
             };
+            // A resourceVersion in the patch is a precondition, as the real API server takes it.
+            if let Some(wanted) = body["metadata"]["resourceVersion"].as_str()
+                && node["metadata"]["resourceVersion"].as_str() != Some(wanted)
+            {
+                return failure(
+                    StatusCode::CONFLICT,
+                    "Conflict",
+                    &format!(
+                        "Operation cannot be fulfilled on nodes \"{name}\": the object has been modified; please apply your changes to the latest version and try again"
+                    ),
+                );
+            }
             let conditions = body["status"]["conditions"]
                 .as_array()
                 .cloned()

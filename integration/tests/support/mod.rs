@@ -611,12 +611,12 @@ impl NvmlNode {
         let mut all = lines.to_vec();
         all.extend(named.iter().map(|id| format!("xid {id} 43")));
         self.inject(&all);
-        // The first XID 43 on a device adds a condition (`xid=43`); a later one is an observation (`Xid(43)`).
+        // The first XID 43 on a device adds a condition (`xid-43`); a later one is an observation (`Xid(43)`).
         let recorded = |log: &str| {
             let new = log.get(from..).unwrap_or_default();
             named.iter().all(|id| {
                 new.lines().any(|l| {
-                    l.contains(id.as_str()) && (l.contains("xid=43") || l.contains("Xid(43)"))
+                    l.contains(id.as_str()) && (l.contains("xid-43") || l.contains("Xid(43)"))
                 })
             })
         };
