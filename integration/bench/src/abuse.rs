@@ -828,6 +828,19 @@ async fn settle(instance: &Instance, ended: Instant) -> Option<Settled> {
     })
 }
 
+/// Adds `nice` to the calling thread's nice value (`--abuse-nice`); a failure only leaves it as it was.
+fn lower_priority(nice: i32) {
+    if nice == 0 {
+        return;
+    }
+    let tid = rustix::thread::gettid();
+    let lowered = rustix::process::getpriority_process(Some(tid))
+        .and_then(|now| rustix::process::setpriority_process(Some(tid), (now + nice).min(19)));
+    if let Err(e) = lowered {
+        eprintln!("bench: abuse: cannot lower a thread's priority: {e}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -848,18 +861,5 @@ mod tests {
         for n in [0, 1, 7, 9_999] {
             assert!((0..512).all(|i| uuid(i) != unknown_device(n)));
         }
-    }
-}
-
-/// Adds `nice` to the calling thread's nice value (`--abuse-nice`); a failure only leaves it as it was.
-fn lower_priority(nice: i32) {
-    if nice == 0 {
-        return;
-    }
-    let tid = rustix::thread::gettid();
-    let lowered = rustix::process::getpriority_process(Some(tid))
-        .and_then(|now| rustix::process::setpriority_process(Some(tid), (now + nice).min(19)));
-    if let Err(e) = lowered {
-        eprintln!("bench: abuse: cannot lower a thread's priority: {e}");
     }
 }
