@@ -159,16 +159,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
 
     // One registration per resource: whole GPUs, under migStrategy mixed each MIG profile, and each name
     // shared devices are served under.
-    let natural = ResourceNaming {
-        strategy: settings.nvml.mig_strategy,
-        base: settings.resource_name.clone(),
-    };
-    let (plan, warnings) = ResourcePlan::build(
-        &natural,
-        settings.allocate.naming.ids,
-        settings.sharing.as_ref(),
-        &monitored.inventory.borrow(),
-    )?;
+    let (plan, warnings) = plan_resources(&settings, &monitored.inventory.borrow())?;
     for warning in warnings {
         tracing::warn!("{warning}");
     }
@@ -681,6 +672,23 @@ fn check_config_command() -> ExitCode {
     }
 }
 
+/// The resources `settings` serve `inventory` under, and the plan's warnings.
+fn plan_resources(
+    settings: &Settings,
+    inventory: &devices::Inventory,
+) -> Result<(ResourcePlan, Vec<String>), gpu_device_plugin::resources::PlanError> {
+    let natural = ResourceNaming {
+        strategy: settings.nvml.mig_strategy,
+        base: settings.resource_name.clone(),
+    };
+    ResourcePlan::build(
+        &natural,
+        settings.allocate.naming.ids,
+        settings.sharing.as_ref(),
+        inventory,
+    )
+}
+
 /// The resources `settings` would serve on this node's GPUs (or simulated ones), one line each, with the
 /// plan's warnings; an error where a start would be refused.
 fn plan_on_gpus(settings: &Settings) -> anyhow::Result<String> {
@@ -689,16 +697,7 @@ fn plan_on_gpus(settings: &Settings) -> anyhow::Result<String> {
         None => Box::new(NvmlGpus::open(settings.nvml.clone())?),
     };
     let inventory = devices::Inventory::new(source.discover()?);
-    let natural = ResourceNaming {
-        strategy: settings.nvml.mig_strategy,
-        base: settings.resource_name.clone(),
-    };
-    let (plan, warnings) = ResourcePlan::build(
-        &natural,
-        settings.allocate.naming.ids,
-        settings.sharing.as_ref(),
-        &inventory,
-    )?;
+    let (plan, warnings) = plan_resources(settings, &inventory)?;
     let mut out = format!("devices found: {}\n", inventory.len());
     for (position, served) in plan.resources().iter().enumerate() {
         let subset = inventory.subset(|info| plan.serves(position, info), None);

@@ -36,18 +36,6 @@ pub struct ResourcePlan {
 /// A sharing entry that cannot be applied to the devices found.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PlanError {
-    /// `devices: N` with fewer devices.
-    #[error(
-        "sharing {resource}: {count} devices to share, but this node has {available} of that resource"
-    )]
-    CountTooLarge {
-        /// The shared resource.
-        resource: String,
-        /// The count asked for.
-        count: usize,
-        /// Devices of the resource found.
-        available: usize,
-    },
     /// More devices listed under one resource than the kubelet could ever take in one message: refused
     /// before the list is built, so that a huge replica count cannot exhaust memory first.
     #[error(
@@ -130,14 +118,17 @@ impl ResourcePlan {
                 let chosen: Vec<usize> = match &entry.devices {
                     DeviceSelection::All => members,
                     DeviceSelection::Count(count) => {
+                        // A count meant for a larger node (one ConfigMap serves many kinds of nodes, and
+                        // NVIDIA's plugin ignores `devices`): every device here is shared, said once.
                         if *count > members.len() {
-                            return Err(PlanError::CountTooLarge {
-                                resource: entry.name.clone(),
-                                count: *count,
-                                available: members.len(),
-                            });
+                            warnings.push(format!(
+                                "sharing {}: {count} devices to share, but this node has {}; sharing all {}",
+                                entry.name,
+                                members.len(),
+                                members.len()
+                            ));
                         }
-                        members[..*count].to_vec()
+                        members[..(*count).min(members.len())].to_vec()
                     }
                     DeviceSelection::List(references) => {
                         // One ConfigMap serves many kinds of nodes (and NVIDIA's plugin ignores `devices`
@@ -489,21 +480,15 @@ mod tests {
     #[test]
     fn entries_that_cannot_apply_are_refused_by_name_and_unmatched_ones_warned() {
         let inventory = Inventory::new([gpu(0), mig(1, 0, "1g.10gb")]);
-        let refused = [
-            (
-                entry("nvidia.com/gpu", None, 2, DeviceSelection::Count(2)),
-                "2 devices to share",
+        let refused = [(
+            entry(
+                "nvidia.com/gpu",
+                Some("nvidia.com/mig-1g.10gb"),
+                2,
+                DeviceSelection::All,
             ),
-            (
-                entry(
-                    "nvidia.com/gpu",
-                    Some("nvidia.com/mig-1g.10gb"),
-                    2,
-                    DeviceSelection::All,
-                ),
-                "cannot serve its replicas as nvidia.com/mig-1g.10gb",
-            ),
-        ];
+            "cannot serve its replicas as nvidia.com/mig-1g.10gb",
+        )];
         for (e, why) in refused {
             let sharing = share(ShareKind::TimeSlicing, vec![e]);
             let err = ResourcePlan::build(&mixed(), IdStrategy::Uuid, Some(&sharing), &inventory)
@@ -592,6 +577,30 @@ mod tests {
         );
         assert!(
             warnings.len() == 1 && warnings[0].contains("nothing of it is shared"),
+            "{warnings:?}"
+        );
+        // A count meant for a larger node: every device here shared, said once.
+        let sharing = share(
+            ShareKind::TimeSlicing,
+            vec![entry("nvidia.com/gpu", None, 2, DeviceSelection::Count(3))],
+        );
+        let (plan, warnings) =
+            ResourcePlan::build(&none, IdStrategy::Index, Some(&sharing), &inventory)?;
+        assert_eq!(
+            listed(&plan, &inventory),
+            [(
+                "nvidia.com/gpu".to_string(),
+                vec![
+                    "0::0".to_string(),
+                    "0::1".into(),
+                    "1::0".into(),
+                    "1::1".into()
+                ]
+            )]
+        );
+        assert!(
+            warnings.len() == 1
+                && warnings[0].contains("3 devices to share, but this node has 2; sharing all 2"),
             "{warnings:?}"
         );
         Ok(())

@@ -319,19 +319,6 @@ fn refused_at_start(gpus: &str, yaml: &str) -> (String, usize) {
 }
 
 #[test]
-fn a_sharing_entry_the_node_cannot_meet_stops_the_plugin_before_it_registers() {
-    let (last, sockets) = refused_at_start(
-        "2",
-        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: gpu\n      replicas: 2\n      devices: 3\n",
-    );
-    assert!(
-        last.contains("sharing nvidia.com/gpu: 3 devices to share, but this node has 2"),
-        "{last}"
-    );
-    assert_eq!(sockets, 0, "no socket left behind");
-}
-
-#[test]
 fn a_device_list_larger_than_the_kubelet_accepts_stops_the_plugin_before_it_registers() {
     // 80 GPUs with 1024 replicas each: 81 920 devices, about 5 MB encoded.
     let (last, sockets) = refused_at_start(
