@@ -1068,7 +1068,7 @@ impl Settings {
                 )
             }
         };
-        let policy = self.monitor.policy.summary();
+        let policy = crate::status::PolicySummary::of(&self.monitor.policy);
         let mut policy_line = format!(
             "XIDs by the {} policy, recovery after {} quiet, probes every {}, recovery action read every {}",
             policy.xid_policy,

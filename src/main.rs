@@ -250,7 +250,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             devices: monitored.status.clone(),
             kubelet: links,
             resources: plan,
-            policy: settings.monitor.policy.summary(),
+            policy: gpu_device_plugin::status::PolicySummary::of(&settings.monitor.policy),
             event_thread: monitored.heartbeat.clone(),
             stuck_after: settings.stuck_after,
             metrics,
@@ -340,7 +340,7 @@ fn log_start(settings: &Settings, driver: Option<String>) {
         (None, Some(_)) => "none (simulated GPUs)".into(),
         (None, None) => "unknown".into(),
     };
-    let policy = settings.monitor.policy.summary();
+    let policy = gpu_device_plugin::status::PolicySummary::of(&settings.monitor.policy);
     tracing::info!(
         version = %env!("CARGO_PKG_VERSION"),
         driver = %driver,

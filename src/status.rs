@@ -128,6 +128,25 @@ pub struct PolicySummary {
     pub recovery_action_interval: String,
 }
 
+impl PolicySummary {
+    /// `policy` as the report shows it: the health engine knows nothing of the report's shape.
+    pub fn of(policy: &crate::health::Policy) -> PolicySummary {
+        let duration = |d: std::time::Duration| humantime::format_duration(d).to_string();
+        let (disable, enable) = policy.dp_given();
+        PolicySummary {
+            xid_policy: match policy.xid_policy {
+                crate::health::policy::XidPolicy::Catalog => "catalog".into(),
+                crate::health::policy::XidPolicy::Nvidia => "nvidia".into(),
+            },
+            dp_disable_healthchecks: disable.map(String::from),
+            dp_enable_healthchecks: enable.map(String::from),
+            quiet_period: duration(policy.quiet_period),
+            probe_interval: duration(policy.probe_interval),
+            recovery_action_interval: duration(policy.recovery_action_interval),
+        }
+    }
+}
+
 impl Report {
     /// The table an operator reads at a glance: one line per device (index, ID, health, what is wrong in
     /// short), the kubelet link, then each Unhealthy or noted device's full message.

@@ -287,20 +287,10 @@ impl Policy {
         Ok(policy)
     }
 
-    /// The policy as the status report shows it.
-    pub fn summary(&self) -> crate::status::PolicySummary {
-        let duration = |d: Duration| humantime::format_duration(d).to_string();
-        crate::status::PolicySummary {
-            xid_policy: match self.xid_policy {
-                XidPolicy::Catalog => "catalog".into(),
-                XidPolicy::Nvidia => "nvidia".into(),
-            },
-            dp_disable_healthchecks: self.dp_given.0.clone(),
-            dp_enable_healthchecks: self.dp_given.1.clone(),
-            quiet_period: duration(self.quiet_period),
-            probe_interval: duration(self.probe_interval),
-            recovery_action_interval: duration(self.recovery_action_interval),
-        }
+    /// `DP_DISABLE_HEALTHCHECKS` and `DP_ENABLE_HEALTHCHECKS` as they were given, for those who show the
+    /// policy.
+    pub fn dp_given(&self) -> (Option<&str>, Option<&str>) {
+        (self.dp_given.0.as_deref(), self.dp_given.1.as_deref())
     }
 
     /// The effect of a condition under this policy.
