@@ -15,6 +15,12 @@
 //! - [`runtime`]: a thread and runtime of their own, for work kept off the kubelet's path.
 //! - [`limits`]: the open-file limit, raised at start and shared between the fault path and the side surfaces.
 //! - [`pods`]: which pods hold which devices, from the kubelet's pod-resources API.
+//! - [`api`]: the kubelet's device plugin and pod-resources APIs, generated from `proto/`.
+//! - [`control`]: the control socket, where `fence` and `release` reach the running plugin.
+//! - [`fence_dir`], [`fence_annotation`]: fences from detectors' report files and from the Node annotation.
+//! - [`naming`]: the IDs the kubelet sees (UUIDs or indices, replicas).
+//! - [`resources`]: which resources the process registers and which devices each lists.
+//! - [`text`]: outside text cut to a limit and made printable.
 
 pub mod allocation;
 pub mod api;
