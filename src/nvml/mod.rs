@@ -77,7 +77,7 @@ const LIBRARY_DIRS: [&str; 6] = [
 ];
 
 /// NVML's library under a driver root mounted at `root` in this container (the GPU operator's driver
-/// container, or the host's root): the first of [`LIBRARY_DIRS`] that holds it, as NVIDIA's plugin looks.
+/// container, or the host's root): the first of the library directories that holds it, as NVIDIA's plugin looks.
 /// `None` for `/` (the dynamic loader finds it there) or when none holds it.
 pub fn library_under(root: &Path) -> Option<PathBuf> {
     if root.as_os_str().is_empty() || root == Path::new("/") {
