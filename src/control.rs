@@ -67,15 +67,7 @@ const PROBE: Duration = Duration::from_secs(1);
 
 /// The control socket's bounds under the open-file limit now.
 pub fn bounds() -> Bounds {
-    Bounds {
-        max_connections: crate::limits::connection_cap(
-            MAX_CONNECTIONS,
-            crate::limits::open_files_now(),
-        ),
-        header_read: HEADER_READ,
-        lifetime: CONNECTION_LIFETIME,
-        max_buf: MAX_BUF,
-    }
+    Bounds::under_open_files(MAX_CONNECTIONS, HEADER_READ, CONNECTION_LIFETIME, MAX_BUF)
 }
 
 /// What the command line asks.

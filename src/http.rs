@@ -56,15 +56,7 @@ pub const MAX_BUF: usize = 8 * 1024;
 
 /// The HTTP port's bounds under the open-file limit now.
 pub fn bounds() -> bounded::Bounds {
-    bounded::Bounds {
-        max_connections: crate::limits::connection_cap(
-            MAX_CONNECTIONS,
-            crate::limits::open_files_now(),
-        ),
-        header_read: HEADER_READ,
-        lifetime: CONNECTION_LIFETIME,
-        max_buf: MAX_BUF,
-    }
+    bounded::Bounds::under_open_files(MAX_CONNECTIONS, HEADER_READ, CONNECTION_LIFETIME, MAX_BUF)
 }
 
 /// How long to wait before trying the address again when it is taken (during a rolling update with the host

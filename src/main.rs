@@ -34,15 +34,9 @@ fn main() -> ExitCode {
         _ => {}
     }
     let argv: Vec<_> = std::env::args_os().collect();
-    let settings = match Settings::from_args(&argv) {
-        Ok(Ok(settings)) => settings,
-        Ok(Err(e)) => return fail(&e.to_string()),
-        Err(e) if e.use_stderr() => return fail(&config::usage_error_line(&e, &argv)),
-        Err(e) => {
-            // --help and --version.
-            let _printed = e.print();
-            return ExitCode::SUCCESS;
-        }
+    let settings = match settings_or_exit(&argv) {
+        Ok(settings) => settings,
+        Err(exit) => return exit,
     };
     init_logging(settings.log_format);
     gpu_device_plugin::limits::raise_open_files_at_start();
@@ -103,6 +97,21 @@ const LEAVE_CONDITION: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// How long shutdown waits for the last checkpoint write (well within the 2 s a DaemonSet update allows).
 const FLUSH_AT_EXIT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The settings `argv` and the environment give, or how the process ends: a refusal in one line, or
+/// `--help` / `--version` printed.
+fn settings_or_exit(argv: &[std::ffi::OsString]) -> Result<Settings, ExitCode> {
+    match Settings::from_args(argv) {
+        Ok(Ok(settings)) => Ok(settings),
+        Ok(Err(e)) => Err(fail(&e.to_string())),
+        Err(e) if e.use_stderr() => Err(fail(&config::usage_error_line(&e, argv))),
+        Err(e) => {
+            // --help and --version.
+            let _printed = e.print();
+            Err(ExitCode::SUCCESS)
+        }
+    }
+}
 
 fn fail(message: &str) -> ExitCode {
     eprintln!("gpu-device-plugin: error: {message}");
@@ -644,14 +653,9 @@ fn check_config_command() -> ExitCode {
     };
     let with_gpus = asked("--simulate", "GPU_DEVICE_PLUGIN_SIMULATE")
         || asked("--nvml-lib", "GPU_DEVICE_PLUGIN_NVML_LIB");
-    let settings = match Settings::from_args(&argv) {
-        Ok(Ok(settings)) => settings,
-        Ok(Err(e)) => return fail(&e.to_string()),
-        Err(e) if e.use_stderr() => return fail(&config::usage_error_line(&e, &argv)),
-        Err(e) => {
-            let _printed = e.print();
-            return ExitCode::SUCCESS;
-        }
+    let settings = match settings_or_exit(&argv) {
+        Ok(settings) => settings,
+        Err(exit) => return exit,
     };
     print!("{}", settings.describe());
     for warning in &settings.warnings {

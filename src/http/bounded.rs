@@ -54,6 +54,27 @@ pub struct Bounds {
     pub max_buf: usize,
 }
 
+impl Bounds {
+    /// A surface's bounds with at most `max_connections` at once, fewer under a small open-file limit (its
+    /// share of the limit now, see [`crate::limits::connection_cap`]).
+    pub fn under_open_files(
+        max_connections: usize,
+        header_read: Duration,
+        lifetime: Duration,
+        max_buf: usize,
+    ) -> Bounds {
+        Bounds {
+            max_connections: crate::limits::connection_cap(
+                max_connections,
+                crate::limits::open_files_now(),
+            ),
+            header_read,
+            lifetime,
+            max_buf,
+        }
+    }
+}
+
 /// The places of one surface: [`Bounds::max_connections`] permits, the connections holding them oldest
 /// first (so that the oldest can be told to make room), and a count of those closed to make room.
 #[derive(Debug)]
