@@ -86,7 +86,8 @@ pub fn library_under(root: &Path) -> Option<PathBuf> {
     LIBRARY_DIRS
         .iter()
         .map(|dir| root.join(dir).join(DEFAULT_LIBRARY))
-        .find(|path| path.exists())
+        // A regular file (through its links): opening anything else (a FIFO) could block the start.
+        .find(|path| path.is_file())
 }
 
 /// Where NVML and the kernel's views of the GPUs are found.
@@ -1132,6 +1133,17 @@ mod tests {
         assert_eq!(
             library_under(root.path()),
             Some(root.path().join("usr/lib64").join(DEFAULT_LIBRARY))
+        );
+        // Not a regular file: passed over, never opened.
+        std::fs::remove_file(root.path().join("usr/lib64").join(DEFAULT_LIBRARY))?;
+        std::fs::create_dir(root.path().join("usr/lib64").join(DEFAULT_LIBRARY))?;
+        assert_eq!(
+            library_under(root.path()),
+            Some(
+                root.path()
+                    .join("lib/x86_64-linux-gnu")
+                    .join(DEFAULT_LIBRARY)
+            )
         );
         Ok(())
     }
