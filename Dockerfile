@@ -3,7 +3,10 @@
 # gpu-device-plugin's image: a Rust build stage, then a small glibc runtime (NVML is loaded with dlopen, so the
 # binary needs the C library the driver's libnvidia-ml.so.1 is built against, not a static musl one).
 #
-#   docker build -t gpu-device-plugin:dev .
+#   docker build -t registry.example.com/gpu-device-plugin:0.1.0 .
+#
+# registry.example.com/gpu-device-plugin:0.1.0 is a placeholder, the same as in manifests/base: put your registry
+# in its place, push, and set that image in an overlay of your own (docs/deploy.md, "The image").
 #
 # The fake NVML library ships beside the binary (/usr/local/lib/gpu-device-plugin/fake-nvml/libnvidia-ml.so.1)
 # for end-to-end tests on machines without a GPU (manifests/overlays/kind-e2e); a real node never loads it
