@@ -8,9 +8,9 @@ use std::error::Error;
 use std::time::{Duration, Instant};
 
 use fake_kubelet::{FakeKubelet, ListState};
-use gpu_device_plugin::devices::simulated::{SimulatedGpus, simulated_uuid};
-use gpu_device_plugin::health::monitor::{self, MonitorConfig};
 use gpu_device_plugin::kubelet::{self, PluginConfig};
+use gpu_device_plugin::monitor::{self, MonitorConfig};
+use gpu_device_plugin::sources::simulated::{SimulatedGpus, simulated_uuid};
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(10);

@@ -22,23 +22,15 @@
 //! - [`resources`]: which resources the process registers and which devices each lists.
 //! - [`text`]: outside text cut to a limit and made printable.
 
-pub mod allocation;
 pub mod api;
 pub mod cluster;
 pub mod config;
-pub mod control;
 pub mod devices;
-pub mod fence_annotation;
-pub mod fence_dir;
+pub mod fence;
 pub mod health;
 pub mod http;
 pub mod kubelet;
-pub mod limits;
 pub mod metrics;
-pub mod naming;
-pub mod nvml;
-pub mod pods;
-pub mod resources;
-pub mod runtime;
-pub mod status;
-pub mod text;
+pub mod monitor;
+pub mod sources;
+pub mod util;

@@ -7,19 +7,20 @@ use std::process::ExitCode;
 use tokio_util::sync::CancellationToken;
 
 use futures_util::StreamExt as _;
-use gpu_device_plugin::allocation::MpsDirs;
 use gpu_device_plugin::cluster::ApiAccess;
 use gpu_device_plugin::config::{self, LogFormat, Settings};
+use gpu_device_plugin::devices;
+use gpu_device_plugin::devices::allocation::MpsDirs;
 use gpu_device_plugin::devices::mig::ResourceNaming;
-use gpu_device_plugin::devices::simulated::SimulatedGpus;
-use gpu_device_plugin::devices::{self, DeviceSource};
-use gpu_device_plugin::health::monitor;
+use gpu_device_plugin::devices::resources::ResourcePlan;
 use gpu_device_plugin::http;
+use gpu_device_plugin::kubelet::pods::PodResources;
 use gpu_device_plugin::kubelet::{self, PluginConfig};
 use gpu_device_plugin::metrics::Metrics;
-use gpu_device_plugin::nvml::{NvmlGpus, UnmonitoredGpus};
-use gpu_device_plugin::pods::PodResources;
-use gpu_device_plugin::resources::ResourcePlan;
+use gpu_device_plugin::monitor;
+use gpu_device_plugin::sources::DeviceSource;
+use gpu_device_plugin::sources::nvml::{NvmlGpus, UnmonitoredGpus};
+use gpu_device_plugin::sources::simulated::SimulatedGpus;
 use std::sync::Arc;
 
 fn main() -> ExitCode {
@@ -39,8 +40,8 @@ fn main() -> ExitCode {
         Err(exit) => return exit,
     };
     init_logging(settings.log_format);
-    gpu_device_plugin::limits::raise_open_files_at_start();
-    gpu_device_plugin::runtime::exit_on_panic();
+    gpu_device_plugin::util::limits::raise_open_files_at_start();
+    gpu_device_plugin::util::runtime::exit_on_panic();
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
@@ -251,15 +252,16 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     // The bulkhead: every side surface (HTTP, the control socket, the fence directory) runs on a thread and
     // runtime of its own, so that nothing they meet (slow clients, a stuck file, a flood of requests) takes
     // a turn from the monitor and the kubelet streams on this one.
-    let side = gpu_device_plugin::runtime::SideRuntime::start("side-surfaces", shutdown.clone())
-        .context("cannot start the side surfaces' thread")?;
+    let side =
+        gpu_device_plugin::util::runtime::SideRuntime::start("side-surfaces", shutdown.clone())
+            .context("cannot start the side surfaces' thread")?;
     let inside = side.enter();
     if let Some(addr) = settings.http_addr {
         let context = http::Context {
             devices: monitored.status.clone(),
             kubelet: links,
             resources: plan,
-            policy: gpu_device_plugin::status::PolicySummary::of(&settings.monitor.policy),
+            policy: gpu_device_plugin::http::status::PolicySummary::of(&settings.monitor.policy),
             event_thread: monitored.heartbeat.clone(),
             stuck_after: settings.stuck_after,
             metrics,
@@ -268,7 +270,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         };
         http::spawn(addr, context, shutdown.clone());
     }
-    if let Err(e) = gpu_device_plugin::control::spawn(
+    if let Err(e) = gpu_device_plugin::fence::control::spawn(
         &settings.state_dir,
         monitored.status.clone(),
         shutdown.clone(),
@@ -276,7 +278,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         tracing::warn!(error = %e, "no control socket: gpu-device-plugin fence and release cannot reach this plugin");
     }
     if let Some(dir) = &settings.fence_dir {
-        gpu_device_plugin::fence_dir::spawn(
+        gpu_device_plugin::fence::dir::spawn(
             dir.clone(),
             monitored.status.clone(),
             shutdown.clone(),
@@ -349,7 +351,7 @@ fn log_start(settings: &Settings, driver: Option<String>) {
         (None, Some(_)) => "none (simulated GPUs)".into(),
         (None, None) => "unknown".into(),
     };
-    let policy = gpu_device_plugin::status::PolicySummary::of(&settings.monitor.policy);
+    let policy = gpu_device_plugin::http::status::PolicySummary::of(&settings.monitor.policy);
     tracing::info!(
         version = %env!("CARGO_PKG_VERSION"),
         driver = %driver,
@@ -357,8 +359,8 @@ fn log_start(settings: &Settings, driver: Option<String>) {
         mig_strategy = %settings.nvml.mig_strategy,
         device_list_strategy = %lists.join(","),
         device_id_strategy = %match allocate.naming.ids {
-            gpu_device_plugin::naming::IdStrategy::Uuid => "uuid",
-            gpu_device_plugin::naming::IdStrategy::Index => "index",
+            gpu_device_plugin::devices::naming::IdStrategy::Uuid => "uuid",
+            gpu_device_plugin::devices::naming::IdStrategy::Index => "index",
         },
         device_specs = allocate.device_specs,
         xid_policy = %policy.xid_policy,
@@ -460,7 +462,7 @@ fn check_config_off_thread(
     let started = std::thread::Builder::new()
         .name("config-reload".into())
         .spawn(move || {
-            gpu_device_plugin::runtime::lower_priority();
+            gpu_device_plugin::util::runtime::lower_priority();
             let argv: Vec<_> = std::env::args_os().collect();
             let outcome = match Settings::from_args(&argv) {
                 Ok(Ok(_)) => Ok(()),
@@ -579,7 +581,7 @@ fn control_command(fence: bool) -> ExitCode {
     let argv = subcommand_argv();
     let parsed = if fence {
         FenceArgs::try_parse_from(argv).map(|a| {
-            let request = gpu_device_plugin::control::ControlRequest {
+            let request = gpu_device_plugin::fence::control::ControlRequest {
                 device: a.device,
                 reason: a.reason,
                 ..Default::default()
@@ -588,7 +590,7 @@ fn control_command(fence: bool) -> ExitCode {
         })
     } else {
         ReleaseArgs::try_parse_from(argv).map(|a| {
-            let request = gpu_device_plugin::control::ControlRequest {
+            let request = gpu_device_plugin::fence::control::ControlRequest {
                 device: a.device,
                 reason: a.reason,
                 condition: a.condition,
@@ -608,7 +610,7 @@ fn control_command(fence: bool) -> ExitCode {
         Ok(runtime) => runtime,
         Err(exit) => return exit,
     };
-    match runtime.block_on(gpu_device_plugin::control::send(
+    match runtime.block_on(gpu_device_plugin::fence::control::send(
         &state_dir, fence, &request,
     )) {
         Ok(devices) => {
@@ -680,7 +682,7 @@ fn check_config_command() -> ExitCode {
 fn plan_resources(
     settings: &Settings,
     inventory: &devices::Inventory,
-) -> Result<(ResourcePlan, Vec<String>), gpu_device_plugin::resources::PlanError> {
+) -> Result<(ResourcePlan, Vec<String>), gpu_device_plugin::devices::resources::PlanError> {
     let natural = ResourceNaming {
         strategy: settings.nvml.mig_strategy,
         base: settings.resource_name.clone(),

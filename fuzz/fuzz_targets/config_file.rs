@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use gpu_device_plugin::config::Settings;
 use gpu_device_plugin::devices::mig::ResourceNaming;
 use gpu_device_plugin::devices::{DeviceInfo, Inventory};
-use gpu_device_plugin::resources::ResourcePlan;
+use gpu_device_plugin::devices::resources::ResourcePlan;
 use libfuzzer_sys::fuzz_target;
 
 /// One file, rewritten for every input (the plugin reads its config from a path).

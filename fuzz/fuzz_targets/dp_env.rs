@@ -10,6 +10,6 @@ fuzz_target!(|data: &[u8]| {
     let (disable, enable) = text.split_once('\0').unwrap_or((&text, ""));
     let enable = (!enable.is_empty()).then_some(enable);
     if let Ok(policy) = Policy::new(&HealthConfig::default(), Some(disable), enable) {
-        let _summary = gpu_device_plugin::status::PolicySummary::of(&policy);
+        let _summary = gpu_device_plugin::http::status::PolicySummary::of(&policy);
     }
 });

@@ -1,7 +1,7 @@
 //! The simulated GPUs' fault script (`--simulate-events`), line by line as the plugin follows it.
 #![no_main]
 
-use gpu_device_plugin::devices::script::parse_line;
+use gpu_device_plugin::sources::script::parse_line;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -3,9 +3,9 @@
 //! which).
 #![no_main]
 
-use gpu_device_plugin::control::ControlRequest;
-use gpu_device_plugin::fence_annotation;
-use gpu_device_plugin::fence_dir::parse_report;
+use gpu_device_plugin::fence::control::ControlRequest;
+use gpu_device_plugin::fence::annotation;
+use gpu_device_plugin::fence::dir::parse_report;
 use gpu_device_plugin::health::ConditionSelector;
 use libfuzzer_sys::fuzz_target;
 

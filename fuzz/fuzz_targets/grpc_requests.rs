@@ -7,13 +7,13 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, OnceLock};
 
-use gpu_device_plugin::allocation::AllocateOptions;
+use gpu_device_plugin::devices::allocation::AllocateOptions;
 use gpu_device_plugin::api::device_plugin_server::DevicePlugin;
 use gpu_device_plugin::api::{AllocateRequest, PreStartContainerRequest, PreferredAllocationRequest};
 use gpu_device_plugin::devices::mig::MigInfo;
 use gpu_device_plugin::devices::{DeviceInfo, Health, Inventory};
 use gpu_device_plugin::kubelet::server::PluginService;
-use gpu_device_plugin::naming::Naming;
+use gpu_device_plugin::devices::naming::Naming;
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use tokio_util::sync::CancellationToken;

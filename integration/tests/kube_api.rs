@@ -13,10 +13,10 @@ use std::time::Duration;
 use fake_kubelet::FakeKubelet;
 use fake_kubelet::apiserver::{FakeApiServer, Recorded};
 use gpu_device_plugin::cluster::{ApiAccess, ClusterConfig, EventBudget};
-use gpu_device_plugin::devices::simulated::simulated_uuid;
 use gpu_device_plugin::devices::{DeviceInfo, Health, Inventory};
 use gpu_device_plugin::http;
 use gpu_device_plugin::metrics::Metrics;
+use gpu_device_plugin::sources::simulated::simulated_uuid;
 use serde_json::{Value, json};
 use support::{PluginProcess, TestResult, WAIT};
 

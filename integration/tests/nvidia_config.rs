@@ -8,7 +8,7 @@ mod support;
 use std::ffi::OsStr;
 
 use fake_kubelet::FakeKubelet;
-use gpu_device_plugin::devices::simulated::simulated_uuid;
+use gpu_device_plugin::sources::simulated::simulated_uuid;
 use support::{PluginProcess, TestResult, WAIT};
 
 /// A file as NVIDIA's Helm chart users write it, with keys of GPU feature discovery, a `resources` section

@@ -8,7 +8,7 @@ mod support;
 use std::ffi::OsStr;
 
 use fake_kubelet::FakeKubelet;
-use gpu_device_plugin::devices::simulated::simulated_uuid;
+use gpu_device_plugin::sources::simulated::simulated_uuid;
 use support::{PluginProcess, TestResult, WAIT};
 
 /// A driver root as the GPU operator's driver container mounts it into the plugin's pod: NVML's library in

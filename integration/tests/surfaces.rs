@@ -5,8 +5,8 @@
 mod support;
 
 use fake_kubelet::FakeKubelet;
-use gpu_device_plugin::devices::simulated::simulated_uuid;
 use gpu_device_plugin::http;
+use gpu_device_plugin::sources::simulated::simulated_uuid;
 use hyper::StatusCode;
 use support::{PluginProcess, TestResult, WAIT};
 
@@ -133,7 +133,7 @@ async fn readyz_follows_the_kubelet_and_status_shows_a_fault_with_its_conditions
     );
     let (ok, json, err) = status_command(&["--addr", &addr, "--json"]).await;
     assert!(ok, "{err}");
-    let parsed: gpu_device_plugin::status::Report = serde_json::from_str(&json)?;
+    let parsed: gpu_device_plugin::http::status::Report = serde_json::from_str(&json)?;
     assert_eq!(parsed.devices[2].health, "Unhealthy");
 
     // The kubelet goes away: not ready any more.
@@ -637,7 +637,8 @@ async fn a_fence_reason_and_user_with_control_characters_cannot_forge_a_log_line
         .wait_log(WAIT, |l| l.contains("control socket for fence and release"))
         .await
         .ok_or_else(|| format!("no control socket\n{}", plugin.log()))?;
-    let forged = "1999-12-31T23:59:59.000000Z  INFO gpu_device_plugin::health::monitor: released by an operator";
+    let forged =
+        "1999-12-31T23:59:59.000000Z  INFO gpu_device_plugin::monitor: released by an operator";
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
         .args(["fence", &gpu(1), "--reason"])
         .arg(format!("burn-in\n{forged}"))

@@ -23,7 +23,7 @@ use gpu_device_plugin::api::{
     Empty, ListAndWatchResponse, PreStartContainerRequest, PreStartContainerResponse,
     PreferredAllocationRequest, PreferredAllocationResponse, RegisterRequest,
 };
-use gpu_device_plugin::devices::simulated::simulated_uuid;
+use gpu_device_plugin::sources::simulated::simulated_uuid;
 use support::{PluginProcess, TestResult, WAIT};
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
@@ -139,7 +139,7 @@ async fn start_other_plugin(
             .await;
         let _ = std::fs::remove_file(socket);
     });
-    let channel = gpu_device_plugin::kubelet::uds::connect(&dir.join("kubelet.sock")).await?;
+    let channel = gpu_device_plugin::util::uds::connect(&dir.join("kubelet.sock")).await?;
     RegistrationClient::new(channel)
         .register(RegisterRequest {
             version: gpu_device_plugin::api::VERSION.into(),

@@ -913,7 +913,7 @@ pub struct Applied {
     /// The driver root, where `--dev-root` defaults to.
     pub driver_root: PathBuf,
     /// How devices are named to the kubelet.
-    pub naming: crate::naming::Naming,
+    pub naming: crate::devices::naming::Naming,
     /// Which devices are shared, and how.
     pub sharing: Option<Sharing>,
     /// The MPS root on the host, with `sharing.mps`.
@@ -1003,8 +1003,8 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
         })?,
     };
     let ids = match settings.device_id_strategy.as_deref() {
-        None | Some("uuid") => crate::naming::IdStrategy::Uuid,
-        Some("index") => crate::naming::IdStrategy::Index,
+        None | Some("uuid") => crate::devices::naming::IdStrategy::Uuid,
+        Some("index") => crate::devices::naming::IdStrategy::Index,
         Some(s) => {
             return Err(invalid(
                 "deviceIDStrategy (--device-id-strategy, DEVICE_ID_STRATEGY)",
@@ -1122,9 +1122,9 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
     .filter(|(on, _)| *on == Some(true))
     .map(|(_, name)| (name.to_string(), "enabled".to_string()))
     .collect();
-    let naming = crate::naming::Naming {
+    let naming = crate::devices::naming::Naming {
         ids,
-        ..crate::naming::Naming::default()
+        ..crate::devices::naming::Naming::default()
     };
     if let Some(sharing) = &settings.sharing
         && sharing.kind == ShareKind::Mps
@@ -1366,7 +1366,10 @@ mod tests {
         assert!(loaded.warnings[0].contains("flags.useNodeFeatureAPI: GPU feature discovery"));
         let applied = apply(&loaded.nvidia)?;
         assert_eq!(applied.mig_strategy, MigStrategy::Single);
-        assert_eq!(applied.naming.ids, crate::naming::IdStrategy::Index);
+        assert_eq!(
+            applied.naming.ids,
+            crate::devices::naming::IdStrategy::Index
+        );
         Ok(())
     }
 

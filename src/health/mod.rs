@@ -13,7 +13,6 @@
 
 pub mod checkpoint;
 pub mod message;
-pub mod monitor;
 pub mod policy;
 pub mod xid;
 
@@ -129,7 +128,7 @@ impl ConditionSelector {
         }
         Err(format!(
             "{:?} is not a condition (one of {}, xid-<N>)",
-            crate::text::cut_bytes(text, 80),
+            crate::util::text::cut_bytes(text, 80),
             NAMES.join(", ")
         ))
     }

@@ -6,10 +6,10 @@
 //! kubelet (made again whenever `kubelet.sock` is re-created). Device state lives outside, in the inventory
 //! watch, so nothing is lost across a kubelet restart.
 
+pub mod pods;
 pub mod registration;
 pub mod server;
 pub mod socket;
-pub mod uds;
 pub mod watch;
 
 use std::path::PathBuf;
@@ -23,11 +23,11 @@ use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::allocation::AllocateOptions;
 use crate::api::device_plugin_server::DevicePluginServer;
 use crate::api::{KUBELET_SOCKET, RegisterRequest, VERSION};
 use crate::devices::InventoryWatch;
-use crate::status::KubeletStatus;
+use crate::devices::allocation::AllocateOptions;
+use crate::http::status::KubeletStatus;
 use server::PluginService;
 use socket::PluginSocket;
 use watch::DirWatch;

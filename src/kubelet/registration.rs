@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::api::RegisterRequest;
 use crate::api::registration_client::RegistrationClient;
 
-use super::uds;
+use crate::util::uds;
 
 /// Upper bound for one registration attempt. The kubelet dials the plugin back inside `Register` with a 10 s
 /// timeout of its own, so a healthy kubelet answers well within this.

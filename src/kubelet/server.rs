@@ -10,7 +10,6 @@ use tokio_stream::wrappers::WatchStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::allocation::{self, AllocateOptions, AllocationError, PreStartError, PreferenceRequest};
 use crate::api::device_plugin_server::DevicePlugin;
 use crate::api::{
     AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, Device,
@@ -18,9 +17,12 @@ use crate::api::{
     PreStartContainerResponse, PreferredAllocationRequest, PreferredAllocationResponse,
     TopologyInfo,
 };
+use crate::devices::allocation::{
+    self, AllocateOptions, AllocationError, PreStartError, PreferenceRequest,
+};
+use crate::devices::naming::Naming;
 use crate::devices::{Inventory, InventoryWatch};
 use crate::metrics::Metrics;
-use crate::naming::Naming;
 
 /// The options this plugin registers with and reports: with `pre_start_check`, the kubelet calls
 /// PreStartContainer before every start of a container holding our devices (see [`allocation::pre_start`]).

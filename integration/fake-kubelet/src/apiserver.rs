@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use gpu_device_plugin::runtime::spawn_on_own_thread;
+use gpu_device_plugin::util::runtime::spawn_on_own_thread;
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};

@@ -38,7 +38,7 @@ use gpu_device_plugin::api::{
     RegisterRequest, VERSION,
 };
 use gpu_device_plugin::config::check_extended_resource_name;
-use gpu_device_plugin::kubelet::uds;
+use gpu_device_plugin::util::uds;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
@@ -321,7 +321,7 @@ impl FakeKubelet {
         // manager's: its calls never hold up the device plugin side (a benchmark's time-stamps among it).
         let stop = CancellationToken::new();
         let stopped = stop.clone();
-        gpu_device_plugin::runtime::spawn_on_own_thread("pod-resources", async move {
+        gpu_device_plugin::util::runtime::spawn_on_own_thread("pod-resources", async move {
             let Ok(listener) = UnixListener::from_std(listener) else {
                 return;
             };

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use gpu_device_plugin::devices::script::{self, Command, Line, Tail};
+use gpu_device_plugin::sources::script::{self, Command, Line, Tail};
 use inotify::{Inotify, WatchMask};
 
 use crate::config::{self, DeviceSpec, MigSpec};

@@ -14,9 +14,9 @@ use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
 use gpu_device_plugin::devices::InventoryWatch;
-use gpu_device_plugin::devices::simulated::{SimulatedControl, SimulatedGpus};
-use gpu_device_plugin::health::monitor::{self, MonitorConfig};
 use gpu_device_plugin::kubelet::{self, KubeletError, PluginConfig};
+use gpu_device_plugin::monitor::{self, MonitorConfig};
+use gpu_device_plugin::sources::simulated::{SimulatedControl, SimulatedGpus};
 use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;

@@ -14,15 +14,14 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::MissedTickBehavior;
 
-use super::Effect;
-use super::checkpoint::{self, Checkpoint, DeviceRecord, Durability, Store};
-use super::policy::Recover;
-use super::{ConditionKind, ConditionSelector, HealthEngine, Observation, Outcome, Policy};
-use crate::devices::{
-    DeviceEvent, DeviceSource, Health, Heartbeat, Inventory, InventoryWatch, SourceError,
-};
+use crate::devices::{Health, Inventory, InventoryWatch};
+use crate::health::Effect;
+use crate::health::checkpoint::{self, Checkpoint, DeviceRecord, Durability, Store};
+use crate::health::policy::Recover;
+use crate::health::{ConditionKind, ConditionSelector, HealthEngine, Observation, Outcome, Policy};
+use crate::http::status::{ConditionStatus, DeviceStatus};
 use crate::metrics::Metrics;
-use crate::status::{ConditionStatus, DeviceStatus};
+use crate::sources::{DeviceEvent, DeviceSource, Heartbeat, SourceError};
 
 /// How the monitor runs.
 #[derive(Debug, Clone)]
@@ -364,7 +363,7 @@ fn in_context(inventory: &Inventory, id: &str, message: Option<String>) -> Optio
         return Some(message);
     };
     let (health, rest) = message.split_once(": ").unwrap_or(("", message.as_str()));
-    Some(super::message::truncate(&format!(
+    Some(crate::health::message::truncate(&format!(
         "{health}: MIG device {} of GPU {}: {rest}",
         mig.profile, mig.parent
     )))
@@ -512,8 +511,8 @@ impl Monitor {
                 .first()
                 .map_or_else(|| "GPU-…".to_string(), |d| d.info.id.clone());
             return Err(OperatorError::UnknownDevice {
-                target: crate::text::printable(&crate::text::cut_bytes(target, 80)),
-                known: crate::text::cut_bytes(&known.join(", "), 400),
+                target: crate::util::text::printable(&crate::util::text::cut_bytes(target, 80)),
+                known: crate::util::text::cut_bytes(&known.join(", "), 400),
                 command: Some(format!("gpu-device-plugin {command} {example}")),
             });
         }
@@ -630,7 +629,7 @@ impl Monitor {
                     index: d.info.gpu_index().unwrap_or(position),
                     health: d.health.as_api_str().into(),
                     numa_node: d.info.numa_node,
-                    mig: d.info.mig.as_ref().map(|m| crate::status::MigStatus {
+                    mig: d.info.mig.as_ref().map(|m| crate::http::status::MigStatus {
                         parent: m.parent.clone(),
                         profile: m.profile.clone(),
                     }),
@@ -895,7 +894,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_fault_right_after_start_is_published_without_waiting_for_any_timer() {
         use crate::devices::Health;
-        use crate::devices::simulated::{SimulatedGpus, simulated_uuid};
+        use crate::sources::simulated::{SimulatedGpus, simulated_uuid};
 
         // Start between two of the timer wheel's milliseconds, as a real process does.
         tokio::time::advance(Duration::from_micros(400)).await;
@@ -919,7 +918,7 @@ mod tests {
 
     #[tokio::test]
     async fn status_shows_nvml_index_and_the_gpu_not_served_with_why() {
-        use crate::devices::simulated::{SimulatedGpus, simulated_uuid};
+        use crate::sources::simulated::{SimulatedGpus, simulated_uuid};
         let (gpus, _control) = SimulatedGpus::new(3);
         let gpus = gpus.leave_unserved(0, "MIG mode is on and it has no MIG devices");
         let monitored = spawn_monitored(Box::new(gpus), MonitorConfig::in_memory())
@@ -942,8 +941,8 @@ mod tests {
     #[test]
     fn records_of_unlisted_devices_are_kept_while_a_device_cannot_be_named()
     -> Result<(), Box<dyn std::error::Error>> {
-        use super::super::policy::HealthConfig;
         use super::checkpoint::ConditionRecord;
+        use crate::health::policy::HealthConfig;
 
         let dir = tempfile::tempdir()?;
         let store = Store::in_dir(dir.path());

@@ -27,9 +27,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use crate::devices::{Health, Inventory, InventoryWatch};
-use crate::health::monitor::StatusQueries;
+use crate::kubelet::pods::{Holder, PodResources};
 use crate::metrics::Metrics;
-use crate::pods::{Holder, PodResources};
+use crate::monitor::StatusQueries;
 
 /// The node condition's type.
 pub const CONDITION_TYPE: &str = "GPUUnhealthy";
@@ -193,7 +193,7 @@ impl ApiAccess {
     /// every transition. A transition between `before` (the inventory as the plugin started) and the
     /// start is reported too. Runs on a thread of its own, which ends when the inventory's sender does.
     ///
-    /// With `fences`, it also follows the Node's fence annotation ([`crate::fence_annotation`]) and applies
+    /// With `fences`, it also follows the Node's fence annotation ([`crate::fence::annotation`]) and applies
     /// it through them.
     ///
     /// The returned [`ApiStop`] is for a plugin that stops for good: it leaves the condition saying so.
@@ -246,7 +246,7 @@ impl ApiAccess {
             if let Some(queries) = fences {
                 match Client::try_from(watch_config) {
                     Ok(watch_client) => {
-                        let follow = crate::fence_annotation::follow(
+                        let follow = crate::fence::annotation::follow(
                             watch_client,
                             cluster.node.clone(),
                             queries,
@@ -287,7 +287,7 @@ impl ApiAccess {
         };
         // A thread and runtime of their own: building the client (TLS roots: tens of milliseconds of CPU),
         // encoding Events and talking HTTP never take a turn on the thread that carries faults to the kubelet.
-        if let Err(e) = crate::runtime::spawn_on_own_thread("kube-api", report) {
+        if let Err(e) = crate::util::runtime::spawn_on_own_thread("kube-api", report) {
             tracing::warn!(error = %e, "cannot start the Kubernetes API side's thread: no Events and no node condition");
         }
         ApiStop {
@@ -484,7 +484,7 @@ impl Cluster {
             return Ok(Left::Newer);
         }
         let now = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
-        let message = crate::text::cut_bytes(
+        let message = crate::util::text::cut_bytes(
             &format!(
                 "gpu-device-plugin stopped on this node at {now}: GPU health is not watched by it; its last report ({}): {}",
                 ours.status, ours.message
@@ -554,7 +554,7 @@ impl Cluster {
             let event = Event {
                 type_: note.type_,
                 reason: note.reason.into(),
-                note: Some(crate::text::cut_bytes(&note.text, NOTE_LIMIT)),
+                note: Some(crate::util::text::cut_bytes(&note.text, NOTE_LIMIT)),
                 action: action(note.reason, &note.text),
                 secondary: None,
             };
@@ -786,7 +786,7 @@ pub fn condition_of(inventory: &Inventory) -> WantedCondition {
     WantedCondition {
         unhealthy: unhealthy.len(),
         total,
-        message: crate::text::cut_bytes(&message, CONDITION_MESSAGE_LIMIT),
+        message: crate::util::text::cut_bytes(&message, CONDITION_MESSAGE_LIMIT),
     }
 }
 
@@ -1144,7 +1144,7 @@ mod tests {
 
     #[test]
     fn notes_are_cut_at_a_character_boundary() {
-        let cut = crate::text::cut_bytes(&"é".repeat(1000), NOTE_LIMIT);
+        let cut = crate::util::text::cut_bytes(&"é".repeat(1000), NOTE_LIMIT);
         assert!(cut.len() <= NOTE_LIMIT && cut.ends_with("..."));
     }
 }

@@ -58,7 +58,7 @@ pub struct AllocateOptions {
     /// names are wanted).
     pub envvar: bool,
     /// How the kubelet names the devices (UUIDs or indices, replicas).
-    pub naming: crate::naming::Naming,
+    pub naming: crate::devices::naming::Naming,
     /// NVIDIA's `volume-mounts` device list strategy: `NVIDIA_VISIBLE_DEVICES` names
     /// [`VOLUME_MOUNTS_DIR`] and each device is a mount of `/dev/null` at `VOLUME_MOUNTS_DIR/<id>`, which the
     /// NVIDIA container toolkit reads when it accepts device lists as volume mounts only (an unprivileged pod
@@ -103,7 +103,7 @@ impl Default for AllocateOptions {
     fn default() -> Self {
         AllocateOptions {
             envvar: true,
-            naming: crate::naming::Naming::default(),
+            naming: crate::devices::naming::Naming::default(),
             volume_mounts: false,
             extra_envs: Vec::new(),
             mps: None,
@@ -131,7 +131,7 @@ pub fn echoed(id: &str) -> String {
     if id.len() <= ECHOED_ID_MAX {
         return id.to_string();
     }
-    let end = crate::text::floor(id, ECHOED_ID_MAX);
+    let end = crate::util::text::floor(id, ECHOED_ID_MAX);
     format!("{}... ({} bytes)", &id[..end], id.len())
 }
 
@@ -206,7 +206,10 @@ pub fn allocate(
     // MPS is for containers holding replicas: a device that is not shared runs as it would without MPS.
     let holds_replica: Vec<bool> = containers
         .iter()
-        .map(|ids| ids.iter().any(|id| crate::naming::Naming::is_replica(id)))
+        .map(|ids| {
+            ids.iter()
+                .any(|id| crate::devices::naming::Naming::is_replica(id))
+        })
         .collect();
     let translated;
     let containers = if options.naming.is_plain() {
@@ -258,7 +261,7 @@ pub fn allocate(
 /// names no GPU, one given twice in the request, or more than one replica where that is refused is an error.
 fn to_physical(
     inventory: &Inventory,
-    naming: &crate::naming::Naming,
+    naming: &crate::devices::naming::Naming,
     containers: &[Vec<String>],
 ) -> Result<Vec<Vec<String>>, AllocationError> {
     let mut seen = HashSet::new();
@@ -267,7 +270,9 @@ fn to_physical(
         .map(|ids| {
             if naming.fail_requests_greater_than_one
                 && ids.len() > 1
-                && ids.iter().any(|id| crate::naming::Naming::is_replica(id))
+                && ids
+                    .iter()
+                    .any(|id| crate::devices::naming::Naming::is_replica(id))
             {
                 return Err(AllocationError::SharedRequestTooLarge(ids.len()));
             }
@@ -471,7 +476,7 @@ pub fn pre_start(inventory: &Inventory, ids: &[String]) -> Result<(), PreStartEr
     if text.is_empty() {
         return Ok(());
     }
-    Err(PreStartError::Refused(crate::text::cut_bytes(
+    Err(PreStartError::Refused(crate::util::text::cut_bytes(
         &text,
         MAX_PRE_START_DESCRIPTION,
     )))
@@ -482,7 +487,7 @@ pub fn pre_start(inventory: &Inventory, ids: &[String]) -> Result<(), PreStartEr
 /// healthy GPUs only, after every `must_include` replica.
 pub fn preferred_named(
     inventory: &Inventory,
-    naming: &crate::naming::Naming,
+    naming: &crate::devices::naming::Naming,
     request: &PreferenceRequest<'_>,
 ) -> Result<Vec<String>, AllocationError> {
     if naming.is_plain() {
@@ -562,7 +567,7 @@ pub fn preferred_named(
 /// is, and refused by name.
 pub fn pre_start_named(
     inventory: &Inventory,
-    naming: &crate::naming::Naming,
+    naming: &crate::devices::naming::Naming,
     ids: &[String],
 ) -> Result<(), PreStartError> {
     if naming.is_plain() {
@@ -746,11 +751,11 @@ mod tests {
     fn mps_directories_go_to_containers_holding_replicas_only() -> Result<(), AllocationError> {
         let inv = node();
         let options = AllocateOptions {
-            naming: crate::naming::Naming {
+            naming: crate::devices::naming::Naming {
                 replicas: 2,
                 replicated: Some(std::sync::Arc::new(["g1".to_string()].into())),
                 fail_requests_greater_than_one: true,
-                ..crate::naming::Naming::default()
+                ..crate::devices::naming::Naming::default()
             },
             mps: Some(MpsDirs::new(Path::new("/run/nvidia/mps"), "nvidia.com/gpu")),
             ..AllocateOptions::default()

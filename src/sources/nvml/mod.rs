@@ -35,9 +35,10 @@ use nvml_wrapper::structs::device::FieldId;
 use nvml_wrapper::{Device, EventSet, Nvml};
 use tokio::sync::mpsc;
 
+use crate::devices::DeviceInfo;
 use crate::devices::mig::{self, GpuLayout, MigAttributes, MigInfo, MigStrategy, ProfileFacts};
-use crate::devices::{Beat, DeviceEvent, DeviceInfo, DeviceSource, Heartbeat, SourceError};
 use crate::health::{Observation, ProbeResult};
+use crate::sources::{Beat, DeviceEvent, DeviceSource, Heartbeat, SourceError};
 
 /// The library name NVIDIA's driver installs.
 pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";

@@ -1,5 +1,5 @@
 use super::*;
-use crate::status::{ConditionStatus, MigStatus};
+use crate::http::status::{ConditionStatus, MigStatus};
 
 /// A device, fenced with `detail` if given.
 fn device(id: &str, fenced: Option<&str>) -> DeviceStatus {

@@ -9,7 +9,7 @@
 //! are bounded in number, time and buffer size ([`bounded`], [`bounds`]), and a flood costs the HTTP port
 //! alone.
 
-pub mod bounded;
+pub mod status;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -24,11 +24,12 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::devices::Heartbeat;
-use crate::health::monitor::StatusQueries;
+use crate::http::status::{KubeletStatus, PolicySummary, Report};
+use crate::kubelet::pods::PodResources;
 use crate::metrics::Metrics;
-use crate::pods::PodResources;
-use crate::status::{KubeletStatus, PolicySummary, Report};
+use crate::monitor::StatusQueries;
+use crate::sources::Heartbeat;
+use crate::util::bounded;
 
 /// Where the HTTP surfaces listen unless told otherwise: loopback only, so nothing is exposed off the node by
 /// default.
@@ -38,7 +39,7 @@ pub const DEFAULT_ADDR: &str = "127.0.0.1:9412";
 const MONITOR_ANSWER: Duration = Duration::from_secs(2);
 
 /// The most HTTP connections served at once (fewer under a small open-file limit: see
-/// [`crate::limits::connection_cap`]). The kubelet's probes, a Prometheus scrape and an operator's `status`
+/// [`crate::util::limits::connection_cap`]). The kubelet's probes, a Prometheus scrape and an operator's `status`
 /// need a handful; past the cap, the oldest connection is closed to make room.
 pub const MAX_CONNECTIONS: usize = 128;
 
@@ -71,7 +72,7 @@ pub struct Context {
     /// The link with the kubelet, per resource served (the first is the main one).
     pub kubelet: Vec<watch::Receiver<KubeletStatus>>,
     /// The resource of each device.
-    pub resources: std::sync::Arc<crate::resources::ResourcePlan>,
+    pub resources: std::sync::Arc<crate::devices::resources::ResourcePlan>,
     /// The policy in force.
     pub policy: PolicySummary,
     /// The heartbeats of the threads waiting for the GPUs' events (one per GPU), where there are any.

@@ -15,8 +15,8 @@ use tokio::time::Instant;
 use crate::api::pod_resources::ListPodResourcesRequest;
 use crate::api::pod_resources::pod_resources_lister_client::PodResourcesListerClient;
 use crate::devices::InventoryWatch;
-use crate::kubelet::uds;
-use crate::naming::Naming;
+use crate::devices::naming::Naming;
+use crate::util::uds;
 
 /// How long one `List` may take, connection included.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);

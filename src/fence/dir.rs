@@ -45,8 +45,8 @@ use tokio_util::sync::CancellationToken;
 pub use read::{MAX_REPORT_BYTES, MAX_REPORTS};
 
 use crate::health::ConditionSelector;
-use crate::health::monitor::{OperatorError, OperatorRequest, StatusQueries};
-use crate::status::DeviceStatus;
+use crate::http::status::DeviceStatus;
+use crate::monitor::{OperatorError, OperatorRequest, StatusQueries};
 use read::{Reader, Reading};
 use warnings::Warnings;
 
@@ -73,7 +73,7 @@ pub const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 pub struct Report {
     /// The device, or a GPU's UUID for all its MIG devices.
     pub device: String,
-    /// Why (printable: see [`crate::text::printable`]).
+    /// Why (printable: see [`crate::util::text::printable`]).
     pub reason: String,
     /// The detector (printable).
     #[serde(default)]
@@ -428,8 +428,11 @@ fn plan(
             plan.failed.push((
                 key.clone(),
                 OperatorError::UnknownDevice {
-                    target: crate::text::printable(&crate::text::cut_bytes(&want.device, 80)),
-                    known: crate::text::cut_bytes(&known.join(", "), 400),
+                    target: crate::util::text::printable(&crate::util::text::cut_bytes(
+                        &want.device,
+                        80,
+                    )),
+                    known: crate::util::text::cut_bytes(&known.join(", "), 400),
                     command: None,
                 },
             ));
@@ -490,12 +493,17 @@ fn plan(
 pub fn parse_report(text: &[u8]) -> Result<Report, String> {
     // serde's message may quote the text (an unknown field's name).
     let mut report: Report = serde_json::from_slice(text).map_err(|e| {
-        let e = crate::text::printable(&crate::text::cut_bytes(&e.to_string(), MAX_TEXT_BYTES));
+        let e = crate::util::text::printable(&crate::util::text::cut_bytes(
+            &e.to_string(),
+            MAX_TEXT_BYTES,
+        ));
         format!("not a report ({{\"device\": ..., \"reason\": ..., \"by\": ...}}): {e}")
     })?;
     // Written by anyone who may write the directory, and shown in the log, the kubelet's message, Events:
     // printable, so that it can neither forge a line nor drive a terminal.
-    let text = |t: &str| crate::text::cut_bytes(&crate::text::printable(t.trim()), MAX_TEXT_BYTES);
+    let text = |t: &str| {
+        crate::util::text::cut_bytes(&crate::util::text::printable(t.trim()), MAX_TEXT_BYTES)
+    };
     report.device = report.device.trim().to_string();
     report.reason = text(&report.reason);
     report.by = report.by.map(|b| text(&b)).filter(|b| !b.is_empty());

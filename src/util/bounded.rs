@@ -56,7 +56,7 @@ pub struct Bounds {
 
 impl Bounds {
     /// A surface's bounds with at most `max_connections` at once, fewer under a small open-file limit (its
-    /// share of the limit now, see [`crate::limits::connection_cap`]).
+    /// share of the limit now, see [`crate::util::limits::connection_cap`]).
     pub fn under_open_files(
         max_connections: usize,
         header_read: Duration,
@@ -64,9 +64,9 @@ impl Bounds {
         max_buf: usize,
     ) -> Bounds {
         Bounds {
-            max_connections: crate::limits::connection_cap(
+            max_connections: crate::util::limits::connection_cap(
                 max_connections,
-                crate::limits::open_files_now(),
+                crate::util::limits::open_files_now(),
             ),
             header_read,
             lifetime,
@@ -168,13 +168,13 @@ impl Gate {
     }
 
     /// After the last connection of a burst (as many as the cap since the last time) closes, the memory
-    /// their buffers took is handed back ([`crate::limits::return_freed_memory`]): a flood leaves the
+    /// their buffers took is handed back ([`crate::util::limits::return_freed_memory`]): a flood leaves the
     /// resident size where it was. Probes and scrapes alone come here every few minutes.
     fn closed(&self) {
         if self.open() == 0 && self.since_trim.load(Ordering::Relaxed) >= self.max {
             self.since_trim.store(0, Ordering::Relaxed);
             let started = std::time::Instant::now();
-            crate::limits::return_freed_memory();
+            crate::util::limits::return_freed_memory();
             tracing::debug!(
                 surface = self.what,
                 took_us = started.elapsed().as_micros(),

@@ -10,7 +10,8 @@ use std::time::SystemTime;
 use tokio::sync::mpsc;
 
 use super::script::{self, Command, Line};
-use super::{DeviceEvent, DeviceInfo, DeviceSource, SourceError, Unserved};
+use super::{DeviceEvent, DeviceSource, SourceError};
+use crate::devices::{DeviceInfo, Unserved};
 use crate::health::{Observation, ProbeResult};
 
 /// Devices per simulated NUMA node, so that simulated nodes exercise NUMA-aware preferred allocation the way a

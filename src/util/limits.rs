@@ -88,7 +88,7 @@ pub fn connection_cap(wanted: usize, limit: u64) -> usize {
 /// resident (it only gives back the top of the heap, and only past a threshold): after a flood of 5 000
 /// connections, each held for a moment, 3 MiB of freed buffers stayed resident until this was called, and
 /// came back to within 0.1 MiB of the start with it. Called after a burst on a side surface (see
-/// [`crate::http::bounded::Gate`]); it walks the allocator's free lists, well under a millisecond for this
+/// [`crate::util::bounded::Gate`]); it walks the allocator's free lists, well under a millisecond for this
 /// process's few MiB of heap.
 #[allow(unsafe_code)]
 pub fn return_freed_memory() {

@@ -55,7 +55,7 @@ pub struct Listing {
 /// A report file that cannot be used, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
-    /// The file's name, printable (see [`crate::text::printable`]).
+    /// The file's name, printable (see [`crate::util::text::printable`]).
     pub file: String,
     /// Why it cannot be used.
     pub why: String,
@@ -96,7 +96,7 @@ impl Reader {
         std::thread::Builder::new()
             .name("fence-dir".into())
             .spawn(move || {
-                crate::runtime::lower_priority();
+                crate::util::runtime::lower_priority();
                 let mut watch = DirWatch {
                     dir,
                     wake,
@@ -290,7 +290,7 @@ fn read_entry(name: &std::ffi::OsStr, entry: &DirEntry, listing: &mut Listing) {
         Examined::Unusable(key, why, version) => (why, version, Some(key)),
     };
     listing.problems.push(Problem {
-        file: crate::text::printable(&name.to_string_lossy()),
+        file: crate::util::text::printable(&name.to_string_lossy()),
         version: hash((version, &why)),
         why,
         held: held.is_some(),
@@ -320,7 +320,7 @@ fn examine(name: &std::ffi::OsStr, entry: &DirEntry) -> Examined {
     if name.contains(':') {
         return Examined::BadName("its name holds a colon".into());
     }
-    if crate::text::printable(name) != name {
+    if crate::util::text::printable(name) != name {
         return Examined::BadName("its name holds control characters".into());
     }
     let unusable = |why: String, version: u64| Examined::Unusable(name.to_string(), why, version);

@@ -9,11 +9,11 @@ use std::path::{Path, PathBuf};
 use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 
-use crate::allocation::AllocateOptions;
+use crate::devices::allocation::AllocateOptions;
 use crate::health::checkpoint;
-use crate::health::monitor::MonitorConfig;
 use crate::health::{HealthConfig, Policy};
-use crate::nvml::NvmlOptions;
+use crate::monitor::MonitorConfig;
+use crate::sources::nvml::NvmlOptions;
 
 pub mod nvidia;
 
@@ -536,7 +536,7 @@ fn find_imex_channels(
     use std::os::unix::fs::FileTypeExt as _;
     let mut found = Vec::new();
     for &id in ids {
-        let node = crate::allocation::imex_channel_node(id);
+        let node = crate::devices::allocation::imex_channel_node(id);
         let relative = node.strip_prefix("/dev").unwrap_or(&node);
         let mut places: Vec<PathBuf> = Vec::new();
         for place in dev_dirs.iter().map(|d| d.join(relative)) {
@@ -889,7 +889,10 @@ impl Settings {
             &[
                 container_driver_root.join("dev"),
                 PathBuf::from("/dev"),
-                crate::allocation::under(&allocate.host_root, &allocate.dev_root.join("dev")),
+                crate::devices::allocation::under(
+                    &allocate.host_root,
+                    &allocate.dev_root.join("dev"),
+                ),
             ],
             &mut warnings,
         )?;
@@ -911,7 +914,7 @@ impl Settings {
                 library: args
                     .nvml_lib
                     .or(file.nvml_lib)
-                    .or_else(|| crate::nvml::library_under(&container_driver_root))
+                    .or_else(|| crate::sources::nvml::library_under(&container_driver_root))
                     .unwrap_or(nvml_defaults.library),
                 sysfs_root: args
                     .sysfs_root
@@ -1068,7 +1071,7 @@ impl Settings {
                 )
             }
         };
-        let policy = crate::status::PolicySummary::of(&self.monitor.policy);
+        let policy = crate::http::status::PolicySummary::of(&self.monitor.policy);
         let mut policy_line = format!(
             "XIDs by the {} policy, recovery after {} quiet, probes every {}, recovery action read every {}",
             policy.xid_policy,
@@ -1195,7 +1198,7 @@ pub fn usage_error_line(error: &clap::Error, argv: &[OsString]) -> String {
         && !argv.iter().skip(1).any(given)
         && let Some(value) = std::env::var_os(env)
     {
-        let value = crate::text::cut_bytes(&value.to_string_lossy(), 80);
+        let value = crate::util::text::cut_bytes(&value.to_string_lossy(), 80);
         line = format!(
             "{line}: the value {value:?} comes from the environment variable {}",
             env.to_string_lossy()
@@ -1845,7 +1848,7 @@ mod readme_tests {
     /// The health config example in the README is what operators copy: it must load as written.
     #[test]
     fn the_readme_health_config_example_loads() -> Result<(), Box<dyn std::error::Error>> {
-        let readme = include_str!("../README.md");
+        let readme = include_str!("../../README.md");
         let start = readme
             .find("```yaml\nhealth:")
             .ok_or("no health example in README.md")?

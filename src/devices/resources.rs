@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use crate::config::nvidia::{DeviceSelection, MAX_LISTED_REPLICAS, ShareKind, Sharing};
 use crate::devices::mig::ResourceNaming;
+use crate::devices::naming::{IdStrategy, Naming};
 use crate::devices::{DeviceInfo, Inventory};
-use crate::naming::{IdStrategy, Naming};
 
 /// One resource the process registers.
 #[derive(Debug, Clone, PartialEq, Eq)]

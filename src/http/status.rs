@@ -51,7 +51,7 @@ pub struct DeviceStatus {
     /// The containers holding the device, from the kubelet's pod-resources API (empty when none, or when
     /// the kubelet cannot say).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub pods: Vec<crate::pods::Holder>,
+    pub pods: Vec<crate::kubelet::pods::Holder>,
 }
 
 /// What a MIG device is part of.
@@ -154,7 +154,7 @@ impl Report {
     /// Node annotation, a detector's file): each is printed escaped, so that none can drive the terminal
     /// or forge a line.
     pub fn table(&self) -> String {
-        use crate::text::printable;
+        use crate::util::text::printable;
         let rows: Vec<[String; 5]> = self
             .devices
             .iter()
@@ -328,7 +328,7 @@ mod tests {
                         ..ConditionStatus::default()
                     }],
                     pods: ["trainer", "profiler"]
-                        .map(|container| crate::pods::Holder {
+                        .map(|container| crate::kubelet::pods::Holder {
                             namespace: "ml".into(),
                             pod: "train-0".into(),
                             container: container.into(),

@@ -29,10 +29,10 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::health::ConditionSelector;
-use crate::health::monitor::{Operated, OperatorError, OperatorRequest, StatusQueries};
-use crate::http::bounded::{self, Bounds, Gate};
 use crate::kubelet::KubeletError;
 use crate::kubelet::socket::PluginSocket;
+use crate::monitor::{Operated, OperatorError, OperatorRequest, StatusQueries};
+use crate::util::bounded::{self, Bounds, Gate};
 
 /// The socket's file name in the state directory.
 pub const SOCKET_NAME: &str = "control.sock";
@@ -318,7 +318,9 @@ fn operator_request(
     fence: bool,
     peer: (u32, Option<i32>),
 ) -> Result<(String, OperatorRequest), String> {
-    let text = |t: &str| crate::text::cut_bytes(&crate::text::printable(t.trim()), MAX_TEXT_BYTES);
+    let text = |t: &str| {
+        crate::util::text::cut_bytes(&crate::util::text::printable(t.trim()), MAX_TEXT_BYTES)
+    };
     let (uid, pid) = peer;
     let who = match asked.user.as_deref().map(text) {
         Some(user) if !user.is_empty() => format!("{user} (uid {uid})"),
