@@ -1,26 +1,26 @@
 //! A Kubernetes device plugin for NVIDIA GPUs.
 //!
-//! - [`kubelet`]: the kubelet protocol: gRPC server, registration, the socket-directory watch.
-//! - [`devices`]: the device model, the [`devices::DeviceSource`] trait and simulated GPUs.
-//! - [`nvml`]: the NVML GPU backend: discovery and the health event threads (one per GPU).
-//! - [`health`]: the health engine (pure: observations and time in, conditions, health and messages out),
-//!   its policy, checkpoint, and the monitor task around it.
-//! - [`allocation`]: pure Allocate / GetPreferredAllocation decisions.
-//! - [`cluster`]: the Kubernetes API side: Events and the node condition.
-//! - [`config`]: command line, environment and config file.
-//! - [`status`]: what the agent says about itself (devices, conditions, the kubelet link), as `/status`
-//!   serves it and the `status` command shows it.
-//! - [`http`]: the HTTP surfaces: `/healthz`, `/readyz`, `/status`, `/metrics`.
-//! - [`metrics`]: the Prometheus metrics, recorded through plain methods.
-//! - [`runtime`]: a thread and runtime of their own, for work kept off the kubelet's path.
-//! - [`limits`]: the open-file limit, raised at start and shared between the fault path and the side surfaces.
-//! - [`pods`]: which pods hold which devices, from the kubelet's pod-resources API.
+//! The rooms, lowest first; each uses only the rooms above it in this list (checked by
+//! `integration/tests/architecture.rs`). A fault travels down the list: source → monitor (engine) → kubelet.
+//!
+//! - [`util`]: outside text made printable, threads and runtimes of their own, the open-file limit, bounded
+//!   sockets (connection caps and timeouts), Unix-socket gRPC channels.
 //! - [`api`]: the kubelet's device plugin and pod-resources APIs, generated from `proto/`.
-//! - [`control`]: the control socket, where `fence` and `release` reach the running plugin.
-//! - [`fence_dir`], [`fence_annotation`]: fences from detectors' report files and from the Node annotation.
-//! - [`naming`]: the IDs the kubelet sees (UUIDs or indices, replicas).
-//! - [`resources`]: which resources the process registers and which devices each lists.
-//! - [`text`]: outside text cut to a limit and made printable.
+//! - [`devices`]: the device model: the inventory the kubelet is sent, MIG devices, the IDs the kubelet sees,
+//!   which resources list which devices, sharing, and the pure Allocate decisions.
+//! - [`health`]: the pure health engine: observations and time in, conditions, health and messages out; its
+//!   policy, the XID catalog and the checkpoint's record. No tokio, no file system.
+//! - [`sources`]: where devices and health events come from: NVML (one event thread per GPU), simulated GPUs
+//!   and their fault script.
+//! - [`metrics`]: the Prometheus metrics, recorded through plain methods (a no-op when off).
+//! - [`monitor`]: the task around the engine: takes the source's events, publishes the inventory, keeps the
+//!   checkpoint file, answers snapshots and operators' fences.
+//! - [`kubelet`]: the device plugin server, registration, the socket-directory watch, pod-resources.
+//! - [`cluster`]: the Kubernetes API: Events and the node condition.
+//! - [`http`]: `/healthz`, `/readyz`, `/status`, `/metrics`, and the status report the `status` command shows.
+//! - [`fence`]: operator inputs: the control socket (`fence`, `release`), the fence directory, the Node
+//!   annotation.
+//! - [`config`]: command line, environment, our config file and NVIDIA's.
 
 pub mod api;
 pub mod cluster;

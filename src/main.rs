@@ -13,6 +13,7 @@ use gpu_device_plugin::devices;
 use gpu_device_plugin::devices::allocation::MpsDirs;
 use gpu_device_plugin::devices::mig::ResourceNaming;
 use gpu_device_plugin::devices::resources::ResourcePlan;
+use gpu_device_plugin::fence;
 use gpu_device_plugin::http;
 use gpu_device_plugin::kubelet::pods::PodResources;
 use gpu_device_plugin::kubelet::{self, PluginConfig};
@@ -163,7 +164,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     log_start(&settings, source.driver_version());
     let metrics = Arc::new(Metrics::new());
     let mut monitor_config = settings.monitor.clone();
-    monitor_config.metrics = Some(metrics.clone());
+    monitor_config.metrics = metrics.clone();
     let monitored = monitor::spawn_monitored(source, monitor_config)
         .context("cannot start the device source")?;
 
@@ -191,7 +192,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         }
         let socket = kubelet::socket_path_for(&plugin)?;
         plugin.socket_name = socket.file_name().map(|n| n.to_string_lossy().into_owned());
-        plugin.metrics = Some(metrics.clone());
+        plugin.metrics = metrics.clone();
         let inventory = if several {
             let plan = plan.clone();
             devices::subset_watch(monitored.inventory.clone(), move |info| {
@@ -241,8 +242,8 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             before,
             monitored.inventory.clone(),
             pods.clone(),
-            Some(metrics.clone()),
-            Some(monitored.status.clone()),
+            metrics.clone(),
+            Some(fence::annotation::follower(monitored.handle.clone())),
         ));
     }
 
@@ -258,7 +259,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     let inside = side.enter();
     if let Some(addr) = settings.http_addr {
         let context = http::Context {
-            devices: monitored.status.clone(),
+            devices: monitored.handle.clone(),
             kubelet: links,
             resources: plan,
             policy: gpu_device_plugin::http::status::PolicySummary::of(&settings.monitor.policy),
@@ -272,7 +273,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     }
     if let Err(e) = gpu_device_plugin::fence::control::spawn(
         &settings.state_dir,
-        monitored.status.clone(),
+        monitored.handle.clone(),
         shutdown.clone(),
     ) {
         tracing::warn!(error = %e, "no control socket: gpu-device-plugin fence and release cannot reach this plugin");
@@ -280,12 +281,12 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     if let Some(dir) = &settings.fence_dir {
         gpu_device_plugin::fence::dir::spawn(
             dir.clone(),
-            monitored.status.clone(),
+            monitored.handle.clone(),
             shutdown.clone(),
         )?;
     }
     drop(inside);
-    let status = monitored.status.clone();
+    let status = monitored.handle.clone();
     // Every resource is served until shutdown; one that cannot be served stops them all (the DaemonSet
     // restarts the pod), as a node half-served would hide the other half's capacity without a word.
     let mut served: futures_util::stream::FuturesUnordered<_> = plugins

@@ -13,7 +13,6 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
 use crate::health::Observation;
-use crate::http::status::Report;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DeviceLabels {
@@ -54,9 +53,14 @@ struct BuildLabels {
     version: String,
 }
 
-/// Every metric the plugin exports, prefixed `gpu_device_plugin_`.
+/// Every metric the plugin exports, prefixed `gpu_device_plugin_`; or none, when metrics are off
+/// ([`Metrics::off`]): then every method does nothing, so that whoever records needs no `Option`.
 #[derive(Debug)]
-pub struct Metrics {
+pub struct Metrics(Option<Recorders>);
+
+/// The registry and what is recorded into it.
+#[derive(Debug)]
+struct Recorders {
     registry: Registry,
     device_healthy: Family<DeviceLabels, Gauge>,
     devices_with_condition: Family<KindLabels, Gauge>,
@@ -75,9 +79,31 @@ pub struct Metrics {
     http_evicted: Counter,
 }
 
+/// One device's state for the per-device gauges.
+#[derive(Debug, Clone)]
+pub struct DeviceGauge<'a> {
+    /// The extended resource it is served under.
+    pub resource: &'a str,
+    /// Its ID.
+    pub device: &'a str,
+    /// NVML's index.
+    pub index: usize,
+    /// Whether it is Healthy.
+    pub healthy: bool,
+    /// The kinds of its active conditions (`xid`, `fenced`, ...), repeats allowed.
+    pub conditions: Vec<&'a str>,
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+impl Metrics {
+    /// Metrics that record nothing, for a plugin or test that serves no `/metrics`.
+    pub fn off() -> std::sync::Arc<Self> {
+        std::sync::Arc::new(Metrics(None))
     }
 }
 
@@ -180,7 +206,7 @@ impl Metrics {
             version: env!("CARGO_PKG_VERSION").into(),
         });
         registry.register("build", "The plugin's version", build);
-        Metrics {
+        Metrics(Some(Recorders {
             registry,
             device_healthy,
             devices_with_condition,
@@ -197,14 +223,17 @@ impl Metrics {
             events_dropped,
             http_open,
             http_evicted,
-        }
+        }))
     }
 
     /// A health event came in.
     pub fn observed(&self, observation: &Observation) {
+        let Some(m) = &self.0 else {
+            return;
+        };
         let kind = match observation {
             Observation::Xid(xid) => {
-                self.xid_events
+                m.xid_events
                     .get_or_create(&XidLabels {
                         xid: xid.to_string(),
                     })
@@ -216,35 +245,47 @@ impl Metrics {
             Observation::GpuLost => "gpu-lost",
             _ => return,
         };
-        self.events
+        m.events
             .get_or_create(&KindLabels { kind: kind.into() })
             .inc();
     }
 
     /// A device's health changed to `to` (`Healthy` or `Unhealthy`).
     pub fn transition(&self, to: &str) {
-        self.transitions
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.transitions
             .get_or_create(&HealthLabels { to: to.into() })
             .inc();
     }
 
     /// A change was published to the streams `took` after its event.
     pub fn published(&self, took: Duration) {
-        self.published.observe(took.as_secs_f64());
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.published.observe(took.as_secs_f64());
     }
 
     /// The kubelet accepted a registration; `new_kubelet` when it came from a kubelet.sock other than the
     /// previous registration's.
     pub fn registered(&self, new_kubelet: bool) {
-        self.registrations.inc();
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.registrations.inc();
         if new_kubelet {
-            self.kubelet_restarts.inc();
+            m.kubelet_restarts.inc();
         }
     }
 
     /// An Allocate or PreStartContainer call ended with `code`.
     pub fn call(&self, method: &str, code: tonic::Code) {
-        self.calls
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.calls
             .get_or_create(&CallLabels {
                 method: method.into(),
                 code: format!("{code:?}"),
@@ -254,7 +295,10 @@ impl Metrics {
 
     /// A write to the Kubernetes API (`event` or `node_condition`) ended.
     pub fn api_call(&self, request: &str, ok: bool) {
-        self.api_requests
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.api_requests
             .get_or_create(&ApiLabels {
                 request: request.into(),
                 result: if ok { "ok" } else { "error" }.into(),
@@ -264,57 +308,70 @@ impl Metrics {
 
     /// A Kubernetes Event was dropped, over the budget.
     pub fn event_dropped(&self) {
-        self.events_dropped.inc();
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.events_dropped.inc();
     }
 
     /// Kubernetes Events dropped so far.
     pub fn events_dropped(&self) -> u64 {
-        self.events_dropped.get()
+        let Some(m) = &self.0 else {
+            return 0;
+        };
+        m.events_dropped.get()
     }
 
     /// The oldest HTTP connection was closed to make room for a new one: every place was taken.
     pub fn http_connection_evicted(&self) {
-        self.http_evicted.inc();
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.http_evicted.inc();
     }
 
     /// `open` HTTP connections are being served (set when a scrape comes).
     pub fn http_connections_open(&self, open: usize) {
-        self.http_open.set(i64::try_from(open).unwrap_or(i64::MAX));
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.http_open.set(i64::try_from(open).unwrap_or(i64::MAX));
     }
 
-    /// The metrics in the OpenMetrics text format, with per-device state from `report`.
-    pub fn render(&self, report: &Report) -> String {
-        self.device_healthy.clear();
-        self.devices_with_condition.clear();
-        for d in &report.devices {
+    /// The metrics in the OpenMetrics text format, with per-device state from `devices` and the kubelet's
+    /// link: `registered` when every resource the process serves is, `streams_open` for all of them together.
+    pub fn render<'a>(
+        &self,
+        devices: impl IntoIterator<Item = DeviceGauge<'a>>,
+        registered: bool,
+        streams_open: usize,
+    ) -> String {
+        let Some(m) = &self.0 else {
+            return String::new();
+        };
+        m.device_healthy.clear();
+        m.devices_with_condition.clear();
+        for d in devices {
             let labels = DeviceLabels {
-                resource: if d.resource.is_empty() {
-                    report.kubelet.resource.clone()
-                } else {
-                    d.resource.clone()
-                },
-                device: d.id.clone(),
+                resource: d.resource.to_string(),
+                device: d.device.to_string(),
                 index: d.index.to_string(),
             };
-            self.device_healthy
+            m.device_healthy
                 .get_or_create(&labels)
-                .set(i64::from(d.health == "Healthy"));
-            let kinds: std::collections::BTreeSet<&str> =
-                d.conditions.iter().map(|c| c.kind.as_str()).collect();
+                .set(i64::from(d.healthy));
+            let kinds: std::collections::BTreeSet<&str> = d.conditions.into_iter().collect();
             for kind in kinds {
-                self.devices_with_condition
+                m.devices_with_condition
                     .get_or_create(&KindLabels { kind: kind.into() })
                     .inc();
             }
         }
-        let links = || std::iter::once(&report.kubelet).chain(&report.other_resources);
-        // Registered: every resource the process serves is; streams: all of them together.
-        self.kubelet_registered
-            .set(i64::from(links().all(|k| k.registered)));
-        self.streams
-            .set(i64::try_from(links().map(|k| k.streams_open).sum::<usize>()).unwrap_or(i64::MAX));
+        m.kubelet_registered.set(i64::from(registered));
+        m.streams
+            .set(i64::try_from(streams_open).unwrap_or(i64::MAX));
         let mut out = String::new();
-        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &m.registry) {
             tracing::warn!(error = %e, "cannot encode the metrics");
         }
         out

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::SystemTime;
 
-use gpu_device_plugin::health::checkpoint::{Checkpoint, FILE_NAME, Store};
+use gpu_device_plugin::health::checkpoint::Checkpoint;
+use gpu_device_plugin::monitor::checkpoint::{FILE_NAME, Store};
 use gpu_device_plugin::health::{HealthEngine, Policy};
 use libfuzzer_sys::fuzz_target;
 

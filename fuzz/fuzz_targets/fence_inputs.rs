@@ -15,7 +15,7 @@ fuzz_target!(|data: &[u8]| {
     };
     match pick % 3 {
         0 => {
-            let (entries, problems) = fence_annotation::parse(&String::from_utf8_lossy(body));
+            let (entries, problems) = annotation::parse(&String::from_utf8_lossy(body));
             for (device, reason) in &entries {
                 assert!(!device.is_empty() && !reason.is_empty() && !device.contains(':'));
             }

@@ -524,7 +524,7 @@ async fn a_storm_of_faults_is_held_to_the_event_budget() -> TestResult {
         start,
         watch,
         None,
-        Some(metrics.clone()),
+        metrics.clone(),
         None,
     );
 
@@ -614,7 +614,7 @@ async fn a_fault_before_the_api_client_starts_is_still_reported() -> TestResult 
         start,
         watch,
         None,
-        None,
+        gpu_device_plugin::metrics::Metrics::off(),
         None,
     );
     // The fault comes while the plugin is still registering: nothing has been sent yet.

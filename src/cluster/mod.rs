@@ -29,7 +29,6 @@ use tokio::time::Instant;
 use crate::devices::{Health, Inventory, InventoryWatch};
 use crate::kubelet::pods::{Holder, PodResources};
 use crate::metrics::Metrics;
-use crate::monitor::StatusQueries;
 
 /// The node condition's type.
 pub const CONDITION_TYPE: &str = "GPUUnhealthy";
@@ -193,8 +192,8 @@ impl ApiAccess {
     /// every transition. A transition between `before` (the inventory as the plugin started) and the
     /// start is reported too. Runs on a thread of its own, which ends when the inventory's sender does.
     ///
-    /// With `fences`, it also follows the Node's fence annotation ([`crate::fence::annotation`]) and applies
-    /// it through them.
+    /// With `follower`, something else that follows the Node (the fence annotation) runs beside, with a client
+    /// of its own for watches and the same queue of Events.
     ///
     /// The returned [`ApiStop`] is for a plugin that stops for good: it leaves the condition saying so.
     pub fn spawn(
@@ -203,8 +202,8 @@ impl ApiAccess {
         before: Arc<Inventory>,
         inventory: InventoryWatch,
         pods: Option<Arc<PodResources>>,
-        metrics: Option<Arc<Metrics>>,
-        fences: Option<StatusQueries>,
+        metrics: Arc<Metrics>,
+        follower: Option<NodeFollower>,
     ) -> ApiStop {
         let budget = self.budget;
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
@@ -243,16 +242,10 @@ impl ApiAccess {
             let first = condition_of(&inventory.borrow());
             let (conditions, wanted) = watch::channel(first);
             let (notes, queue) = mpsc::channel(QUEUE);
-            if let Some(queries) = fences {
+            if let Some(follower) = follower {
                 match Client::try_from(watch_config) {
                     Ok(watch_client) => {
-                        let follow = crate::fence::annotation::follow(
-                            watch_client,
-                            cluster.node.clone(),
-                            queries,
-                            notes.clone(),
-                        );
-                        tokio::spawn(follow);
+                        tokio::spawn(follower(watch_client, cluster.node.clone(), notes.clone()));
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot build a client to watch the node's fence annotation");
@@ -296,6 +289,18 @@ impl ApiAccess {
         }
     }
 }
+
+/// Something else that follows this Node with the plugin's API access (the fence annotation,
+/// `crate::fence::annotation`): given a client without a read timeout (for watches), the Node's name and the
+/// queue of Events to raise, returns its task, which runs on the Kubernetes API thread.
+pub type NodeFollower = Box<
+    dyn FnOnce(
+            Client,
+            String,
+            mpsc::Sender<Note>,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send,
+>;
 
 /// Asks the API side of a plugin that stops for good to leave the node condition truthful.
 #[derive(Debug)]
@@ -349,7 +354,7 @@ impl Cluster {
     async fn keep_condition(
         self,
         mut wanted: watch::Receiver<WantedCondition>,
-        metrics: Option<Arc<Metrics>>,
+        metrics: Arc<Metrics>,
         written: Arc<std::sync::Mutex<Option<Written>>>,
     ) {
         // What the node says now: (status, lastTransitionTime) of our condition, once read.
@@ -362,9 +367,7 @@ impl Cluster {
             let mut newer = false;
             loop {
                 let result = self.write_condition(&target, &mut on_node).await;
-                if let Some(metrics) = &metrics {
-                    metrics.api_call("node_condition", result.is_ok());
-                }
+                metrics.api_call("node_condition", result.is_ok());
                 match result {
                     Ok(wrote) => {
                         *written
@@ -523,7 +526,7 @@ impl Cluster {
         self,
         mut queue: mpsc::Receiver<Note>,
         budget: EventBudget,
-        metrics: Option<Arc<Metrics>>,
+        metrics: Arc<Metrics>,
     ) {
         let recorder = Recorder::new(
             self.client.clone(),
@@ -539,9 +542,7 @@ impl Cluster {
         let mut warned_at: Option<Instant> = None;
         while let Some(note) = queue.recv().await {
             if !bucket.take(Instant::now()) {
-                if let Some(metrics) = &metrics {
-                    metrics.event_dropped();
-                }
+                metrics.event_dropped();
                 dropped_since_warned += 1;
                 if warned_at.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
                     tracing::warn!(dropped = dropped_since_warned, burst = budget.burst, every = %humantime::format_duration(budget.refill), "Kubernetes Events over budget dropped (the log and metrics still have every transition)");
@@ -563,9 +564,7 @@ impl Cluster {
                 .sleep(tokio::time::sleep)
                 .notify(|e, _| tracing::debug!(error = %e, "Event not recorded; retrying"))
                 .await;
-            if let Some(metrics) = &metrics {
-                metrics.api_call("event", published.is_ok());
-            }
+            metrics.api_call("event", published.is_ok());
             if let Err(e) = published {
                 tracing::warn!(error = %explain(&e, "create and patch on events.k8s.io events"), reason = note.reason, "cannot record a Kubernetes Event; given up");
             }
@@ -614,7 +613,7 @@ async fn follow(
     conditions: watch::Sender<WantedCondition>,
     notes: mpsc::Sender<Note>,
     pods: Option<Arc<PodResources>>,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Arc<Metrics>,
 ) {
     loop {
         let after = inventory.borrow_and_update().clone();
@@ -634,9 +633,7 @@ async fn follow(
             for change in &changes {
                 let none = Vec::new();
                 for note in notes_for(change, holders.get(&change.id).unwrap_or(&none)) {
-                    if notes.try_send(note).is_err()
-                        && let Some(metrics) = &metrics
-                    {
+                    if notes.try_send(note).is_err() {
                         metrics.event_dropped();
                     }
                 }

@@ -10,7 +10,6 @@ use clap::{Parser, ValueEnum};
 use serde::Deserialize;
 
 use crate::devices::allocation::AllocateOptions;
-use crate::health::checkpoint;
 use crate::health::{HealthConfig, Policy};
 use crate::monitor::MonitorConfig;
 use crate::sources::nvml::NvmlOptions;
@@ -936,8 +935,8 @@ impl Settings {
                 boot_id_path: args
                     .boot_id_file
                     .or(file.boot_id_file)
-                    .unwrap_or_else(|| checkpoint::DEFAULT_BOOT_ID_PATH.into()),
-                metrics: None,
+                    .unwrap_or_else(|| crate::monitor::checkpoint::DEFAULT_BOOT_ID_PATH.into()),
+                metrics: crate::metrics::Metrics::off(),
             },
             allocate,
             pre_start_check: args

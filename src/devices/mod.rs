@@ -10,6 +10,7 @@ pub mod allocation;
 pub mod mig;
 pub mod naming;
 pub mod resources;
+pub mod sharing;
 
 use std::collections::HashMap;
 use std::fmt;

@@ -7,9 +7,9 @@ use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
-use crate::config::nvidia::{DeviceSelection, MAX_LISTED_REPLICAS, ShareKind, Sharing};
 use crate::devices::mig::ResourceNaming;
 use crate::devices::naming::{IdStrategy, Naming};
+use crate::devices::sharing::{DeviceSelection, MAX_LISTED_REPLICAS, ShareKind, Sharing};
 use crate::devices::{DeviceInfo, Inventory};
 
 /// One resource the process registers.
@@ -295,8 +295,8 @@ impl ResourcePlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::nvidia::SharedResource;
     use crate::devices::mig::{MigInfo, MigStrategy};
+    use crate::devices::sharing::SharedResource;
 
     fn gpu(i: usize) -> DeviceInfo {
         DeviceInfo {

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 
 use crate::cluster::{Note, Target};
 use crate::fence::dir::{Wanted, apply};
-use crate::monitor::StatusQueries;
+use crate::monitor::MonitorHandle;
 
 /// The annotation's key.
 pub const ANNOTATION: &str = "gpu-device-plugin/fenced";
@@ -65,13 +65,18 @@ pub fn parse(value: &str) -> (BTreeMap<String, String>, Vec<String>) {
     (entries, problems)
 }
 
+/// [`follow`] as the Kubernetes API side runs it, beside its Events and node condition.
+pub fn follower(queries: MonitorHandle) -> crate::cluster::NodeFollower {
+    Box::new(move |client, node, notes| Box::pin(follow(client, node, queries, notes)))
+}
+
 /// Watches node `node` and keeps the fences its annotation asks for until the stream of changes ends;
 /// entries it cannot use go to `notes` as a Warning Event on the Node, once for each value of the
 /// annotation.
 pub async fn follow(
     client: kube::Client,
     node: String,
-    queries: StatusQueries,
+    queries: MonitorHandle,
     notes: mpsc::Sender<Note>,
 ) {
     let nodes: Api<Node> = Api::all(client);

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use crate::health::ConditionSelector;
 use crate::kubelet::KubeletError;
 use crate::kubelet::socket::PluginSocket;
-use crate::monitor::{Operated, OperatorError, OperatorRequest, StatusQueries};
+use crate::monitor::{MonitorHandle, Operated, OperatorError, OperatorRequest};
 use crate::util::bounded::{self, Bounds, Gate};
 
 /// The socket's file name in the state directory.
@@ -104,7 +104,7 @@ pub struct ControlAnswer {
 /// instance's is there, it is left alone.
 pub fn spawn(
     state_dir: &Path,
-    queries: StatusQueries,
+    queries: MonitorHandle,
     shutdown: CancellationToken,
 ) -> Result<PathBuf, KubeletError> {
     let path = state_dir.join(SOCKET_NAME);
@@ -246,7 +246,7 @@ impl SocketWatch {
 
 async fn serve_connection(
     stream: UnixStream,
-    queries: StatusQueries,
+    queries: MonitorHandle,
     bounds: Bounds,
     place: bounded::Place,
 ) {
@@ -262,7 +262,7 @@ async fn serve_connection(
 }
 
 async fn answer(
-    queries: &StatusQueries,
+    queries: &MonitorHandle,
     request: Request<Incoming>,
     peer: (u32, Option<i32>),
 ) -> Response<Full<Bytes>> {

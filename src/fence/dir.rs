@@ -44,9 +44,9 @@ use tokio_util::sync::CancellationToken;
 
 pub use read::{MAX_REPORT_BYTES, MAX_REPORTS};
 
-use crate::health::ConditionSelector;
-use crate::http::status::DeviceStatus;
-use crate::monitor::{OperatorError, OperatorRequest, StatusQueries};
+use crate::health::{ConditionKind, ConditionSelector};
+use crate::monitor::DeviceSnapshot;
+use crate::monitor::{MonitorHandle, OperatorError, OperatorRequest};
 use read::{Reader, Reading};
 use warnings::Warnings;
 
@@ -92,7 +92,7 @@ pub struct FenceDirError {
 /// this task, on the caller's runtime, only asks the health monitor.
 pub fn spawn(
     dir: PathBuf,
-    queries: StatusQueries,
+    queries: MonitorHandle,
     shutdown: CancellationToken,
 ) -> Result<(), FenceDirError> {
     let error = |cause: String| FenceDirError {
@@ -127,7 +127,7 @@ async fn follow(
     dir: PathBuf,
     reader: Reader,
     mut woken: mpsc::Receiver<()>,
-    queries: StatusQueries,
+    queries: MonitorHandle,
     shutdown: CancellationToken,
 ) {
     let shown = dir.display().to_string();
@@ -314,7 +314,7 @@ pub struct Wanted {
 /// Returns the keys that could not be applied, with why. Asks the monitor once for the devices, then once
 /// per change: a report naming a device not on this node is answered from that list.
 pub async fn apply(
-    queries: &StatusQueries,
+    queries: &MonitorHandle,
     marker: &str,
     wanted: &BTreeMap<String, Wanted>,
     held: &BTreeSet<String>,
@@ -328,8 +328,8 @@ pub async fn apply(
 
 /// [`apply`] with the monitor's device list already fetched: asks the monitor only for the changes.
 async fn apply_to(
-    queries: &StatusQueries,
-    devices: &[DeviceStatus],
+    queries: &MonitorHandle,
+    devices: &[DeviceSnapshot],
     marker: &str,
     wanted: &BTreeMap<String, Wanted>,
     held: &BTreeSet<String>,
@@ -372,20 +372,20 @@ fn by(want: &Wanted, marker: &str, key: &str) -> String {
 }
 
 /// This source's fences in place, by device: the key each came from, and its detail.
-fn in_place(devices: &[DeviceStatus], marker: &str) -> BTreeMap<String, (String, String)> {
+fn in_place(devices: &[DeviceSnapshot], marker: &str) -> BTreeMap<String, (String, String)> {
     let mut in_place = BTreeMap::new();
     for device in devices {
         let fence = device
             .conditions
             .iter()
-            .find(|c| c.kind == "fenced")
-            .and_then(|c| c.detail.as_ref());
+            .find(|c| c.condition.kind == ConditionKind::Fenced)
+            .and_then(|c| c.condition.detail.as_ref());
         let Some(detail) = fence else {
             continue;
         };
         let source = detail.split_once(": ").map_or(detail.as_str(), |(s, _)| s);
         if let Some((_, key)) = source.split_once(marker) {
-            in_place.insert(device.id.clone(), (key.to_string(), detail.clone()));
+            in_place.insert(device.info.id.clone(), (key.to_string(), detail.clone()));
         }
     }
     in_place
@@ -406,7 +406,7 @@ struct Plan {
 /// device several keys want keeps the fence in place if its key still wants it (or is held), else takes
 /// the first key by name; it is released only when no key wants it.
 fn plan(
-    devices: &[DeviceStatus],
+    devices: &[DeviceSnapshot],
     marker: &str,
     wanted: &BTreeMap<String, Wanted>,
     held: &BTreeSet<String>,
@@ -419,12 +419,13 @@ fn plan(
         let ids: Vec<&str> = devices
             .iter()
             .filter(|d| {
-                d.id == want.device || d.mig.as_ref().is_some_and(|m| m.parent == want.device)
+                d.info.id == want.device
+                    || d.info.mig.as_ref().is_some_and(|m| m.parent == want.device)
             })
-            .map(|d| d.id.as_str())
+            .map(|d| d.info.id.as_str())
             .collect();
         if ids.is_empty() {
-            let known: Vec<&str> = devices.iter().map(|d| d.id.as_str()).collect();
+            let known: Vec<&str> = devices.iter().map(|d| d.info.id.as_str()).collect();
             plan.failed.push((
                 key.clone(),
                 OperatorError::UnknownDevice {

@@ -24,10 +24,13 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::http::status::{KubeletStatus, PolicySummary, Report};
+use crate::devices::Health;
+use crate::http::status::{DeviceStatus, KubeletStatus, PolicySummary, Report};
 use crate::kubelet::pods::PodResources;
+use crate::metrics::DeviceGauge;
 use crate::metrics::Metrics;
-use crate::monitor::StatusQueries;
+use crate::monitor::DeviceSnapshot;
+use crate::monitor::MonitorHandle;
 use crate::sources::Heartbeat;
 use crate::util::bounded;
 
@@ -68,7 +71,7 @@ const BIND_RETRY: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone)]
 pub struct Context {
     /// The monitor, for device details and as the liveness signal of the event loop.
-    pub devices: StatusQueries,
+    pub devices: MonitorHandle,
     /// The link with the kubelet, per resource served (the first is the main one).
     pub kubelet: Vec<watch::Receiver<KubeletStatus>>,
     /// The resource of each device.
@@ -264,15 +267,33 @@ async fn route<B>(
                 Some(why) => text(StatusCode::SERVICE_UNAVAILABLE, why),
             }
         }
-        "/status" => match report(context).await {
-            Some(mut report) => {
-                if let Some(pods) = &context.pods
-                    && let Some(holders) = pods.holders(PODS_MAX_AGE).await
-                {
-                    for device in &mut report.devices {
-                        device.pods = holders.get(&device.id).cloned().unwrap_or_default();
-                    }
-                }
+        "/status" => match snapshot(context).await {
+            Some(devices) => {
+                let holders = match &context.pods {
+                    Some(pods) => pods.holders(PODS_MAX_AGE).await,
+                    None => None,
+                };
+                let pods_of = |id: &str| {
+                    holders
+                        .as_ref()
+                        .and_then(|h| h.get(id).cloned())
+                        .unwrap_or_default()
+                };
+                let mut kubelet = context.kubelet.iter().map(|k| k.borrow().clone());
+                let kubelet = (kubelet.next().unwrap_or_default(), kubelet.collect());
+                let report = Report {
+                    devices: devices
+                        .iter()
+                        .map(|d| {
+                            let resource = resource_of(context, d, &kubelet.0);
+                            DeviceStatus::of(d, resource, pods_of(&d.info.id))
+                        })
+                        .collect(),
+                    kubelet: kubelet.0,
+                    other_resources: kubelet.1,
+                    policy: context.policy.clone(),
+                    unserved: context.unserved.clone(),
+                };
                 match serde_json::to_vec_pretty(&report) {
                     Ok(body) => respond(StatusCode::OK, "application/json", body),
                     Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
@@ -283,13 +304,37 @@ async fn route<B>(
                 "the health monitor did not answer\n".into(),
             ),
         },
-        "/metrics" => match report(context).await {
-            Some(report) => {
+        "/metrics" => match snapshot(context).await {
+            Some(devices) => {
                 context.metrics.http_connections_open(connections.open());
+                let links: Vec<KubeletStatus> =
+                    context.kubelet.iter().map(|k| k.borrow().clone()).collect();
+                let first = links.first().cloned().unwrap_or_default();
+                let resources: Vec<String> = devices
+                    .iter()
+                    .map(|d| resource_of(context, d, &first))
+                    .collect();
+                let gauges = devices
+                    .iter()
+                    .zip(&resources)
+                    .map(|(d, resource)| DeviceGauge {
+                        resource,
+                        device: &d.info.id,
+                        index: d.index,
+                        healthy: d.health == Health::Healthy,
+                        conditions: d
+                            .conditions
+                            .iter()
+                            .map(|c| c.condition.kind.name())
+                            .collect(),
+                    });
+                // Registered: every resource the process serves is; streams: all of them together.
+                let registered = links.iter().all(|k| k.registered);
+                let streams = links.iter().map(|k| k.streams_open).sum();
                 respond(
                     StatusCode::OK,
                     "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    context.metrics.render(&report),
+                    context.metrics.render(gauges, registered, streams),
                 )
             }
             None => text(
@@ -304,25 +349,24 @@ async fn route<B>(
     }
 }
 
-/// The status report now, or `None` if the monitor does not answer within [`MONITOR_ANSWER`].
-async fn report(context: &Context) -> Option<Report> {
-    let mut devices = tokio::time::timeout(MONITOR_ANSWER, context.devices.devices())
+/// The monitor's devices now, or `None` if the monitor does not answer within [`MONITOR_ANSWER`].
+async fn snapshot(context: &Context) -> Option<Vec<DeviceSnapshot>> {
+    tokio::time::timeout(MONITOR_ANSWER, context.devices.devices())
         .await
-        .ok()??;
-    for device in &mut devices {
-        device.resource = context
-            .resources
-            .resource_of(&device.id, device.mig.as_ref().map(|m| m.profile.as_str()))
-            .into_owned();
+        .ok()?
+}
+
+/// The resource `device` is served under (the main one, `main`, where the plan names none).
+fn resource_of(context: &Context, device: &DeviceSnapshot, main: &KubeletStatus) -> String {
+    let resource = context.resources.resource_of(
+        &device.info.id,
+        device.info.mig.as_ref().map(|m| m.profile.as_str()),
+    );
+    if resource.is_empty() {
+        main.resource.clone()
+    } else {
+        resource.into_owned()
     }
-    let mut kubelet = context.kubelet.iter().map(|k| k.borrow().clone());
-    Some(Report {
-        devices,
-        kubelet: kubelet.next().unwrap_or_default(),
-        other_resources: kubelet.collect(),
-        policy: context.policy.clone(),
-        unserved: context.unserved.clone(),
-    })
 }
 
 fn respond(

@@ -4,6 +4,10 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::health::Effect;
+use crate::health::policy::Recover;
+use crate::monitor::{ConditionSnapshot, DeviceSnapshot};
+
 /// The whole report.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -88,25 +92,55 @@ pub struct ConditionStatus {
     pub last_seen: String,
 }
 
-/// The plugin's link with the kubelet.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct KubeletStatus {
-    /// Extended resource name registered.
-    pub resource: String,
-    /// The kubelet's registration socket.
-    pub kubelet_socket: String,
-    /// Our socket's file name, as registered.
-    pub endpoint: String,
-    /// The kubelet behind `kubelet.sock` accepted our registration and has not closed our stream since.
-    pub registered: bool,
-    /// ListAndWatch streams open now (the kubelet holds one while it uses this plugin).
-    pub streams_open: usize,
-    /// Registrations the kubelet accepted since the plugin started.
-    pub registrations: u64,
-    /// Whether the kubelet calls PreStartContainer before each container start (the start check).
-    pub pre_start_check: bool,
+impl DeviceStatus {
+    /// `device` as the report shows it, served under `resource` and held by `pods`.
+    pub fn of(
+        device: &DeviceSnapshot,
+        resource: String,
+        pods: Vec<crate::kubelet::pods::Holder>,
+    ) -> Self {
+        DeviceStatus {
+            id: device.info.id.clone(),
+            index: device.index,
+            resource,
+            mig: device.info.mig.as_ref().map(|m| MigStatus {
+                parent: m.parent.clone(),
+                profile: m.profile.clone(),
+            }),
+            health: device.health.as_api_str().into(),
+            numa_node: device.info.numa_node,
+            message: device.message.clone(),
+            conditions: device.conditions.iter().map(ConditionStatus::of).collect(),
+            pods,
+        }
+    }
 }
+
+impl ConditionStatus {
+    /// `condition` in the report's words.
+    pub fn of(condition: &ConditionSnapshot) -> Self {
+        let time = |t: std::time::SystemTime| humantime::format_rfc3339_seconds(t).to_string();
+        let c = &condition.condition;
+        ConditionStatus {
+            kind: c.kind.name().into(),
+            value: c.kind.value(),
+            effect: match condition.effect {
+                Effect::Unhealthy => "Unhealthy".into(),
+                Effect::None => "None".into(),
+            },
+            recover: match condition.recover {
+                Recover::Auto => "auto".into(),
+                Recover::Never => "never".into(),
+            },
+            detail: c.detail.clone(),
+            count: c.count,
+            first_seen: time(c.first_seen),
+            last_seen: time(c.last_seen),
+        }
+    }
+}
+
+pub use crate::kubelet::KubeletStatus;
 
 /// The health policy in force, in the config file's terms.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

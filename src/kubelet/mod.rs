@@ -27,7 +27,6 @@ use crate::api::device_plugin_server::DevicePluginServer;
 use crate::api::{KUBELET_SOCKET, RegisterRequest, VERSION};
 use crate::devices::InventoryWatch;
 use crate::devices::allocation::AllocateOptions;
-use crate::http::status::KubeletStatus;
 use server::PluginService;
 use socket::PluginSocket;
 use watch::DirWatch;
@@ -136,7 +135,7 @@ pub struct PluginConfig {
     /// Ask the kubelet to call PreStartContainer before each container start (the health gate).
     pub pre_start_check: bool,
     /// Where registrations and calls are counted, if anywhere.
-    pub metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
+    pub metrics: std::sync::Arc<crate::metrics::Metrics>,
     /// Where the plugin stands with the kubelet, for `/readyz` and `/status`; kept current by [`run`].
     pub status: tokio::sync::watch::Sender<KubeletStatus>,
     /// Registration retry delays.
@@ -152,7 +151,7 @@ impl PluginConfig {
             socket_name: None,
             allocate: AllocateOptions::default(),
             pre_start_check: true,
-            metrics: None,
+            metrics: crate::metrics::Metrics::off(),
             status: tokio::sync::watch::Sender::new(KubeletStatus::default()),
             backoff: default_backoff(),
         }
@@ -357,9 +356,9 @@ pub async fn run(
                 Attempt::Registered => {
                     let target = target.or(now_id);
                     config.status.send_modify(|s| s.registrations += 1);
-                    if let Some(metrics) = &config.metrics {
-                        metrics.registered(last_kubelet.is_some_and(|last| last != target));
-                    }
+                    config
+                        .metrics
+                        .registered(last_kubelet.is_some_and(|last| last != target));
                     last_kubelet = Some(target);
                     Link::Registered {
                         kubelet: target,
@@ -592,6 +591,26 @@ impl Registrar {
             }
         }
     }
+}
+
+/// The plugin's link with the kubelet.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KubeletStatus {
+    /// Extended resource name registered.
+    pub resource: String,
+    /// The kubelet's registration socket.
+    pub kubelet_socket: String,
+    /// Our socket's file name, as registered.
+    pub endpoint: String,
+    /// The kubelet behind `kubelet.sock` accepted our registration and has not closed our stream since.
+    pub registered: bool,
+    /// ListAndWatch streams open now (the kubelet holds one while it uses this plugin).
+    pub streams_open: usize,
+    /// Registrations the kubelet accepted since the plugin started.
+    pub registrations: u64,
+    /// Whether the kubelet calls PreStartContainer before each container start (the start check).
+    pub pre_start_check: bool,
 }
 
 #[cfg(test)]

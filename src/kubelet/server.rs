@@ -42,7 +42,7 @@ pub struct PluginService {
     streams: watch::Sender<Streams>,
     /// Whether we ask the kubelet for PreStartContainer calls.
     pre_start_check: bool,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Arc<Metrics>,
 }
 
 /// The ListAndWatch streams this plugin serves: how the kubelet's hold on us is seen. The kubelet opens one
@@ -89,20 +89,18 @@ impl PluginService {
             shutdown,
             streams: watch::Sender::new(Streams::default()),
             pre_start_check: false,
-            metrics: None,
+            metrics: Metrics::off(),
         }
     }
 
     /// Counts Allocate and PreStartContainer calls by result in `metrics`.
-    pub fn with_metrics(mut self, metrics: Option<Arc<Metrics>>) -> Self {
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = metrics;
         self
     }
 
     fn count(&self, method: &str, code: tonic::Code) {
-        if let Some(metrics) = &self.metrics {
-            metrics.call(method, code);
-        }
+        self.metrics.call(method, code);
     }
 
     /// Asks the kubelet (in the options it reads) to call PreStartContainer before each container start.

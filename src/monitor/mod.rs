@@ -6,6 +6,8 @@
 //! go back to the source on their own channel. The kubelet comes first: a change is published, the gRPC
 //! connection writes it, and only then is it logged and checkpointed.
 
+pub mod checkpoint;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,14 +16,15 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::MissedTickBehavior;
 
+use crate::devices::DeviceInfo;
 use crate::devices::{Health, Inventory, InventoryWatch};
-use crate::health::Effect;
-use crate::health::checkpoint::{self, Checkpoint, DeviceRecord, Durability, Store};
+use crate::health::checkpoint::{Checkpoint, DeviceRecord, Durability};
 use crate::health::policy::Recover;
+use crate::health::{Condition, Effect};
 use crate::health::{ConditionKind, ConditionSelector, HealthEngine, Observation, Outcome, Policy};
-use crate::http::status::{ConditionStatus, DeviceStatus};
 use crate::metrics::Metrics;
 use crate::sources::{DeviceEvent, DeviceSource, Heartbeat, SourceError};
+use checkpoint::Store;
 
 /// How the monitor runs.
 #[derive(Debug, Clone)]
@@ -33,7 +36,7 @@ pub struct MonitorConfig {
     /// Where this boot's id is read.
     pub boot_id_path: PathBuf,
     /// Where events, transitions and publish latency are counted, if anywhere.
-    pub metrics: Option<Arc<Metrics>>,
+    pub metrics: Arc<Metrics>,
 }
 
 impl MonitorConfig {
@@ -43,21 +46,23 @@ impl MonitorConfig {
             policy: Policy::default(),
             state_dir: None,
             boot_id_path: PathBuf::from(checkpoint::DEFAULT_BOOT_ID_PATH),
-            metrics: None,
+            metrics: Metrics::off(),
         }
     }
 }
 
-/// Asks the monitor for every device's status (conditions and all), for `/status`. The monitor answers
-/// between events, so an answer also says that the monitor is alive.
+/// The way in to the running monitor for everything but the kubelet's streams: every device as it stands
+/// ([`MonitorHandle::devices`], for `/status`, `/metrics` and the fence sources), operators' fences and releases
+/// ([`MonitorHandle::operate`]) and the checkpoint saved at shutdown ([`MonitorHandle::flush`]). The monitor
+/// answers between events, so an answer also says that it is alive.
 #[derive(Debug, Clone)]
-pub struct StatusQueries(mpsc::Sender<Query>);
+pub struct MonitorHandle(mpsc::Sender<Query>);
 
 /// What can be asked of the monitor.
 #[derive(Debug)]
 enum Query {
     /// Every device's status.
-    Devices(oneshot::Sender<Vec<DeviceStatus>>),
+    Devices(oneshot::Sender<Vec<DeviceSnapshot>>),
     /// Save the checkpoint now; the answer follows the writer until it is idle.
     Flush(oneshot::Sender<Option<watch::Receiver<bool>>>),
     /// An operator's fence or release.
@@ -135,7 +140,7 @@ pub enum OperatorError {
     Stopping,
 }
 
-impl StatusQueries {
+impl MonitorHandle {
     /// Applies an operator's request to `target`: a device ID, or a GPU's UUID for all its MIG devices.
     pub async fn operate(
         &self,
@@ -155,8 +160,8 @@ impl StatusQueries {
         answer.await.unwrap_or(Err(OperatorError::Stopping))
     }
 
-    /// Every device's status, or `None` if the monitor is gone.
-    pub async fn devices(&self) -> Option<Vec<DeviceStatus>> {
+    /// Every device as the monitor sees it now, or `None` if the monitor is gone.
+    pub async fn devices(&self) -> Option<Vec<DeviceSnapshot>> {
         let (reply, answer) = oneshot::channel();
         self.0.send(Query::Devices(reply)).await.ok()?;
         answer.await.ok()
@@ -180,12 +185,40 @@ impl StatusQueries {
 pub struct Monitored {
     /// The inventory watch.
     pub inventory: InventoryWatch,
-    /// Status queries.
-    pub status: StatusQueries,
+    /// The way in for devices, fences and the shutdown flush.
+    pub handle: MonitorHandle,
     /// The heartbeats of the source's event threads, where it has them.
     pub heartbeat: Option<Heartbeat>,
     /// Devices the source found but does not serve, with why (for the status report).
     pub unserved: Vec<crate::devices::Unserved>,
+}
+
+/// One device as the monitor sees it between two events: what `/status`, `/metrics` and the fence sources
+/// work from. Typed: each of them renders it in its own terms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceSnapshot {
+    /// What the device is.
+    pub info: DeviceInfo,
+    /// NVML's index of the GPU (of its GPU, for a MIG device), as `nvidia-smi` numbers it; the position in
+    /// the device list where the source has no index.
+    pub index: usize,
+    /// Its health as the kubelet has it.
+    pub health: Health,
+    /// The health message, when the device has conditions (or the reason it is listed Unhealthy).
+    pub message: Option<String>,
+    /// Its conditions, in the order first seen, each with what the policy in force makes of it.
+    pub conditions: Vec<ConditionSnapshot>,
+}
+
+/// One active condition, with its effect and recovery under the policy in force.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConditionSnapshot {
+    /// The condition as the engine holds it.
+    pub condition: Condition,
+    /// Whether it takes the device out of service.
+    pub effect: Effect,
+    /// Whether it clears by itself.
+    pub recover: Recover,
 }
 
 /// Discovers the source's devices, restores their health from the checkpoint, starts the source and the
@@ -255,7 +288,7 @@ pub fn spawn_monitored(
     tokio::spawn(monitor.run(event_rx, query_rx));
     Ok(Monitored {
         inventory: rx,
-        status: StatusQueries(query_tx),
+        handle: MonitorHandle(query_tx),
         heartbeat,
         unserved,
     })
@@ -384,7 +417,7 @@ struct Monitor {
     /// Records of devices not listed, kept while devices are present that cannot be named.
     carried: BTreeMap<String, DeviceRecord>,
     boot_id: Option<String>,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Arc<Metrics>,
 }
 
 impl Monitor {
@@ -424,7 +457,7 @@ impl Monitor {
                 () = sleep(wait) => {}
                 Some(query) = queries.recv() => match query {
                     Query::Devices(reply) => {
-                        let _asker_gone = reply.send(self.statuses());
+                        let _asker_gone = reply.send(self.snapshot());
                     }
                     Query::Flush(reply) => {
                         self.save();
@@ -591,53 +624,31 @@ impl Monitor {
         Ok(changed)
     }
 
-    /// Every device's status, in the inventory's order.
-    fn statuses(&self) -> Vec<DeviceStatus> {
+    /// Every device as it stands, in the inventory's order.
+    fn snapshot(&self) -> Vec<DeviceSnapshot> {
         let policy = self.engine.policy();
-        let time = |t: SystemTime| humantime::format_rfc3339_seconds(t).to_string();
         self.inventory
             .borrow()
             .devices()
             .iter()
             .enumerate()
-            .map(|(position, d)| {
-                let conditions = self
+            .map(|(position, d)| DeviceSnapshot {
+                index: d.info.gpu_index().unwrap_or(position),
+                info: d.info.clone(),
+                health: d.health,
+                message: d.reason.clone().or_else(|| self.engine.message(&d.info.id)),
+                conditions: self
                     .engine
                     .device(&d.info.id)
                     .map(|h| h.conditions())
                     .unwrap_or_default()
                     .iter()
-                    .map(|c| ConditionStatus {
-                        kind: c.kind.name().into(),
-                        value: c.kind.value(),
-                        effect: match policy.effect(&c.kind) {
-                            Effect::Unhealthy => "Unhealthy".into(),
-                            Effect::None => "None".into(),
-                        },
-                        recover: match policy.recover(&c.kind) {
-                            Recover::Auto => "auto".into(),
-                            Recover::Never => "never".into(),
-                        },
-                        detail: c.detail.clone(),
-                        count: c.count,
-                        first_seen: time(c.first_seen),
-                        last_seen: time(c.last_seen),
+                    .map(|c| ConditionSnapshot {
+                        effect: policy.effect(&c.kind),
+                        recover: policy.recover(&c.kind),
+                        condition: c.clone(),
                     })
-                    .collect();
-                DeviceStatus {
-                    id: d.info.id.clone(),
-                    index: d.info.gpu_index().unwrap_or(position),
-                    health: d.health.as_api_str().into(),
-                    numa_node: d.info.numa_node,
-                    mig: d.info.mig.as_ref().map(|m| crate::http::status::MigStatus {
-                        parent: m.parent.clone(),
-                        profile: m.profile.clone(),
-                    }),
-                    resource: String::new(),
-                    message: d.reason.clone().or_else(|| self.engine.message(&d.info.id)),
-                    conditions,
-                    pods: Vec::new(),
-                }
+                    .collect(),
             })
             .collect()
     }
@@ -664,9 +675,7 @@ impl Monitor {
                     tracing::warn!(device = %id, %observation, "event for a device that is not present; ignored");
                     return None;
                 }
-                if let Some(metrics) = &self.metrics {
-                    metrics.observed(&observation);
-                }
+                self.metrics.observed(&observation);
                 let outcome = self.engine.observe(&id, &observation, at);
                 if outcome.probe_now {
                     self.probe(vec![id.clone()]);
@@ -681,11 +690,10 @@ impl Monitor {
                     .would_change(&id, health, message.as_deref())
                 {
                     self.publish(|inv| inv.set_health(&id, health, message));
-                    if let Some(metrics) = &self.metrics {
-                        metrics.published(SystemTime::now().duration_since(at).unwrap_or_default());
-                        if outcome.is_transition() {
-                            metrics.transition(outcome.new.as_api_str());
-                        }
+                    self.metrics
+                        .published(SystemTime::now().duration_since(at).unwrap_or_default());
+                    if outcome.is_transition() {
+                        self.metrics.transition(outcome.new.as_api_str());
                     }
                 }
                 if outcome.is_transition() || outcome.conditions_changed {
@@ -751,7 +759,7 @@ impl Monitor {
 /// Writes checkpoints off the runtime thread, newest first: while a write is in progress, later states
 /// replace each other in one pending slot, and the writer takes the newest when it is done. At most one
 /// blocking task writes at a time. The runtime does not run a blocking task still queued when it stops, so
-/// at shutdown the plugin asks for a last save and waits for the writer ([`StatusQueries::flush`]): the last
+/// at shutdown the plugin asks for a last save and waits for the writer ([`MonitorHandle::flush`]): the last
 /// state a kubelet has seen is on disk before the plugin is gone.
 struct Writer {
     store: Store,
@@ -923,8 +931,11 @@ mod tests {
         let gpus = gpus.leave_unserved(0, "MIG mode is on and it has no MIG devices");
         let monitored = spawn_monitored(Box::new(gpus), MonitorConfig::in_memory())
             .unwrap_or_else(|e| panic!("monitor: {e}"));
-        let devices = monitored.status.devices().await.unwrap_or_default();
-        let shown: Vec<(usize, &str)> = devices.iter().map(|d| (d.index, d.id.as_str())).collect();
+        let devices = monitored.handle.devices().await.unwrap_or_default();
+        let shown: Vec<(usize, &str)> = devices
+            .iter()
+            .map(|d| (d.index, d.info.id.as_str()))
+            .collect();
         // GPU 1 is 1, as nvidia-smi numbers it, though it is first in the list.
         let (one, two) = (simulated_uuid(1), simulated_uuid(2));
         assert_eq!(shown, [(1, one.as_str()), (2, two.as_str())]);
@@ -941,7 +952,7 @@ mod tests {
     #[test]
     fn records_of_unlisted_devices_are_kept_while_a_device_cannot_be_named()
     -> Result<(), Box<dyn std::error::Error>> {
-        use super::checkpoint::ConditionRecord;
+        use crate::health::checkpoint::ConditionRecord;
         use crate::health::policy::HealthConfig;
 
         let dir = tempfile::tempdir()?;

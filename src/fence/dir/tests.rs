@@ -1,30 +1,47 @@
 use super::*;
-use crate::http::status::{ConditionStatus, MigStatus};
+use crate::devices::mig::MigInfo;
+use crate::devices::{DeviceInfo, Health};
+use crate::health::policy::Recover;
+use crate::health::{Condition, Effect};
+use crate::monitor::{ConditionSnapshot, DeviceSnapshot};
 
 /// A device, fenced with `detail` if given.
-fn device(id: &str, fenced: Option<&str>) -> DeviceStatus {
-    DeviceStatus {
-        id: id.into(),
+fn device(id: &str, fenced: Option<&str>) -> DeviceSnapshot {
+    let at = std::time::SystemTime::UNIX_EPOCH;
+    DeviceSnapshot {
+        info: DeviceInfo {
+            id: id.into(),
+            ..DeviceInfo::default()
+        },
+        index: 0,
+        health: Health::Healthy,
+        message: None,
         conditions: fenced
-            .map(|detail| ConditionStatus {
-                kind: "fenced".into(),
-                detail: Some(detail.into()),
-                ..ConditionStatus::default()
+            .map(|detail| ConditionSnapshot {
+                condition: Condition {
+                    kind: ConditionKind::Fenced,
+                    detail: Some(detail.into()),
+                    count: 1,
+                    first_seen: at,
+                    last_seen: at,
+                },
+                effect: Effect::Unhealthy,
+                recover: Recover::Auto,
             })
             .into_iter()
             .collect(),
-        ..DeviceStatus::default()
     }
 }
 
-fn mig(id: &str, parent: &str, fenced: Option<&str>) -> DeviceStatus {
-    DeviceStatus {
-        mig: Some(MigStatus {
-            parent: parent.into(),
-            profile: "1g.10gb".into(),
-        }),
-        ..device(id, fenced)
-    }
+fn mig(id: &str, parent: &str, fenced: Option<&str>) -> DeviceSnapshot {
+    let mut device = device(id, fenced);
+    device.info.mig = Some(MigInfo {
+        parent: parent.into(),
+        profile: "1g.10gb".into(),
+        gpu_instance: 1,
+        compute_instance: 0,
+    });
+    device
 }
 
 fn want(device: &str, reason: &str) -> Wanted {
