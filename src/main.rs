@@ -133,6 +133,8 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// The plugin from start to stop: the device source and its monitor, one kubelet registration per
+/// resource, the Kubernetes API side, the side surfaces on their own thread, then serving until shutdown.
 async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     // Signals first: SIGHUP's default action would kill the process.
     let shutdown = CancellationToken::new();
@@ -141,7 +143,95 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     // Settle the directory now, so that a bad one is reported before anything starts.
     kubelet::socket_path_for(&plugin_config(&settings, &settings.resource_name))?;
 
-    let source: Box<dyn DeviceSource> = match settings.simulate {
+    let source = open_source(&settings)?;
+    log_start(&settings, source.driver_version());
+    let metrics = Arc::new(Metrics::new());
+    let mut monitor_config = settings.monitor.clone();
+    monitor_config.metrics = metrics.clone();
+    let monitored = monitor::spawn_monitored(source, monitor_config)
+        .context("cannot start the device source")?;
+
+    let (plan, plugins) = plugins_for(&settings, &monitored, &metrics)?;
+    let links: Vec<_> = plugins.iter().map(|(p, _)| p.status.subscribe()).collect();
+
+    // An unusable --kubeconfig stops the plugin here, before it registers; no API access at all is one line
+    // and everything else goes on.
+    let api = ApiAccess::resolve(&settings.cluster).await?;
+    let pods = pod_resources(&settings, &plugins, &monitored);
+    let api_stop = api.map(|api| {
+        // The kubelet first: the API client starts once the first registration is accepted, or after a
+        // couple of seconds without one. Health changes meanwhile are reported then.
+        let kubelet = links[0].clone();
+        let registered = async move {
+            let _either = kubelet::registered_or_late(kubelet).await;
+        };
+        let before = monitored.inventory.borrow().clone();
+        api.spawn(
+            registered,
+            before,
+            monitored.inventory.clone(),
+            pods.clone(),
+            metrics.clone(),
+            Some(fence::annotation::follower(monitored.handle.clone())),
+        )
+    });
+
+    if let Some(heartbeat) = monitored.heartbeat.clone() {
+        heartbeat.watch(settings.stuck_after);
+    }
+    let side = start_side_surfaces(
+        &settings,
+        &monitored,
+        http::Context {
+            devices: monitored.handle.clone(),
+            kubelet: links,
+            resources: plan,
+            policy: gpu_device_plugin::http::status::PolicySummary::of(&settings.monitor.policy),
+            event_thread: monitored.heartbeat.clone(),
+            stuck_after: settings.stuck_after,
+            metrics,
+            pods,
+            unserved: monitored.unserved.clone(),
+        },
+        &shutdown,
+    )?;
+    let failed = serve(plugins, &shutdown).await;
+
+    // The checkpoint holds what the kubelet was last told before the process goes: a write still queued when
+    // the runtime stops would never run.
+    if tokio::time::timeout(FLUSH_AT_EXIT, monitored.handle.flush())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "the health checkpoint was not written within {FLUSH_AT_EXIT:?} of shutdown"
+        );
+    }
+    // Bounded: a side task stuck in a blocking call must not keep the plugin from exiting.
+    if tokio::time::timeout(SIDE_EXIT, side.join()).await.is_err() {
+        tracing::warn!(
+            "the side surfaces' thread did not end within {SIDE_EXIT:?} of shutdown; leaving it"
+        );
+    }
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
+    if reload.load(std::sync::atomic::Ordering::SeqCst) {
+        return Ok(Stopped::Reload);
+    }
+    // Stopping for good (a rollback, the DaemonSet deleted): the node condition must not go on claiming
+    // what nothing watches any more.
+    if let Some(api_stop) = api_stop {
+        api_stop.leave_condition(LEAVE_CONDITION).await;
+    }
+    tracing::info!("stopped");
+    Ok(Stopped::Shutdown)
+}
+
+/// Where the GPUs come from: simulated GPUs when asked, else NVML; without NVML, the driver's GPUs unmonitored
+/// or a refusal to start, as `--fail-on-init-error` says.
+fn open_source(settings: &Settings) -> anyhow::Result<Box<dyn DeviceSource>> {
+    Ok(match settings.simulate {
         Some(count) => {
             // The control handle is for tests; from the command line faults come from the fault script.
             let (gpus, _control) = SimulatedGpus::new(count);
@@ -160,17 +250,21 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
                 Box::new(UnmonitoredGpus::from_procfs(&settings.nvml, e.to_string()))
             }
         },
-    };
-    log_start(&settings, source.driver_version());
-    let metrics = Arc::new(Metrics::new());
-    let mut monitor_config = settings.monitor.clone();
-    monitor_config.metrics = metrics.clone();
-    let monitored = monitor::spawn_monitored(source, monitor_config)
-        .context("cannot start the device source")?;
+    })
+}
 
-    // One registration per resource: whole GPUs, under migStrategy mixed each MIG profile, and each name
-    // shared devices are served under.
-    let (plan, warnings) = plan_resources(&settings, &monitored.inventory.borrow())?;
+/// Each resource's registration settings, with the view of the inventory it lists.
+type Plugins = Vec<(PluginConfig, devices::InventoryWatch)>;
+
+/// One registration per resource: whole GPUs, under migStrategy mixed each MIG profile, and each name shared
+/// devices are served under; each with its socket, its view of the inventory, and its device list checked
+/// against the kubelet's message limit.
+fn plugins_for(
+    settings: &Settings,
+    monitored: &monitor::Monitored,
+    metrics: &Arc<Metrics>,
+) -> anyhow::Result<(Arc<ResourcePlan>, Plugins)> {
+    let (plan, warnings) = plan_resources(settings, &monitored.inventory.borrow())?;
     for warning in warnings {
         tracing::warn!("{warning}");
     }
@@ -178,7 +272,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     let several = plan.resources().len() > 1;
     let mut plugins = Vec::new();
     for (position, served) in plan.resources().iter().enumerate() {
-        let mut plugin = plugin_config(&settings, &served.name);
+        let mut plugin = plugin_config(settings, &served.name);
         plugin.allocate.naming = served.naming.clone();
         plugin.allocate.mps = match (&settings.mps_root, served.mps) {
             (Some(root), true) => Some(MpsDirs::new(root, &served.name)),
@@ -209,66 +303,43 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         tracing::debug!(resource = %served.name, bytes = size, "largest device list");
         plugins.push((plugin, inventory));
     }
-    let links: Vec<_> = plugins.iter().map(|(p, _)| p.status.subscribe()).collect();
+    Ok((plan, plugins))
+}
 
-    // An unusable --kubeconfig stops the plugin here, before it registers; no API access at all is one line
-    // and everything else goes on.
-    let api = ApiAccess::resolve(&settings.cluster).await?;
-    let pods = settings.pod_resources_socket.as_ref().map(|socket| {
-        let mut pods = PodResources::new(socket, plugins[0].0.resource_name.clone()).with_naming(
-            plugins[0].0.allocate.naming.clone(),
+/// The kubelet's pod-resources client for every resource served, unless turned off.
+fn pod_resources(
+    settings: &Settings,
+    plugins: &Plugins,
+    monitored: &monitor::Monitored,
+) -> Option<Arc<PodResources>> {
+    let socket = settings.pod_resources_socket.as_ref()?;
+    let (first, others) = plugins.split_first()?;
+    let mut pods = PodResources::new(socket, first.0.resource_name.clone())
+        .with_naming(first.0.allocate.naming.clone(), monitored.inventory.clone());
+    for (plugin, _) in others {
+        pods = pods.with_resource(
+            plugin.resource_name.clone(),
+            plugin.allocate.naming.clone(),
             monitored.inventory.clone(),
         );
-        for (plugin, _) in &plugins[1..] {
-            pods = pods.with_resource(
-                plugin.resource_name.clone(),
-                plugin.allocate.naming.clone(),
-                monitored.inventory.clone(),
-            );
-        }
-        Arc::new(pods)
-    });
-    let mut api_stop = None;
-    if let Some(api) = api {
-        // The kubelet first: the API client starts once the first registration is accepted, or after a
-        // couple of seconds without one. Health changes meanwhile are reported then.
-        let kubelet = links[0].clone();
-        let registered = async move {
-            let _either = kubelet::registered_or_late(kubelet).await;
-        };
-        let before = monitored.inventory.borrow().clone();
-        api_stop = Some(api.spawn(
-            registered,
-            before,
-            monitored.inventory.clone(),
-            pods.clone(),
-            metrics.clone(),
-            Some(fence::annotation::follower(monitored.handle.clone())),
-        ));
     }
+    Some(Arc::new(pods))
+}
 
-    if let Some(heartbeat) = monitored.heartbeat.clone() {
-        heartbeat.watch(settings.stuck_after);
-    }
-    // The bulkhead: every side surface (HTTP, the control socket, the fence directory) runs on a thread and
-    // runtime of its own, so that nothing they meet (slow clients, a stuck file, a flood of requests) takes
-    // a turn from the monitor and the kubelet streams on this one.
+/// The bulkhead: every side surface (HTTP, the control socket, the fence directory) runs on a thread and
+/// runtime of its own, so that nothing they meet (slow clients, a stuck file, a flood of requests) takes a
+/// turn from the monitor and the kubelet streams on this one.
+fn start_side_surfaces(
+    settings: &Settings,
+    monitored: &monitor::Monitored,
+    context: http::Context,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<gpu_device_plugin::util::runtime::SideRuntime> {
     let side =
         gpu_device_plugin::util::runtime::SideRuntime::start("side-surfaces", shutdown.clone())
             .context("cannot start the side surfaces' thread")?;
-    let inside = side.enter();
+    let _inside = side.enter();
     if let Some(addr) = settings.http_addr {
-        let context = http::Context {
-            devices: monitored.handle.clone(),
-            kubelet: links,
-            resources: plan,
-            policy: gpu_device_plugin::http::status::PolicySummary::of(&settings.monitor.policy),
-            event_thread: monitored.heartbeat.clone(),
-            stuck_after: settings.stuck_after,
-            metrics,
-            pods,
-            unserved: monitored.unserved.clone(),
-        };
         http::spawn(addr, context, shutdown.clone());
     }
     if let Err(e) = gpu_device_plugin::fence::control::spawn(
@@ -285,10 +356,13 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             shutdown.clone(),
         )?;
     }
-    drop(inside);
-    let status = monitored.handle.clone();
-    // Every resource is served until shutdown; one that cannot be served stops them all (the DaemonSet
-    // restarts the pod), as a node half-served would hide the other half's capacity without a word.
+    Ok(side)
+}
+
+/// Serves every resource until shutdown; one that cannot be served stops them all (the DaemonSet restarts
+/// the pod), as a node half-served would hide the other half's capacity without a word. Returns the first
+/// failure.
+async fn serve(plugins: Plugins, shutdown: &CancellationToken) -> Option<kubelet::KubeletError> {
     let mut served: futures_util::stream::FuturesUnordered<_> = plugins
         .into_iter()
         .map(|(plugin, inventory)| kubelet::run(plugin, inventory, shutdown.clone()))
@@ -300,35 +374,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             failed.get_or_insert(e);
         }
     }
-    // The checkpoint holds what the kubelet was last told before the process goes: a write still queued when
-    // the runtime stops would never run.
-    if tokio::time::timeout(FLUSH_AT_EXIT, status.flush())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            "the health checkpoint was not written within {FLUSH_AT_EXIT:?} of shutdown"
-        );
-    }
-    // Bounded: a side task stuck in a blocking call must not keep the plugin from exiting.
-    if tokio::time::timeout(SIDE_EXIT, side.join()).await.is_err() {
-        tracing::warn!(
-            "the side surfaces' thread did not end within {SIDE_EXIT:?} of shutdown; leaving it"
-        );
-    }
-    if let Some(e) = failed {
-        return Err(e.into());
-    }
-    if reload.load(std::sync::atomic::Ordering::SeqCst) {
-        return Ok(Stopped::Reload);
-    }
-    // Stopping for good (a rollback, the DaemonSet deleted): the node condition must not go on claiming
-    // what nothing watches any more.
-    if let Some(api_stop) = api_stop {
-        api_stop.leave_condition(LEAVE_CONDITION).await;
-    }
-    tracing::info!("stopped");
-    Ok(Stopped::Shutdown)
+    failed
 }
 
 /// One line at start with what is asked first when a node misbehaves: the version, the driver, how devices

@@ -900,7 +900,7 @@ fn action(reason: &str, text: &str) -> String {
 fn explain(e: &kube::Error, rbac: &str) -> String {
     match e {
         kube::Error::Api(status) if status.is_forbidden() => format!(
-            "{e} (the plugin's service account needs {rbac}; see the README's RBAC section)"
+            "{e} (the plugin's service account needs {rbac}; the RBAC in manifests/base/rbac.yaml grants it)"
         ),
         _ => e.to_string(),
     }
