@@ -11,7 +11,7 @@
 //! Events go through kube-runtime's recorder (events.k8s.io/v1): a repeat of the same Event on the same object
 //! within a few minutes becomes one Event with a series count, not a new object.
 //!
-//! Here: access to the API server and the thread it all runs on; [`events`] and [`condition`] beside.
+//! Here: access to the API server and the thread it all runs on; `events.rs` and `condition.rs` beside.
 
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
@@ -105,7 +105,7 @@ pub enum ClusterError {
 }
 
 /// Where the API server is and which node this is: settled at start, so that a bad `--kubeconfig` stops the
-/// plugin before it registers. The client itself is built later ([`Cluster::spawn`]), off the kubelet's path.
+/// plugin before it registers. The client itself is built later ([`ApiAccess::spawn`]), off the kubelet's path.
 pub struct ApiAccess {
     config: Config,
     node: String,
