@@ -1,6 +1,6 @@
 //! The health engine, pure: observations from a GPU backend and the time in; per-device conditions, health
-//! and a message out. It never sleeps, reads files or logs: the monitor (`crate::monitor`) does the IO around it, so every
-//! policy is a fast unit test with an injected clock.
+//! and a message out. It never sleeps, reads files or logs: the monitor (`crate::monitor`) does the IO around
+//! it, so every policy is a fast unit test with an injected clock.
 //!
 //! A GPU's health is the sum of its active conditions (named as in NVIDIA's DRA health schema): it is
 //! Unhealthy while any condition's effect, under the [`Policy`], is Unhealthy. Conditions clear:
