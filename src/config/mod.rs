@@ -204,18 +204,6 @@ pub struct Args {
     #[arg(long, env = "GPU_DEVICE_PLUGIN_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "Allocate")]
     pub device_specs: Option<bool>,
 
-    /// Where the device nodes are on the host, as NVIDIA's plugin reads it: device specs name
-    /// DIR/dev/nvidiaN as their host path (e.g. /run/nvidia/driver under the GPU operator) [default: the
-    /// driver root]
-    #[arg(
-        long,
-        visible_alias = "nvidia-dev-root",
-        env = "NVIDIA_DEV_ROOT",
-        value_name = "DIR",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub dev_root: Option<PathBuf>,
-
     /// Where this process sees the host's root file system (e.g. /host in a pod); only used to check which
     /// device nodes exist [default: /]
     #[arg(
@@ -288,189 +276,13 @@ pub struct Args {
     )]
     pub node_name: Option<String>,
 
-    /// Config file, as NVIDIA's plugin names the flag (either format; see --config)
-    #[arg(
-        long,
-        env = "CONFIG_FILE",
-        value_name = "FILE",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub config_file: Option<PathBuf>,
-
-    /// MIG strategy: none (whole GPUs), single (MIG devices as the GPU resource) or mixed (a resource per MIG profile) [default: none]
-    #[arg(
-        long,
-        env = "MIG_STRATEGY",
-        value_name = "STRATEGY",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub mig_strategy: Option<String>,
-
-    /// Same as --device-specs
-    #[arg(long, env = "PASS_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
-    pub pass_device_specs: Option<bool>,
-
-    /// How Allocate names the devices: envvar, volume-mounts, cdi-annotations, cdi-cri; comma-separated or
-    /// the flag given again [default: envvar]
-    #[arg(
-        long,
-        env = "DEVICE_LIST_STRATEGY",
-        value_name = "LIST",
-        value_delimiter = ',',
-        action = clap::ArgAction::Append,
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub device_list_strategy: Vec<String>,
-
-    /// Device IDs: uuid or index [default: uuid]
-    #[arg(
-        long,
-        env = "DEVICE_ID_STRATEGY",
-        value_name = "STRATEGY",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub device_id_strategy: Option<String>,
-
-    /// Prefix of the CDI annotation keys with --device-list-strategy cdi-annotations [default: cdi.k8s.io/]
-    #[arg(
-        long,
-        env = "CDI_ANNOTATION_PREFIX",
-        value_name = "PREFIX",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub cdi_annotation_prefix: Option<String>,
-
-    /// The driver's root on the host, e.g. /run/nvidia/driver with the GPU operator's driver container: the
-    /// dev root's default [default: /]
-    #[arg(
-        long,
-        visible_alias = "nvidia-driver-root",
-        env = "NVIDIA_DRIVER_ROOT",
-        value_name = "DIR",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub driver_root: Option<String>,
-
-    /// Allocate adds NVIDIA_GDRCOPY=enabled [default: false]
-    #[arg(long, env = "GDRCOPY_ENABLED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
-    pub gdrcopy_enabled: Option<bool>,
-
-    /// Allocate adds NVIDIA_GDS=enabled [default: false]
-    #[arg(long, env = "GDS_ENABLED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
-    pub gds_enabled: Option<bool>,
-
-    /// Allocate adds NVIDIA_MOFED=enabled [default: false]
-    #[arg(long, env = "MOFED_ENABLED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
-    pub mofed_enabled: Option<bool>,
-
-    /// With MPS sharing: the MPS control daemon's root on the host (its pipe and shm directories)
-    #[arg(
-        long,
-        env = "MPS_ROOT",
-        value_name = "DIR",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub mps_root: Option<String>,
-
-    /// How replicas are chosen: distributed (spread over the GPUs) or packed (accepted with a warning: replicas are still spread) [default: distributed]
-    #[arg(
-        long,
-        env = "SHARED_DEVICES_ALLOCATION_POLICY",
-        value_name = "POLICY",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub shared_devices_allocation_policy: Option<String>,
-
-    /// Device discovery: auto or nvml (tegra is refused: there is no NVML on Tegra) [default: auto]
-    #[arg(
-        long,
-        env = "DEVICE_DISCOVERY_STRATEGY",
-        value_name = "STRATEGY",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub device_discovery_strategy: Option<String>,
-
-    /// Where the driver root is mounted in this container: NVML is loaded from under it (lib64 and lib
-    /// directories, as NVIDIA's plugin searches them) when --nvml-lib is not given, and IMEX channels are
-    /// looked for under its dev/; a directory that is not there is passed over (also read from
-    /// CONTAINER_DRIVER_ROOT) [default: /driver-root]
-    #[arg(
-        long,
-        visible_alias = "container-driver-root",
-        env = "DRIVER_ROOT_CTR_PATH",
-        value_name = "DIR",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub driver_root_ctr_path: Option<PathBuf>,
-
-    /// IMEX channels every container gets (NVIDIA supports channel 0 only): comma-separated or the flag
-    /// given again [default: none]
-    #[arg(long, env = "IMEX_CHANNEL_IDS", value_name = "IDS", value_delimiter = ',', action = clap::ArgAction::Append, help_heading = "NVIDIA's device plugin's flags")]
-    pub imex_channel_ids: Vec<String>,
-
-    /// Refuse to start when a requested IMEX channel's device node is missing (otherwise it is left out,
-    /// with a warning) [default: false]
-    #[arg(long, env = "IMEX_REQUIRED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "NVIDIA's device plugin's flags")]
-    pub imex_required: Option<bool>,
-
-    /// The kubelet's registration socket; its directory is the kubelet directory (see --kubelet-dir); its
-    /// name must be kubelet.sock [default: /var/lib/kubelet/device-plugins/kubelet.sock]
-    #[arg(
-        long,
-        env = "KUBELET_SOCKET",
-        value_name = "PATH",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub kubelet_socket: Option<String>,
-
-    /// Accepted, no effect: the NVIDIA CDI hook used in CDI specs, which this plugin does not write (also
-    /// read from NVIDIA_CTK_PATH)
-    #[arg(
-        long,
-        visible_alias = "nvidia-ctk-path",
-        env = "NVIDIA_CDI_HOOK_PATH",
-        value_name = "PATH",
-        help_heading = "NVIDIA's device plugin's flags"
-    )]
-    pub nvidia_cdi_hook_path: Option<String>,
-
-    /// Accepted, no effect: feature flags of CDI spec generation, which this plugin does not do
-    #[arg(long, env = "CDI_FEATURE_FLAGS", value_name = "LIST", value_delimiter = ',', action = clap::ArgAction::Append, help_heading = "NVIDIA's device plugin's flags")]
-    pub cdi_feature_flags: Vec<String>,
-
-    /// Accepted, no effect: OCI hooks left out of generated CDI specs, which this plugin does not write
-    #[arg(long, env = "CDI_DISABLE_HOOKS", value_name = "LIST", value_delimiter = ',', action = clap::ArgAction::Append, help_heading = "NVIDIA's device plugin's flags")]
-    pub cdi_disable_hooks: Vec<String>,
+    /// NVIDIA's device plugin's flags and variables, under their own heading.
+    #[command(flatten)]
+    pub nvidia: nvidia::NvidiaFlags,
 }
 
 /// Where NVIDIA's plugin expects the host's driver root in its container (`--driver-root-ctr-path`).
 pub const DEFAULT_CONTAINER_DRIVER_ROOT: &str = "/driver-root";
-
-/// One warning for each of NVIDIA's settings given that means nothing here, saying why.
-fn without_effect(args: &Args) -> Vec<String> {
-    let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
-    let cdi_specs = "no effect here: it shapes the CDI specs NVIDIA's plugin writes, and this plugin writes \
-                     none (it names devices in CDI form, with --cdi or deviceListStrategy cdi-cri or \
-                     cdi-annotations; the specs come from the NVIDIA container toolkit)";
-    [
-        (
-            "--nvidia-cdi-hook-path (NVIDIA_CDI_HOOK_PATH, NVIDIA_CTK_PATH)",
-            args.nvidia_cdi_hook_path.is_some() || set("NVIDIA_CTK_PATH"),
-        ),
-        (
-            "--cdi-feature-flags (CDI_FEATURE_FLAGS)",
-            !args.cdi_feature_flags.is_empty(),
-        ),
-        (
-            "--cdi-disable-hooks (CDI_DISABLE_HOOKS)",
-            !args.cdi_disable_hooks.is_empty(),
-        ),
-    ]
-    .into_iter()
-    .filter(|(_, given)| *given)
-    .map(|(setting, _)| format!("{setting}: {cdi_specs}"))
-    .collect()
-}
 
 /// The kubelet directory NVIDIA's `--kubelet-socket` names: the socket's directory, when the socket is the
 /// kubelet's `kubelet.sock` (the only name a kubelet registers plugins on).
@@ -716,296 +528,41 @@ pub enum ConfigError {
 }
 
 impl Settings {
-    /// Merges flags/environment over the config file over defaults, and checks the result.
+    /// Merges flags/environment over the config file over defaults, and checks the result. The phases run
+    /// in the order below, and the first setting refused is the one reported.
     pub fn resolve(args: Args) -> Result<Self, ConfigError> {
-        let loaded = match args.config.as_ref().or(args.config_file.as_ref()) {
-            Some(path) => load_file(path)?,
-            None => nvidia::Loaded::default(),
-        };
-        let (file, mut warnings) = (loaded.file, loaded.warnings);
-        warnings.extend(without_effect(&args));
-        let socket_dir = kubelet_dir_of_socket(args.kubelet_socket.as_deref().map(Path::new))?;
-        let kubelet_dir = match (args.kubelet_dir.clone(), socket_dir) {
-            (Some(dir), Some(from_socket)) if dir != from_socket => {
-                return Err(ConfigError::Invalid {
-                    setting: "--kubelet-socket (KUBELET_SOCKET)",
-                    value: from_socket
-                        .join(crate::api::KUBELET_SOCKET)
-                        .display()
-                        .to_string(),
-                    why: format!(
-                        "not in the kubelet directory given by --kubelet-dir ({}); give one of them",
-                        dir.display()
-                    ),
-                });
-            }
-            (dir, from_socket) => dir
-                .or(from_socket)
-                .or(file.kubelet_dir.clone())
-                .unwrap_or_else(|| DEFAULT_KUBELET_DIR.into()),
-        };
-        let container_driver_root = args
-            .driver_root_ctr_path
-            .clone()
-            .or_else(|| {
-                std::env::var_os("CONTAINER_DRIVER_ROOT")
-                    .filter(|v| !v.is_empty())
-                    .map(PathBuf::from)
-            })
-            .or_else(|| {
-                loaded
-                    .nvidia
-                    .container_driver_root
-                    .clone()
-                    .map(PathBuf::from)
-            })
-            .filter(|root| !root.as_os_str().is_empty())
-            .unwrap_or_else(|| DEFAULT_CONTAINER_DRIVER_ROOT.into());
-        let imex_ids = imex_channel_ids(&args.imex_channel_ids)?;
-        let fail_on_init_error_env = match std::env::var("FAIL_ON_INIT_ERROR") {
-            Ok(value) => Some(parse_go_bool(&value).map_err(|why| ConfigError::Invalid {
-                setting: "FAIL_ON_INIT_ERROR",
-                value,
-                why,
-            })?),
-            Err(_) => None,
-        };
-        let nvidia = nvidia::apply(
-            &nvidia::NvidiaSettings {
-                mig_strategy: args.mig_strategy,
-                driver_root: args.driver_root,
-                device_list_strategy: (!args.device_list_strategy.is_empty()).then(|| {
-                    args.device_list_strategy
-                        .iter()
-                        .map(|s| s.trim().to_string())
-                        .filter(|s| !s.is_empty())
-                        .collect()
-                }),
-                device_id_strategy: args.device_id_strategy,
-                gdrcopy: args.gdrcopy_enabled,
-                gds: args.gds_enabled,
-                mofed: args.mofed_enabled,
-                device_discovery_strategy: args.device_discovery_strategy,
-                sharing: None,
-                mps_root: args.mps_root,
-                shared_devices_allocation_policy: args.shared_devices_allocation_policy,
-                cdi_annotation_prefix: args.cdi_annotation_prefix,
-                imex_channel_ids: (!imex_ids.is_empty())
-                    .then(|| imex_ids.iter().map(|&id| i64::from(id)).collect()),
-                imex_required: args.imex_required,
-                ..nvidia::NvidiaSettings::default()
-            }
-            .or(loaded.nvidia),
-        )?;
-        let resource_name = args
-            .resource_name
-            .or(file.resource_name)
-            .unwrap_or_else(|| DEFAULT_RESOURCE_NAME.into());
-        check_extended_resource_name(&resource_name)?;
-        let simulate = args.simulate.or(file.simulate);
-        let simulate_events = args.simulate_events.or(file.simulate_events);
-        if let (Some(path), None) = (&simulate_events, simulate) {
-            return Err(ConfigError::Invalid {
-                setting: "--simulate-events",
-                value: path.display().to_string(),
-                why: "only simulated GPUs follow a fault script; add --simulate N".into(),
-            });
-        }
-        let socket_name = args.socket_name.or(file.socket_name);
-        if let Some(name) = &socket_name {
-            check_socket_name(name)?;
-        }
-        let state_dir = args
-            .state_dir
-            .or(file.state_dir)
-            .unwrap_or_else(|| DEFAULT_STATE_DIR.into());
-        let policy = Policy::new(
-            &file.health.clone().unwrap_or_default(),
-            args.disable_healthchecks.as_deref(),
-            args.enable_healthchecks.as_deref(),
-        )
-        .map_err(|e| ConfigError::Invalid {
-            setting: if e.key.starts_with("DP_") {
-                "environment variable"
-            } else {
-                "config key"
-            },
-            value: e.key,
-            why: e.why,
-        })?;
-        let defaults = AllocateOptions::default();
-        let nvml_defaults = NvmlOptions::default();
-        let allocate = AllocateOptions {
-            envvar: nvidia.envvar,
-            naming: nvidia.naming.clone(),
-            volume_mounts: nvidia.volume_mounts,
-            cdi_annotations: nvidia.cdi_annotations,
-            cdi: args.cdi.or(file.cdi).unwrap_or(nvidia.cdi),
-            cdi_kind: args.cdi_kind.or(file.cdi_kind).unwrap_or(defaults.cdi_kind),
-            device_specs: args
-                .device_specs
-                .or(args.pass_device_specs)
-                .or(file.device_specs)
-                .unwrap_or(defaults.device_specs),
-            dev_root: args
-                .dev_root
-                .or(file.dev_root)
-                .unwrap_or(nvidia.driver_root),
-            extra_envs: nvidia.extra_envs,
-            // Per resource, once the resources are known.
-            mps: None,
-            host_root: args
-                .host_root
-                .or(file.host_root)
-                .unwrap_or(defaults.host_root),
-            // Once the roots are known, below.
-            imex_channels: Vec::new(),
-        };
-        for (setting, dir) in [
-            ("--dev-root", &allocate.dev_root),
-            ("--host-root", &allocate.host_root),
-        ] {
-            if !dir.is_absolute() {
-                return Err(ConfigError::Invalid {
-                    setting,
-                    value: dir.display().to_string(),
-                    why: "must be an absolute path".into(),
-                });
-            }
-        }
-        if allocate.cdi && !allocate.cdi_kind.contains('/') {
-            return Err(ConfigError::Invalid {
-                setting: "--cdi-kind",
-                value: allocate.cdi_kind,
-                why: "a CDI kind is vendor/class, e.g. nvidia.com/gpu".into(),
-            });
-        }
-        let mut allocate = allocate;
-        warnings.extend(nvidia.warnings.iter().cloned());
-        allocate.imex_channels = find_imex_channels(
-            &nvidia.imex_channel_ids,
-            nvidia.imex_required,
-            &[
-                container_driver_root.join("dev"),
-                PathBuf::from("/dev"),
-                crate::devices::allocation::under(
-                    &allocate.host_root,
-                    &allocate.dev_root.join("dev"),
-                ),
-            ],
-            &mut warnings,
-        )?;
+        let nvidia::Loaded {
+            file,
+            nvidia: nvidia_file,
+            mut warnings,
+        } = read_config_file(&args)?;
+        let nvidia = merge_nvidia(&args, nvidia_file, &mut warnings)?;
+        let kubelet = kubelet_settings(&args, &file, &nvidia)?;
+        let trying_out = trying_out_settings(&args, &file)?;
+        let gpus = gpu_and_health_settings(&args, &file, &nvidia)?;
+        let allocate = allocate_settings(&args, &file, &nvidia, &mut warnings)?;
+        let surfaces = surface_settings(&args, &file)?;
         Ok(Settings {
-            kubelet_dir,
-            resource_name,
-            sharing: nvidia.sharing,
-            mps_root: nvidia.mps_root,
-            state_dir: state_dir.clone(),
-            log_format: args
-                .log_format
-                .or(file.log_format)
-                .unwrap_or(LogFormat::Text),
-            simulate,
-            simulate_events,
-            socket_name,
-            nvml: NvmlOptions {
-                mig_strategy: nvidia.mig_strategy,
-                library: args
-                    .nvml_lib
-                    .or(file.nvml_lib)
-                    .or_else(|| crate::sources::nvml::library_under(&container_driver_root))
-                    .unwrap_or(nvml_defaults.library),
-                sysfs_root: args
-                    .sysfs_root
-                    .or(file.sysfs_root)
-                    .unwrap_or(nvml_defaults.sysfs_root),
-                proc_root: args
-                    .proc_root
-                    .or(file.proc_root)
-                    .unwrap_or(nvml_defaults.proc_root),
-            },
-            fail_on_init_error: args
-                .fail_on_init_error
-                .or(fail_on_init_error_env)
-                .or(file.fail_on_init_error)
-                .unwrap_or(true),
-            monitor: MonitorConfig {
-                policy,
-                state_dir: Some(state_dir.clone()),
-                boot_id_path: args
-                    .boot_id_file
-                    .or(file.boot_id_file)
-                    .unwrap_or_else(|| crate::monitor::checkpoint::DEFAULT_BOOT_ID_PATH.into()),
-                metrics: crate::metrics::Metrics::off(),
-            },
+            kubelet_dir: kubelet.dir,
+            resource_name: kubelet.resource_name,
+            sharing: nvidia.applied.sharing,
+            mps_root: nvidia.applied.mps_root,
+            state_dir: gpus.state_dir,
+            log_format: surfaces.log_format,
+            simulate: trying_out.simulate,
+            simulate_events: trying_out.simulate_events,
+            socket_name: trying_out.socket_name,
+            nvml: gpus.nvml,
+            fail_on_init_error: gpus.fail_on_init_error,
+            monitor: gpus.monitor,
             allocate,
-            pre_start_check: args
-                .pre_start_check
-                .or(file.pre_start_check)
-                .unwrap_or(true),
-            stuck_after: match args.stuck_after.or(file.stuck_after) {
-                Some(d) if d < std::time::Duration::from_secs(3) => {
-                    return Err(ConfigError::Invalid {
-                        setting: "--stuck-after",
-                        value: humantime::format_duration(d).to_string(),
-                        why: "must be at least 3s: the NVML event wait itself lasts up to 2s"
-                            .into(),
-                    });
-                }
-                Some(d) if d > crate::health::policy::MAX_DURATION => {
-                    return Err(ConfigError::Invalid {
-                        setting: "--stuck-after",
-                        value: humantime::format_duration(d).to_string(),
-                        why: format!(
-                            "must be at most {}",
-                            humantime::format_duration(crate::health::policy::MAX_DURATION)
-                        ),
-                    });
-                }
-                Some(d) => d,
-                None => std::time::Duration::from_secs(30),
-            },
-            pod_resources_socket: match args
-                .pod_resources_socket
-                .map(PathBuf::from)
-                .or(file.pod_resources_socket)
-            {
-                Some(path) if path.as_os_str().is_empty() => None,
-                Some(path) => Some(path),
-                None => Some(crate::api::pod_resources::DEFAULT_SOCKET.into()),
-            },
-            fence_dir: match args
-                .fence_dir
-                .or(file.fence_dir)
-                .filter(|d| !d.as_os_str().is_empty())
-            {
-                Some(dir) if !dir.is_dir() => {
-                    return Err(ConfigError::Invalid {
-                        setting: "fenceDir (--fence-dir, GPU_DEVICE_PLUGIN_FENCE_DIR)",
-                        value: dir.display().to_string(),
-                        why: "not a directory (detectors' reports are read from an existing one)"
-                            .into(),
-                    });
-                }
-                dir => dir,
-            },
-            cluster: crate::cluster::ClusterConfig {
-                enabled: args.kube_api.or(file.kube_api).unwrap_or(true),
-                kubeconfig: args
-                    .kubeconfig
-                    .map(PathBuf::from)
-                    .or(file.kubeconfig)
-                    .filter(|p| !p.as_os_str().is_empty()),
-                node_name: args.node_name.filter(|n| !n.is_empty()),
-                budget: crate::cluster::EventBudget::default(),
-            },
+            pre_start_check: kubelet.pre_start_check,
+            http_addr: surfaces.http_addr,
+            stuck_after: surfaces.stuck_after,
+            pod_resources_socket: kubelet.pod_resources_socket,
+            fence_dir: surfaces.fence_dir,
+            cluster: surfaces.cluster,
             warnings,
-            http_addr: parse_http_addr(
-                args.http_addr
-                    .or(file.http_addr)
-                    .as_deref()
-                    .unwrap_or(crate::http::DEFAULT_ADDR),
-            )?,
         })
     }
 
@@ -1158,6 +715,405 @@ impl Settings {
     {
         Ok(Settings::resolve(Args::try_parse_from(argv)?))
     }
+}
+
+/// The config file's settings: `--config`, else NVIDIA's `--config-file` (either format, see [`load_file`]);
+/// with neither, none.
+fn read_config_file(args: &Args) -> Result<nvidia::Loaded, ConfigError> {
+    match args.config.as_ref().or(args.nvidia.config_file.as_ref()) {
+        Some(path) => load_file(path),
+        None => Ok(nvidia::Loaded::default()),
+    }
+}
+
+/// NVIDIA's settings as this plugin runs them, and what NVIDIA's flags and variables say about settings of
+/// ours.
+struct Nvidia {
+    /// NVIDIA's flags over its config file, checked.
+    applied: nvidia::Applied,
+    /// The directory of `--kubelet-socket`, under `--kubelet-dir` and over the file's.
+    kubelet_dir: Option<PathBuf>,
+    /// Where the host's driver root is mounted in this container: NVML and IMEX channels are looked for
+    /// under it.
+    container_driver_root: PathBuf,
+    /// NVIDIA's `FAIL_ON_INIT_ERROR`, under `--fail-on-init-error` and over the file's.
+    fail_on_init_error: Option<bool>,
+}
+
+/// Decides NVIDIA's settings: its flags and variables over its config file, checked by [`nvidia::apply`].
+/// Its `--kubelet-socket` must agree with our `--kubelet-dir`, since both name the kubelet's directory.
+/// Warnings go to `warnings`: NVIDIA's settings that have no effect here, then those `apply` gives.
+fn merge_nvidia(
+    args: &Args,
+    from_file: nvidia::NvidiaSettings,
+    warnings: &mut Vec<String>,
+) -> Result<Nvidia, ConfigError> {
+    let flags = &args.nvidia;
+    warnings.extend(flags.without_effect());
+    let kubelet_dir = kubelet_dir_of_socket(flags.kubelet_socket.as_deref().map(Path::new))?;
+    if let (Some(dir), Some(from_socket)) = (&args.kubelet_dir, &kubelet_dir)
+        && dir != from_socket
+    {
+        return Err(ConfigError::Invalid {
+            setting: "--kubelet-socket (KUBELET_SOCKET)",
+            value: from_socket
+                .join(crate::api::KUBELET_SOCKET)
+                .display()
+                .to_string(),
+            why: format!(
+                "not in the kubelet directory given by --kubelet-dir ({}); give one of them",
+                dir.display()
+            ),
+        });
+    }
+    let container_driver_root = flags
+        .driver_root_ctr_path
+        .clone()
+        .or_else(|| {
+            std::env::var_os("CONTAINER_DRIVER_ROOT")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        })
+        .or_else(|| from_file.container_driver_root.clone().map(PathBuf::from))
+        .filter(|root| !root.as_os_str().is_empty())
+        .unwrap_or_else(|| DEFAULT_CONTAINER_DRIVER_ROOT.into());
+    let imex_ids = imex_channel_ids(&flags.imex_channel_ids)?;
+    let fail_on_init_error = match std::env::var("FAIL_ON_INIT_ERROR") {
+        Ok(value) => Some(parse_go_bool(&value).map_err(|why| ConfigError::Invalid {
+            setting: "FAIL_ON_INIT_ERROR",
+            value,
+            why,
+        })?),
+        Err(_) => None,
+    };
+    let applied = nvidia::apply(&flags.settings(&imex_ids).or(from_file))?;
+    warnings.extend(applied.warnings.iter().cloned());
+    Ok(Nvidia {
+        applied,
+        kubelet_dir,
+        container_driver_root,
+        fail_on_init_error,
+    })
+}
+
+/// What the kubelet is told, and where.
+struct Kubelet {
+    /// See [`Settings::kubelet_dir`].
+    dir: PathBuf,
+    /// See [`Settings::resource_name`].
+    resource_name: String,
+    /// See [`Settings::pre_start_check`].
+    pre_start_check: bool,
+    /// See [`Settings::pod_resources_socket`].
+    pod_resources_socket: Option<PathBuf>,
+}
+
+/// Decides the kubelet side: its directory (`--kubelet-dir`, else NVIDIA's `--kubelet-socket`, else the
+/// file), the resource name (checked as Kubernetes checks it), the PreStartContainer gate, and the
+/// pod-resources socket (empty turns the lookup off).
+fn kubelet_settings(
+    args: &Args,
+    file: &FileConfig,
+    nvidia: &Nvidia,
+) -> Result<Kubelet, ConfigError> {
+    let resource_name = args
+        .resource_name
+        .clone()
+        .or_else(|| file.resource_name.clone())
+        .unwrap_or_else(|| DEFAULT_RESOURCE_NAME.into());
+    check_extended_resource_name(&resource_name)?;
+    Ok(Kubelet {
+        dir: args
+            .kubelet_dir
+            .clone()
+            .or_else(|| nvidia.kubelet_dir.clone())
+            .or_else(|| file.kubelet_dir.clone())
+            .unwrap_or_else(|| DEFAULT_KUBELET_DIR.into()),
+        resource_name,
+        pre_start_check: args
+            .pre_start_check
+            .or(file.pre_start_check)
+            .unwrap_or(true),
+        pod_resources_socket: match args
+            .pod_resources_socket
+            .clone()
+            .map(PathBuf::from)
+            .or_else(|| file.pod_resources_socket.clone())
+        {
+            Some(path) if path.as_os_str().is_empty() => None,
+            Some(path) => Some(path),
+            None => Some(crate::api::pod_resources::DEFAULT_SOCKET.into()),
+        },
+    })
+}
+
+/// The settings for trying the plugin out without a GPU, and for tests.
+struct TryingOut {
+    /// See [`Settings::simulate`].
+    simulate: Option<usize>,
+    /// See [`Settings::simulate_events`].
+    simulate_events: Option<PathBuf>,
+    /// See [`Settings::socket_name`].
+    socket_name: Option<String>,
+}
+
+/// Decides whether simulated GPUs are served and which fault script they follow (only simulated GPUs
+/// follow one), and whether the socket has a fixed name.
+fn trying_out_settings(args: &Args, file: &FileConfig) -> Result<TryingOut, ConfigError> {
+    let simulate = args.simulate.or(file.simulate);
+    let simulate_events = args
+        .simulate_events
+        .clone()
+        .or_else(|| file.simulate_events.clone());
+    if let (Some(path), None) = (&simulate_events, simulate) {
+        return Err(ConfigError::Invalid {
+            setting: "--simulate-events",
+            value: path.display().to_string(),
+            why: "only simulated GPUs follow a fault script; add --simulate N".into(),
+        });
+    }
+    let socket_name = args
+        .socket_name
+        .clone()
+        .or_else(|| file.socket_name.clone());
+    if let Some(name) = &socket_name {
+        check_socket_name(name)?;
+    }
+    Ok(TryingOut {
+        simulate,
+        simulate_events,
+        socket_name,
+    })
+}
+
+/// How the GPUs are found and watched.
+struct GpusAndHealth {
+    /// See [`Settings::state_dir`].
+    state_dir: PathBuf,
+    /// See [`Settings::nvml`].
+    nvml: NvmlOptions,
+    /// See [`Settings::fail_on_init_error`].
+    fail_on_init_error: bool,
+    /// See [`Settings::monitor`].
+    monitor: MonitorConfig,
+}
+
+/// Decides where NVML and the kernel's GPU views are (NVML under the container driver root unless
+/// `--nvml-lib` names one), whether an NVML that cannot be loaded stops the plugin (ours, then NVIDIA's
+/// variable, then the file), and the health policy: the file's `health` section with NVIDIA's
+/// `DP_DISABLE_HEALTHCHECKS` and `DP_ENABLE_HEALTHCHECKS` over it.
+fn gpu_and_health_settings(
+    args: &Args,
+    file: &FileConfig,
+    nvidia: &Nvidia,
+) -> Result<GpusAndHealth, ConfigError> {
+    let state_dir = args
+        .state_dir
+        .clone()
+        .or_else(|| file.state_dir.clone())
+        .unwrap_or_else(|| DEFAULT_STATE_DIR.into());
+    let policy = Policy::new(
+        &file.health.clone().unwrap_or_default(),
+        args.disable_healthchecks.as_deref(),
+        args.enable_healthchecks.as_deref(),
+    )
+    .map_err(|e| ConfigError::Invalid {
+        setting: if e.key.starts_with("DP_") {
+            "environment variable"
+        } else {
+            "config key"
+        },
+        value: e.key,
+        why: e.why,
+    })?;
+    let nvml_defaults = NvmlOptions::default();
+    let or_file = |flag: &Option<PathBuf>, in_file: &Option<PathBuf>| {
+        flag.clone().or_else(|| in_file.clone())
+    };
+    Ok(GpusAndHealth {
+        nvml: NvmlOptions {
+            mig_strategy: nvidia.applied.mig_strategy,
+            library: or_file(&args.nvml_lib, &file.nvml_lib)
+                .or_else(|| crate::sources::nvml::library_under(&nvidia.container_driver_root))
+                .unwrap_or(nvml_defaults.library),
+            sysfs_root: or_file(&args.sysfs_root, &file.sysfs_root)
+                .unwrap_or(nvml_defaults.sysfs_root),
+            proc_root: or_file(&args.proc_root, &file.proc_root).unwrap_or(nvml_defaults.proc_root),
+        },
+        fail_on_init_error: args
+            .fail_on_init_error
+            .or(nvidia.fail_on_init_error)
+            .or(file.fail_on_init_error)
+            .unwrap_or(true),
+        monitor: MonitorConfig {
+            policy,
+            state_dir: Some(state_dir.clone()),
+            boot_id_path: or_file(&args.boot_id_file, &file.boot_id_file)
+                .unwrap_or_else(|| crate::monitor::checkpoint::DEFAULT_BOOT_ID_PATH.into()),
+            metrics: crate::metrics::Metrics::off(),
+        },
+        state_dir,
+    })
+}
+
+/// Decides how Allocate answers: NVIDIA's device list strategy and added variables; CDI names and device
+/// specs (ours, then NVIDIA's `--pass-device-specs`, then the file); the dev root (defaulting to NVIDIA's
+/// driver root) and host root, both absolute; and the IMEX channels found on this node, each missing one a
+/// warning in `warnings` or, when required, a refused start.
+fn allocate_settings(
+    args: &Args,
+    file: &FileConfig,
+    nvidia: &Nvidia,
+    warnings: &mut Vec<String>,
+) -> Result<AllocateOptions, ConfigError> {
+    let defaults = AllocateOptions::default();
+    let applied = &nvidia.applied;
+    let mut allocate = AllocateOptions {
+        envvar: applied.envvar,
+        naming: applied.naming.clone(),
+        volume_mounts: applied.volume_mounts,
+        cdi_annotations: applied.cdi_annotations.clone(),
+        cdi: args.cdi.or(file.cdi).unwrap_or(applied.cdi),
+        cdi_kind: args
+            .cdi_kind
+            .clone()
+            .or_else(|| file.cdi_kind.clone())
+            .unwrap_or(defaults.cdi_kind),
+        device_specs: args
+            .device_specs
+            .or(args.nvidia.pass_device_specs)
+            .or(file.device_specs)
+            .unwrap_or(defaults.device_specs),
+        dev_root: args
+            .nvidia
+            .dev_root
+            .clone()
+            .or_else(|| file.dev_root.clone())
+            .unwrap_or_else(|| applied.driver_root.clone()),
+        extra_envs: applied.extra_envs.clone(),
+        // Per resource, once the resources are known.
+        mps: None,
+        host_root: args
+            .host_root
+            .clone()
+            .or_else(|| file.host_root.clone())
+            .unwrap_or(defaults.host_root),
+        // Once the roots are known, below.
+        imex_channels: Vec::new(),
+    };
+    for (setting, dir) in [
+        ("--dev-root", &allocate.dev_root),
+        ("--host-root", &allocate.host_root),
+    ] {
+        if !dir.is_absolute() {
+            return Err(ConfigError::Invalid {
+                setting,
+                value: dir.display().to_string(),
+                why: "must be an absolute path".into(),
+            });
+        }
+    }
+    if allocate.cdi && !allocate.cdi_kind.contains('/') {
+        return Err(ConfigError::Invalid {
+            setting: "--cdi-kind",
+            value: allocate.cdi_kind,
+            why: "a CDI kind is vendor/class, e.g. nvidia.com/gpu".into(),
+        });
+    }
+    allocate.imex_channels = find_imex_channels(
+        &applied.imex_channel_ids,
+        applied.imex_required,
+        &[
+            nvidia.container_driver_root.join("dev"),
+            PathBuf::from("/dev"),
+            crate::devices::allocation::under(&allocate.host_root, &allocate.dev_root.join("dev")),
+        ],
+        warnings,
+    )?;
+    Ok(allocate)
+}
+
+/// The roads that show health and the operator inputs.
+struct Surfaces {
+    /// See [`Settings::log_format`].
+    log_format: LogFormat,
+    /// See [`Settings::stuck_after`].
+    stuck_after: std::time::Duration,
+    /// See [`Settings::fence_dir`].
+    fence_dir: Option<PathBuf>,
+    /// See [`Settings::cluster`].
+    cluster: crate::cluster::ClusterConfig,
+    /// See [`Settings::http_addr`].
+    http_addr: Option<std::net::SocketAddr>,
+}
+
+/// Decides the log format; when `/healthz` calls an NVML event thread stuck (from 3s, which the event wait
+/// itself may take, to the policy's longest duration); the fence directory, which must exist; the
+/// Kubernetes API side (an empty kubeconfig or node name is none); and the HTTP address (empty is off).
+fn surface_settings(args: &Args, file: &FileConfig) -> Result<Surfaces, ConfigError> {
+    let stuck_after = match args.stuck_after.or(file.stuck_after) {
+        Some(d) if d < std::time::Duration::from_secs(3) => {
+            return Err(ConfigError::Invalid {
+                setting: "--stuck-after",
+                value: humantime::format_duration(d).to_string(),
+                why: "must be at least 3s: the NVML event wait itself lasts up to 2s".into(),
+            });
+        }
+        Some(d) if d > crate::health::policy::MAX_DURATION => {
+            return Err(ConfigError::Invalid {
+                setting: "--stuck-after",
+                value: humantime::format_duration(d).to_string(),
+                why: format!(
+                    "must be at most {}",
+                    humantime::format_duration(crate::health::policy::MAX_DURATION)
+                ),
+            });
+        }
+        Some(d) => d,
+        None => std::time::Duration::from_secs(30),
+    };
+    let fence_dir = match args
+        .fence_dir
+        .clone()
+        .or_else(|| file.fence_dir.clone())
+        .filter(|d| !d.as_os_str().is_empty())
+    {
+        Some(dir) if !dir.is_dir() => {
+            return Err(ConfigError::Invalid {
+                setting: "fenceDir (--fence-dir, GPU_DEVICE_PLUGIN_FENCE_DIR)",
+                value: dir.display().to_string(),
+                why: "not a directory (detectors' reports are read from an existing one)".into(),
+            });
+        }
+        dir => dir,
+    };
+    let cluster = crate::cluster::ClusterConfig {
+        enabled: args.kube_api.or(file.kube_api).unwrap_or(true),
+        kubeconfig: args
+            .kubeconfig
+            .clone()
+            .map(PathBuf::from)
+            .or_else(|| file.kubeconfig.clone())
+            .filter(|p| !p.as_os_str().is_empty()),
+        node_name: args.node_name.clone().filter(|n| !n.is_empty()),
+        budget: crate::cluster::EventBudget::default(),
+    };
+    let http_addr = parse_http_addr(
+        args.http_addr
+            .as_deref()
+            .or(file.http_addr.as_deref())
+            .unwrap_or(crate::http::DEFAULT_ADDR),
+    )?;
+    Ok(Surfaces {
+        log_format: args
+            .log_format
+            .or(file.log_format)
+            .unwrap_or(LogFormat::Text),
+        stuck_after,
+        fence_dir,
+        cluster,
+        http_addr,
+    })
 }
 
 /// A command-line error from clap as one line (what shows up in `kubectl logs` and event messages; clap's

@@ -70,6 +70,192 @@ const SPEC_KEYS: &[&str] = &["renameByDefault", "failRequestsGreaterThanOne", "r
 const RESOURCE_KEYS: &[&str] = &["name", "rename", "devices", "replicas"];
 const IMEX_KEYS: &[&str] = &["channelIDs", "required"];
 
+/// NVIDIA's device plugin's flags and environment variables, spelled as NVIDIA's plugin spells them, so that
+/// a DaemonSet written for NVIDIA's plugin starts this one unchanged. Flattened into [`super::Args`], so
+/// that `--help` lists them under a heading of their own, apart from ours.
+#[derive(Debug, clap::Args)]
+#[command(next_help_heading = "NVIDIA's device plugin's flags")]
+pub struct NvidiaFlags {
+    /// Where the device nodes are on the host, as NVIDIA's plugin reads it: device specs name
+    /// DIR/dev/nvidiaN as their host path (e.g. /run/nvidia/driver under the GPU operator) [default: the
+    /// driver root]
+    #[arg(
+        long,
+        visible_alias = "nvidia-dev-root",
+        env = "NVIDIA_DEV_ROOT",
+        value_name = "DIR"
+    )]
+    pub dev_root: Option<PathBuf>,
+
+    /// Config file, as NVIDIA's plugin names the flag (either format; see --config)
+    #[arg(long, env = "CONFIG_FILE", value_name = "FILE")]
+    pub config_file: Option<PathBuf>,
+
+    /// MIG strategy: none (whole GPUs), single (MIG devices as the GPU resource) or mixed (a resource per MIG profile) [default: none]
+    #[arg(long, env = "MIG_STRATEGY", value_name = "STRATEGY")]
+    pub mig_strategy: Option<String>,
+
+    /// Same as --device-specs
+    #[arg(long, env = "PASS_DEVICE_SPECS", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = super::parse_go_bool)]
+    pub pass_device_specs: Option<bool>,
+
+    /// How Allocate names the devices: envvar, volume-mounts, cdi-annotations, cdi-cri; comma-separated or
+    /// the flag given again [default: envvar]
+    #[arg(
+        long,
+        env = "DEVICE_LIST_STRATEGY",
+        value_name = "LIST",
+        value_delimiter = ',',
+        action = clap::ArgAction::Append
+    )]
+    pub device_list_strategy: Vec<String>,
+
+    /// Device IDs: uuid or index [default: uuid]
+    #[arg(long, env = "DEVICE_ID_STRATEGY", value_name = "STRATEGY")]
+    pub device_id_strategy: Option<String>,
+
+    /// Prefix of the CDI annotation keys with --device-list-strategy cdi-annotations [default: cdi.k8s.io/]
+    #[arg(long, env = "CDI_ANNOTATION_PREFIX", value_name = "PREFIX")]
+    pub cdi_annotation_prefix: Option<String>,
+
+    /// The driver's root on the host, e.g. /run/nvidia/driver with the GPU operator's driver container: the
+    /// dev root's default [default: /]
+    #[arg(
+        long,
+        visible_alias = "nvidia-driver-root",
+        env = "NVIDIA_DRIVER_ROOT",
+        value_name = "DIR"
+    )]
+    pub driver_root: Option<String>,
+
+    /// Allocate adds NVIDIA_GDRCOPY=enabled [default: false]
+    #[arg(long, env = "GDRCOPY_ENABLED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = super::parse_go_bool)]
+    pub gdrcopy_enabled: Option<bool>,
+
+    /// Allocate adds NVIDIA_GDS=enabled [default: false]
+    #[arg(long, env = "GDS_ENABLED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = super::parse_go_bool)]
+    pub gds_enabled: Option<bool>,
+
+    /// Allocate adds NVIDIA_MOFED=enabled [default: false]
+    #[arg(long, env = "MOFED_ENABLED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = super::parse_go_bool)]
+    pub mofed_enabled: Option<bool>,
+
+    /// With MPS sharing: the MPS control daemon's root on the host (its pipe and shm directories)
+    #[arg(long, env = "MPS_ROOT", value_name = "DIR")]
+    pub mps_root: Option<String>,
+
+    /// How replicas are chosen: distributed (spread over the GPUs) or packed (accepted with a warning: replicas are still spread) [default: distributed]
+    #[arg(long, env = "SHARED_DEVICES_ALLOCATION_POLICY", value_name = "POLICY")]
+    pub shared_devices_allocation_policy: Option<String>,
+
+    /// Device discovery: auto or nvml (tegra is refused: there is no NVML on Tegra) [default: auto]
+    #[arg(long, env = "DEVICE_DISCOVERY_STRATEGY", value_name = "STRATEGY")]
+    pub device_discovery_strategy: Option<String>,
+
+    /// Where the driver root is mounted in this container: NVML is loaded from under it (lib64 and lib
+    /// directories, as NVIDIA's plugin searches them) when --nvml-lib is not given, and IMEX channels are
+    /// looked for under its dev/; a directory that is not there is passed over (also read from
+    /// CONTAINER_DRIVER_ROOT) [default: /driver-root]
+    #[arg(
+        long,
+        visible_alias = "container-driver-root",
+        env = "DRIVER_ROOT_CTR_PATH",
+        value_name = "DIR"
+    )]
+    pub driver_root_ctr_path: Option<PathBuf>,
+
+    /// IMEX channels every container gets (NVIDIA supports channel 0 only): comma-separated or the flag
+    /// given again [default: none]
+    #[arg(long, env = "IMEX_CHANNEL_IDS", value_name = "IDS", value_delimiter = ',', action = clap::ArgAction::Append)]
+    pub imex_channel_ids: Vec<String>,
+
+    /// Refuse to start when a requested IMEX channel's device node is missing (otherwise it is left out,
+    /// with a warning) [default: false]
+    #[arg(long, env = "IMEX_REQUIRED", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = super::parse_go_bool)]
+    pub imex_required: Option<bool>,
+
+    /// The kubelet's registration socket; its directory is the kubelet directory (see --kubelet-dir); its
+    /// name must be kubelet.sock [default: /var/lib/kubelet/device-plugins/kubelet.sock]
+    #[arg(long, env = "KUBELET_SOCKET", value_name = "PATH")]
+    pub kubelet_socket: Option<String>,
+
+    /// Accepted, no effect: the NVIDIA CDI hook used in CDI specs, which this plugin does not write (also
+    /// read from NVIDIA_CTK_PATH)
+    #[arg(
+        long,
+        visible_alias = "nvidia-ctk-path",
+        env = "NVIDIA_CDI_HOOK_PATH",
+        value_name = "PATH"
+    )]
+    pub nvidia_cdi_hook_path: Option<String>,
+
+    /// Accepted, no effect: feature flags of CDI spec generation, which this plugin does not do
+    #[arg(long, env = "CDI_FEATURE_FLAGS", value_name = "LIST", value_delimiter = ',', action = clap::ArgAction::Append)]
+    pub cdi_feature_flags: Vec<String>,
+
+    /// Accepted, no effect: OCI hooks left out of generated CDI specs, which this plugin does not write
+    #[arg(long, env = "CDI_DISABLE_HOOKS", value_name = "LIST", value_delimiter = ',', action = clap::ArgAction::Append)]
+    pub cdi_disable_hooks: Vec<String>,
+}
+
+impl NvidiaFlags {
+    /// NVIDIA's settings as these flags and their variables give them, to be merged over the file's
+    /// ([`NvidiaSettings::or`]). `imex_channel_ids` is `--imex-channel-ids` as checked by the caller; none
+    /// leaves the file's channels in place.
+    pub fn settings(&self, imex_channel_ids: &[u32]) -> NvidiaSettings {
+        NvidiaSettings {
+            mig_strategy: self.mig_strategy.clone(),
+            driver_root: self.driver_root.clone(),
+            device_list_strategy: (!self.device_list_strategy.is_empty()).then(|| {
+                self.device_list_strategy
+                    .iter()
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect()
+            }),
+            device_id_strategy: self.device_id_strategy.clone(),
+            gdrcopy: self.gdrcopy_enabled,
+            gds: self.gds_enabled,
+            mofed: self.mofed_enabled,
+            device_discovery_strategy: self.device_discovery_strategy.clone(),
+            sharing: None,
+            mps_root: self.mps_root.clone(),
+            shared_devices_allocation_policy: self.shared_devices_allocation_policy.clone(),
+            cdi_annotation_prefix: self.cdi_annotation_prefix.clone(),
+            imex_channel_ids: (!imex_channel_ids.is_empty())
+                .then(|| imex_channel_ids.iter().map(|&id| i64::from(id)).collect()),
+            imex_required: self.imex_required,
+            ..NvidiaSettings::default()
+        }
+    }
+
+    /// One warning for each of NVIDIA's settings given that means nothing here, saying why.
+    pub fn without_effect(&self) -> Vec<String> {
+        let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
+        let cdi_specs = "no effect here: it shapes the CDI specs NVIDIA's plugin writes, and this plugin writes \
+                         none (it names devices in CDI form, with --cdi or deviceListStrategy cdi-cri or \
+                         cdi-annotations; the specs come from the NVIDIA container toolkit)";
+        [
+            (
+                "--nvidia-cdi-hook-path (NVIDIA_CDI_HOOK_PATH, NVIDIA_CTK_PATH)",
+                self.nvidia_cdi_hook_path.is_some() || set("NVIDIA_CTK_PATH"),
+            ),
+            (
+                "--cdi-feature-flags (CDI_FEATURE_FLAGS)",
+                !self.cdi_feature_flags.is_empty(),
+            ),
+            (
+                "--cdi-disable-hooks (CDI_DISABLE_HOOKS)",
+                !self.cdi_disable_hooks.is_empty(),
+            ),
+        ]
+        .into_iter()
+        .filter(|(_, given)| *given)
+        .map(|(setting, _)| format!("{setting}: {cdi_specs}"))
+        .collect()
+    }
+}
+
 /// NVIDIA's settings that are not ours by another name, merged from its flags, environment and file.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NvidiaSettings {
