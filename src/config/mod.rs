@@ -97,7 +97,7 @@ pub struct Args {
         long,
         env = "GPU_DEVICE_PLUGIN_LOG_FORMAT",
         value_name = "FORMAT",
-        help_heading = "Surfaces and operator inputs"
+        help_heading = "Where health shows, and operator inputs"
     )]
     pub log_format: Option<LogFormat>,
 
@@ -214,12 +214,12 @@ pub struct Args {
     )]
     pub host_root: Option<PathBuf>,
 
-    /// Address of the HTTP surfaces (/healthz, /readyz, /status); empty turns them off [default: 127.0.0.1:9412]
+    /// Address of the HTTP endpoints (/healthz, /readyz, /status, /metrics); empty turns them off [default: 127.0.0.1:9412]
     #[arg(
         long,
         env = "GPU_DEVICE_PLUGIN_HTTP_ADDR",
         value_name = "HOST:PORT",
-        help_heading = "Surfaces and operator inputs"
+        help_heading = "Where health shows, and operator inputs"
     )]
     pub http_addr: Option<String>,
 
@@ -245,7 +245,7 @@ pub struct Args {
 
     /// Report to the Kubernetes API (Events, the GPUUnhealthy node condition) when it can be reached
     /// [default: true]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_KUBE_API", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "Surfaces and operator inputs")]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_KUBE_API", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "Where health shows, and operator inputs")]
     pub kube_api: Option<bool>,
 
     /// A kubeconfig for the API server [default: the pod's service account]
@@ -253,7 +253,7 @@ pub struct Args {
         long,
         env = "KUBECONFIG",
         value_name = "FILE",
-        help_heading = "Surfaces and operator inputs"
+        help_heading = "Where health shows, and operator inputs"
     )]
     pub kubeconfig: Option<String>,
 
@@ -263,7 +263,7 @@ pub struct Args {
         long,
         env = "GPU_DEVICE_PLUGIN_FENCE_DIR",
         value_name = "DIR",
-        help_heading = "Surfaces and operator inputs"
+        help_heading = "Where health shows, and operator inputs"
     )]
     pub fence_dir: Option<PathBuf>,
 
@@ -272,7 +272,7 @@ pub struct Args {
         long,
         env = "NODE_NAME",
         value_name = "NAME",
-        help_heading = "Surfaces and operator inputs"
+        help_heading = "Where health shows, and operator inputs"
     )]
     pub node_name: Option<String>,
 
@@ -691,7 +691,7 @@ impl Settings {
             ("pre-start health check", on(self.pre_start_check).into()),
             ("state directory", path(&self.state_dir)),
             (
-                "HTTP surfaces",
+                "HTTP endpoints",
                 self.http_addr.map_or("off".into(), |a| a.to_string()),
             ),
             (
