@@ -9,8 +9,10 @@ use std::sync::Arc;
 
 use crate::devices::mig::ResourceNaming;
 use crate::devices::naming::{IdStrategy, Naming};
-use crate::devices::sharing::{DeviceSelection, MAX_LISTED_REPLICAS, ShareKind, Sharing};
-use crate::devices::{DeviceInfo, Inventory};
+use crate::devices::sharing::{
+    DeviceSelection, MAX_LISTED_REPLICAS, ShareKind, SharedResource, Sharing,
+};
+use crate::devices::{DeviceInfo, DeviceState, Inventory};
 
 /// One resource the process registers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,10 +83,8 @@ impl ResourcePlan {
         inventory: &Inventory,
     ) -> Result<(ResourcePlan, Vec<String>), PlanError> {
         let devices = inventory.devices();
-        let own: Vec<String> = devices.iter().map(|d| natural.of_device(&d.info)).collect();
-        // Per device: the resource it is served under and its replicas.
-        let mut assigned: Vec<(String, usize)> = own.iter().map(|name| (name.clone(), 1)).collect();
-        let mut warnings = Vec::new();
+        let mut shares = Shares::unshared(natural, devices);
+        // The entry that shares all of the GPU resource: a node without devices registers it as that says.
         let mut empty_target = None;
         if let Some(sharing) = sharing {
             for entry in &sharing.resources {
@@ -92,178 +92,29 @@ impl ResourcePlan {
                 if entry.name == natural.base && entry.devices == DeviceSelection::All {
                     empty_target = Some((target.clone(), entry.replicas));
                 }
-                let members: Vec<usize> = (0..devices.len())
-                    .filter(|&p| own[p] == entry.name)
-                    .collect();
-                if members.is_empty() {
-                    warnings.push(format!(
-                        "sharing {}: no device on this node is served under it; nothing of it is shared",
-                        entry.name
-                    ));
-                    continue;
-                }
-                if target != entry.name {
-                    let taken = own.contains(&target)
-                        || sharing.resources.iter().any(|other| {
-                            other.name != entry.name
-                                && other.rename.as_deref().unwrap_or(&other.name) == target
-                        });
-                    if taken {
-                        return Err(PlanError::RenameTaken {
-                            resource: entry.name.clone(),
-                            rename: target,
-                        });
-                    }
-                }
-                let chosen: Vec<usize> = match &entry.devices {
-                    DeviceSelection::All => members,
-                    DeviceSelection::Count(count) => {
-                        // A count meant for a larger node (one ConfigMap serves many kinds of nodes, and
-                        // NVIDIA's plugin ignores `devices`): every device here is shared, said once.
-                        if *count > members.len() {
-                            warnings.push(format!(
-                                "sharing {}: {count} devices to share, but this node has {}; sharing all {}",
-                                entry.name,
-                                members.len(),
-                                members.len()
-                            ));
-                        }
-                        members[..(*count).min(members.len())].to_vec()
-                    }
-                    DeviceSelection::List(references) => {
-                        // One ConfigMap serves many kinds of nodes (and NVIDIA's plugin ignores `devices`
-                        // altogether): entries naming devices of other nodes are one warning, and what
-                        // matches here is shared.
-                        let mut chosen = Vec::with_capacity(references.len());
-                        let mut unmatched = Vec::new();
-                        for reference in references {
-                            let found = members.iter().copied().find(|&p| {
-                                let info = &devices[p].info;
-                                info.id == *reference
-                                    || info.index.as_deref() == Some(reference.as_str())
-                            });
-                            match found {
-                                Some(p) if !chosen.contains(&p) => chosen.push(p),
-                                Some(_) => {}
-                                None => unmatched.push(reference.as_str()),
-                            }
-                        }
-                        if !unmatched.is_empty() {
-                            let what = if chosen.is_empty() {
-                                "nothing of it is shared on this node".to_string()
-                            } else {
-                                format!("sharing the {} that match", chosen.len())
-                            };
-                            warnings.push(format!(
-                                "sharing {}: devices {} match no device of that resource on this node (GPU or \
-                                 MIG indices as NVML numbers them, or UUIDs); {what}",
-                                entry.name,
-                                unmatched.join(", "),
-                            ));
-                        }
-                        if chosen.is_empty() {
-                            continue;
-                        }
-                        chosen
-                    }
-                };
-                if sharing.kind == ShareKind::Mps
-                    && chosen.iter().any(|&p| devices[p].info.mig.is_some())
-                {
-                    return Err(PlanError::MpsOnMig {
-                        resource: entry.name.clone(),
-                    });
-                }
-                for p in chosen {
-                    assigned[p] = (target.clone(), entry.replicas);
-                }
+                shares.apply(sharing, entry, target)?;
             }
         }
-        let mut listed: HashMap<&str, usize> = HashMap::new();
-        for (name, replicas) in &assigned {
-            let total = listed.entry(name.as_str()).or_default();
-            *total = total.saturating_add(*replicas);
-            if *total > MAX_LISTED_REPLICAS {
-                return Err(PlanError::TooManyListed {
-                    resource: name.clone(),
-                    devices: assigned
-                        .iter()
-                        .filter(|(n, _)| n == name)
-                        .fold(0usize, |sum, (_, r)| sum.saturating_add(*r)),
-                    most: MAX_LISTED_REPLICAS,
-                });
-            }
-        }
+        shares.check_listed()?;
         let fail_requests = sharing.is_some_and(|s| s.fail_requests_greater_than_one);
         let mps = sharing.is_some_and(|s| s.kind == ShareKind::Mps);
-        let mut resources: Vec<Served> = Vec::new();
-        let mut of_device = HashMap::with_capacity(devices.len());
-        // Resources of whole GPUs first, each in the order its first device is found.
-        let mut order: Vec<usize> = (0..devices.len()).collect();
-        order.sort_by_key(|&p| devices[p].info.mig.is_some());
-        for p in order {
-            let (name, replicas) = &assigned[p];
-            let k = match resources.iter().position(|r| r.name == *name) {
-                Some(k) => k,
-                None => {
-                    resources.push(Served {
-                        name: name.clone(),
-                        naming: Naming {
-                            ids,
-                            ..Naming::default()
-                        },
-                        mps: false,
-                    });
-                    resources.len() - 1
-                }
-            };
-            if *replicas > 1 {
-                let naming = &mut resources[k].naming;
-                naming.replicas = *replicas;
-                naming.fail_requests_greater_than_one = fail_requests;
-                resources[k].mps = mps;
-            }
-            of_device.insert(devices[p].info.id.clone(), k);
-        }
-        // A resource where only some devices are shared names those.
-        for (k, served) in resources.iter_mut().enumerate() {
-            if served.naming.replicas <= 1 {
-                continue;
-            }
-            let members = || {
-                of_device
-                    .iter()
-                    .filter(move |(_, r)| **r == k)
-                    .map(|(id, _)| id)
-            };
-            let replicated: BTreeSet<String> = members()
-                .filter(|id| inventory.position(id).is_some_and(|p| assigned[p].1 > 1))
-                .cloned()
-                .collect();
-            if replicated.len() < members().count() {
-                served.naming.replicated = Some(Arc::new(replicated));
-            }
-        }
+        let (mut resources, of_device) = shares.group(ids, fail_requests, mps);
+        name_replicated(&mut resources, &of_device, inventory, &shares.assigned);
         if resources.is_empty() {
-            // No devices (yet): register the GPU resource, under the name it is shared as, with an empty list.
-            let (name, replicas) = empty_target.unwrap_or_else(|| (natural.base.clone(), 1));
-            resources.push(Served {
-                name,
-                naming: Naming {
-                    ids,
-                    replicas,
-                    fail_requests_greater_than_one: fail_requests && replicas > 1,
-                    ..Naming::default()
-                },
-                mps: mps && replicas > 1,
-            });
+            resources.push(unlisted_gpu_resource(
+                natural,
+                empty_target,
+                ids,
+                fail_requests,
+                mps,
+            ));
         }
         let plan = ResourcePlan {
             resources,
             of_device,
             natural: natural.clone(),
         };
-        Ok((plan, warnings))
+        Ok((plan, shares.warnings))
     }
 
     /// The resources, whole GPUs' first.
@@ -288,6 +139,251 @@ impl ResourcePlan {
         match self.of_device.get(id).and_then(|k| self.resources.get(*k)) {
             Some(served) => Cow::Borrowed(&served.name),
             None => Cow::Owned(self.natural.of(profile)),
+        }
+    }
+}
+
+/// Per device of the inventory (by position), the resource it is served under and how many replicas it
+/// lists, as the sharing entries are applied one after the other, with the warnings they raise.
+struct Shares<'a> {
+    devices: &'a [DeviceState],
+    /// The resource each device is served under unshared: what sharing entries name.
+    own: Vec<String>,
+    assigned: Vec<(String, usize)>,
+    warnings: Vec<String>,
+}
+
+impl<'a> Shares<'a> {
+    /// Every device under its own resource, once.
+    fn unshared(natural: &ResourceNaming, devices: &'a [DeviceState]) -> Self {
+        let own: Vec<String> = devices.iter().map(|d| natural.of_device(&d.info)).collect();
+        let assigned = own.iter().map(|name| (name.clone(), 1)).collect();
+        Shares {
+            devices,
+            own,
+            assigned,
+            warnings: Vec::new(),
+        }
+    }
+
+    /// Applies one sharing entry: the devices it selects of its resource list `entry.replicas` replicas each
+    /// under `target`. An entry whose resource has no device here is a warning; a rename onto a name
+    /// another resource has, and MPS on MIG devices, are refused.
+    fn apply(
+        &mut self,
+        sharing: &Sharing,
+        entry: &SharedResource,
+        target: String,
+    ) -> Result<(), PlanError> {
+        let members: Vec<usize> = (0..self.devices.len())
+            .filter(|&p| self.own[p] == entry.name)
+            .collect();
+        if members.is_empty() {
+            self.warnings.push(format!(
+                "sharing {}: no device on this node is served under it; nothing of it is shared",
+                entry.name
+            ));
+            return Ok(());
+        }
+        if target != entry.name {
+            let taken = self.own.contains(&target)
+                || sharing.resources.iter().any(|other| {
+                    other.name != entry.name
+                        && other.rename.as_deref().unwrap_or(&other.name) == target
+                });
+            if taken {
+                return Err(PlanError::RenameTaken {
+                    resource: entry.name.clone(),
+                    rename: target,
+                });
+            }
+        }
+        let chosen = match &entry.devices {
+            DeviceSelection::All => members,
+            DeviceSelection::Count(count) => self.first(entry, *count, members),
+            DeviceSelection::List(references) => match self.listed(entry, references, &members) {
+                Some(chosen) => chosen,
+                None => return Ok(()),
+            },
+        };
+        if sharing.kind == ShareKind::Mps
+            && chosen.iter().any(|&p| self.devices[p].info.mig.is_some())
+        {
+            return Err(PlanError::MpsOnMig {
+                resource: entry.name.clone(),
+            });
+        }
+        for p in chosen {
+            self.assigned[p] = (target.clone(), entry.replicas);
+        }
+        Ok(())
+    }
+
+    /// The first `count` of `members`. A count meant for a larger node (one ConfigMap serves many kinds of
+    /// nodes, and NVIDIA's plugin ignores `devices`): every device here is shared, said once.
+    fn first(&mut self, entry: &SharedResource, count: usize, members: Vec<usize>) -> Vec<usize> {
+        if count > members.len() {
+            self.warnings.push(format!(
+                "sharing {}: {count} devices to share, but this node has {}; sharing all {}",
+                entry.name,
+                members.len(),
+                members.len()
+            ));
+        }
+        members[..count.min(members.len())].to_vec()
+    }
+
+    /// The `members` that `references` name by index or UUID, each once, in the order named; `None` when
+    /// none does. One ConfigMap serves many kinds of nodes (and NVIDIA's plugin ignores `devices`
+    /// altogether): references to devices of other nodes are one warning, and what matches here is shared.
+    fn listed(
+        &mut self,
+        entry: &SharedResource,
+        references: &[String],
+        members: &[usize],
+    ) -> Option<Vec<usize>> {
+        let mut chosen = Vec::with_capacity(references.len());
+        let mut unmatched = Vec::new();
+        for reference in references {
+            let found = members.iter().copied().find(|&p| {
+                let info = &self.devices[p].info;
+                info.id == *reference || info.index.as_deref() == Some(reference.as_str())
+            });
+            match found {
+                Some(p) if !chosen.contains(&p) => chosen.push(p),
+                Some(_) => {}
+                None => unmatched.push(reference.as_str()),
+            }
+        }
+        if !unmatched.is_empty() {
+            let what = if chosen.is_empty() {
+                "nothing of it is shared on this node".to_string()
+            } else {
+                format!("sharing the {} that match", chosen.len())
+            };
+            self.warnings.push(format!(
+                "sharing {}: devices {} match no device of that resource on this node (GPU or MIG indices as \
+                 NVML numbers them, or UUIDs); {what}",
+                entry.name,
+                unmatched.join(", "),
+            ));
+        }
+        if chosen.is_empty() {
+            return None;
+        }
+        Some(chosen)
+    }
+
+    /// Refuses a resource that would list more devices, replicas included, than any message the kubelet
+    /// accepts could hold: before any list is built, so that a huge replica count cannot exhaust memory
+    /// first.
+    fn check_listed(&self) -> Result<(), PlanError> {
+        let mut listed: HashMap<&str, usize> = HashMap::new();
+        for (name, replicas) in &self.assigned {
+            let total = listed.entry(name.as_str()).or_default();
+            *total = total.saturating_add(*replicas);
+            if *total > MAX_LISTED_REPLICAS {
+                return Err(PlanError::TooManyListed {
+                    resource: name.clone(),
+                    devices: self
+                        .assigned
+                        .iter()
+                        .filter(|(n, _)| n == name)
+                        .fold(0usize, |sum, (_, r)| sum.saturating_add(*r)),
+                    most: MAX_LISTED_REPLICAS,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The resources, whole GPUs' first, each in the order its first device is found, and which one serves
+    /// each device (by inventory ID). A resource with replicated devices lists `replicas` of them, with the
+    /// sharing's request rule and MPS.
+    fn group(
+        &self,
+        ids: IdStrategy,
+        fail_requests: bool,
+        mps: bool,
+    ) -> (Vec<Served>, HashMap<String, usize>) {
+        let devices = self.devices;
+        let mut resources: Vec<Served> = Vec::new();
+        let mut of_device = HashMap::with_capacity(devices.len());
+        let mut order: Vec<usize> = (0..devices.len()).collect();
+        order.sort_by_key(|&p| devices[p].info.mig.is_some());
+        for p in order {
+            let (name, replicas) = &self.assigned[p];
+            let k = match resources.iter().position(|r| r.name == *name) {
+                Some(k) => k,
+                None => {
+                    resources.push(Served {
+                        name: name.clone(),
+                        naming: Naming {
+                            ids,
+                            ..Naming::default()
+                        },
+                        mps: false,
+                    });
+                    resources.len() - 1
+                }
+            };
+            if *replicas > 1 {
+                let naming = &mut resources[k].naming;
+                naming.replicas = *replicas;
+                naming.fail_requests_greater_than_one = fail_requests;
+                resources[k].mps = mps;
+            }
+            of_device.insert(devices[p].info.id.clone(), k);
+        }
+        (resources, of_device)
+    }
+}
+
+/// What a node without devices (yet) registers: the GPU resource, with an empty list, under the name and
+/// with the replicas of the entry that shares all of it (`shared_as`), if there is one.
+fn unlisted_gpu_resource(
+    natural: &ResourceNaming,
+    shared_as: Option<(String, usize)>,
+    ids: IdStrategy,
+    fail_requests: bool,
+    mps: bool,
+) -> Served {
+    let (name, replicas) = shared_as.unwrap_or_else(|| (natural.base.clone(), 1));
+    Served {
+        name,
+        naming: Naming {
+            ids,
+            replicas,
+            fail_requests_greater_than_one: fail_requests && replicas > 1,
+            ..Naming::default()
+        },
+        mps: mps && replicas > 1,
+    }
+}
+
+/// A resource where only some devices are shared names those, so that the rest are listed whole.
+fn name_replicated(
+    resources: &mut [Served],
+    of_device: &HashMap<String, usize>,
+    inventory: &Inventory,
+    assigned: &[(String, usize)],
+) {
+    for (k, served) in resources.iter_mut().enumerate() {
+        if served.naming.replicas <= 1 {
+            continue;
+        }
+        let members = || {
+            of_device
+                .iter()
+                .filter(move |(_, r)| **r == k)
+                .map(|(id, _)| id)
+        };
+        let replicated: BTreeSet<String> = members()
+            .filter(|id| inventory.position(id).is_some_and(|p| assigned[p].1 > 1))
+            .cloned()
+            .collect();
+        if replicated.len() < members().count() {
+            served.naming.replicated = Some(Arc::new(replicated));
         }
     }
 }

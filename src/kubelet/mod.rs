@@ -12,6 +12,7 @@ pub mod server;
 pub mod socket;
 pub mod watch;
 
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -209,78 +210,269 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), KubeletError> {
     let path = socket_path_for(&config)?;
-    let dir = config.kubelet_dir.as_path();
-    socket::remove_stale_sockets(dir);
+    socket::remove_stale_sockets(&config.kubelet_dir);
     let socket_name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     // Watch before binding and before looking for kubelet.sock, so no change can slip between the look and
     // the watch.
-    let dir_watch = DirWatch::start(dir, &socket_name)?;
+    let dir_watch = DirWatch::start(&config.kubelet_dir, &socket_name)?;
 
-    let (conn_tx, conn_rx) = mpsc::channel::<UnixStream>(64);
-    let mut socket = PluginSocket::bind(&path, conn_tx.clone())?;
-    tracing::info!(socket = %path.display(), resource = %config.resource_name, "serving device plugin API");
+    let (conns, conn_rx) = mpsc::channel::<UnixStream>(64);
+    let endpoint = Endpoint::bind(path, conns)?;
+    tracing::info!(socket = %endpoint.path.display(), resource = %config.resource_name, "serving device plugin API");
+    let (server, streams) = Server::start(&config, inventory, conn_rx, &shutdown);
 
-    // A child of the process's token: the server and its streams also stop when this loop gives up on its
-    // own.
-    let server_shutdown = shutdown.child_token();
-    let service = PluginService::new(inventory, config.allocate.clone(), server_shutdown.clone())
-        .with_pre_start_check(config.pre_start_check)
-        .with_metrics(config.metrics.clone());
-    let mut streams = service.streams();
-    let incoming = ReceiverStream::new(conn_rx).map(Ok::<_, std::io::Error>);
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(DevicePluginServer::new(service))
-            .serve_with_incoming_shutdown(incoming, server_shutdown.clone().cancelled_owned()),
-    );
+    let mut supervisor =
+        Supervisor::new(config, shutdown, dir_watch, endpoint, streams, socket_name);
+    let stop = supervisor.supervise().await?;
 
-    let kubelet_socket = dir.join(KUBELET_SOCKET);
-    config.status.send_modify(|s| {
-        s.resource = config.resource_name.clone();
-        s.kubelet_socket = kubelet_socket.display().to_string();
-        s.endpoint = socket_name.clone();
-        s.pre_start_check = config.pre_start_check;
-    });
-    let mut registrar = Registrar::new(&config, socket_name);
-    let mut link = Link::Owed(Some(Instant::now()));
-    // The kubelet.sock of the latest accepted registration, to count kubelet restarts.
-    let mut last_kubelet: Option<Option<socket::SocketId>> = None;
-    let mut dir_replaced = false;
-    'serve: loop {
-        // Our own streams end at shutdown: that is not the kubelet closing them.
-        if shutdown.is_cancelled() {
-            break;
-        }
-        if dir_watch.replaced() {
-            dir_replaced = true;
-            break;
-        }
-        if !socket.is_in_place() {
-            tracing::info!(socket = %path.display(), "plugin socket was removed (kubelet restart?); binding it again");
-            drop(socket);
-            socket = PluginSocket::bind(&path, conn_tx.clone())?;
-            if !link.holds(&kubelet_socket) {
-                link = registrar.owe_now();
+    supervisor.endpoint.close();
+    let dir_replaced = stop == Stop::DirReplaced;
+    let server_died = !supervisor.shutdown.is_cancelled() && !dir_replaced;
+    server.stop().await;
+    if dir_replaced {
+        return Err(KubeletError::DirReplaced(
+            supervisor.config.kubelet_dir.clone(),
+        ));
+    }
+    if server_died {
+        return Err(KubeletError::ServerStopped);
+    }
+    Ok(())
+}
+
+/// Why the supervisor stopped serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// The process is shutting down.
+    Shutdown,
+    /// The device plugin directory is no longer the one we serve in (see [`DirWatch::replaced`]).
+    DirReplaced,
+    /// The gRPC server is gone: nothing can be served any more.
+    ServerGone,
+}
+
+/// When the supervisor next acts by itself, unless something happens first.
+enum Wake {
+    /// The link has just changed: look at everything again before waiting.
+    Again,
+    /// At this instant, or, with `None`, only when something happens.
+    At(Option<Instant>),
+}
+
+/// Our socket in the directory: its path, the channel every connection goes into (the gRPC server reads the
+/// other end, whichever listener accepted it), and the listener bound now.
+struct Endpoint {
+    path: PathBuf,
+    conns: mpsc::Sender<UnixStream>,
+    socket: PluginSocket,
+}
+
+impl Endpoint {
+    /// Binds our socket; the plugin must be serving before it registers, since the kubelet dials back.
+    fn bind(path: PathBuf, conns: mpsc::Sender<UnixStream>) -> Result<Self, KubeletError> {
+        let socket = PluginSocket::bind(&path, conns.clone())?;
+        Ok(Endpoint {
+            path,
+            conns,
+            socket,
+        })
+    }
+
+    /// Whether our socket file is still the one we bound.
+    fn is_in_place(&self) -> bool {
+        self.socket.is_in_place()
+    }
+
+    /// Binds our socket again, after the kubelet deleted it.
+    fn rebind(&mut self) -> Result<(), KubeletError> {
+        self.socket.rebind(self.conns.clone())
+    }
+
+    /// Drops our end of the connection channel, then stops accepting and removes our socket file if it is
+    /// still ours, so that nothing new reaches the server that is about to stop.
+    fn close(self) {
+        drop(self.conns);
+        self.socket.remove();
+    }
+}
+
+/// The one gRPC server of the process, fed by [`Endpoint`]'s channel, and the token that stops it.
+struct Server {
+    task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    shutdown: CancellationToken,
+}
+
+impl Server {
+    /// Starts serving the device plugin API on the connections of `conns`; also returns the count of open
+    /// ListAndWatch streams, which is how the kubelet's hold on us is seen.
+    fn start(
+        config: &PluginConfig,
+        inventory: InventoryWatch,
+        conns: mpsc::Receiver<UnixStream>,
+        shutdown: &CancellationToken,
+    ) -> (Server, tokio::sync::watch::Receiver<server::Streams>) {
+        // A child of the process's token: the server and its streams also stop when the supervisor gives up
+        // on its own.
+        let server_shutdown = shutdown.child_token();
+        let service =
+            PluginService::new(inventory, config.allocate.clone(), server_shutdown.clone())
+                .with_pre_start_check(config.pre_start_check)
+                .with_metrics(config.metrics.clone());
+        let streams = service.streams();
+        let incoming = ReceiverStream::new(conns).map(Ok::<_, std::io::Error>);
+        let task = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(DevicePluginServer::new(service))
+                .serve_with_incoming_shutdown(incoming, server_shutdown.clone().cancelled_owned()),
+        );
+        let server = Server {
+            task,
+            shutdown: server_shutdown,
+        };
+        (server, streams)
+    }
+
+    /// Ends every stream and waits for the server to stop, at most [`SHUTDOWN_GRACE`], so that the process
+    /// is gone within the time a DaemonSet update or node drain allows it.
+    async fn stop(self) {
+        self.shutdown.cancel();
+        match tokio::time::timeout(SHUTDOWN_GRACE, self.task).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => {
+                tracing::warn!(error = %registration::error_chain(&e), "gRPC server stopped with an error")
+            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "gRPC server task failed"),
+            Err(_) => {
+                tracing::warn!("gRPC connections still open after {SHUTDOWN_GRACE:?}; closing them")
             }
         }
+    }
+}
+
+/// The loop that makes the directory look right: our socket in place and a registration with the kubelet
+/// now behind `kubelet.sock`, whose stream it still holds.
+struct Supervisor {
+    config: PluginConfig,
+    /// The process's token: our own streams end at shutdown, and that is not the kubelet closing them.
+    shutdown: CancellationToken,
+    dir_watch: DirWatch,
+    endpoint: Endpoint,
+    /// The ListAndWatch streams the server holds open.
+    streams: tokio::sync::watch::Receiver<server::Streams>,
+    kubelet_socket: PathBuf,
+    registrar: Registrar,
+    link: Link,
+    /// The kubelet.sock of the latest accepted registration, to count kubelet restarts.
+    last_kubelet: Option<Option<socket::SocketId>>,
+}
+
+impl Supervisor {
+    /// A supervisor that owes a registration now; says in the status what it serves and where.
+    fn new(
+        config: PluginConfig,
+        shutdown: CancellationToken,
+        dir_watch: DirWatch,
+        endpoint: Endpoint,
+        streams: tokio::sync::watch::Receiver<server::Streams>,
+        socket_name: String,
+    ) -> Self {
+        let kubelet_socket = config.kubelet_dir.join(KUBELET_SOCKET);
+        config.status.send_modify(|s| {
+            s.resource = config.resource_name.clone();
+            s.kubelet_socket = kubelet_socket.display().to_string();
+            s.endpoint = socket_name.clone();
+            s.pre_start_check = config.pre_start_check;
+        });
+        let registrar = Registrar::new(&config, socket_name);
+        Supervisor {
+            config,
+            shutdown,
+            dir_watch,
+            endpoint,
+            streams,
+            kubelet_socket,
+            registrar,
+            link: Link::Owed(Some(Instant::now())),
+            last_kubelet: None,
+        }
+    }
+
+    /// Keeps the socket bound and the registration current until serving must stop, and says why. Each turn
+    /// looks at the directory and the streams first, then either registers (when an attempt is due) or
+    /// waits for the next thing to act on. An error is a socket that cannot be bound again.
+    async fn supervise(&mut self) -> Result<Stop, KubeletError> {
+        loop {
+            if let Some(stop) = self.must_stop() {
+                return Ok(stop);
+            }
+            self.keep_socket_in_place()?;
+            self.follow_streams();
+            self.publish_status();
+            let wake_at = match self.next_wake() {
+                Wake::Again => continue,
+                Wake::At(at) => at,
+            };
+            // An attempt that is due now starts at once: a timer, even an expired one, costs a tick (1 ms) of
+            // the runtime's timer wheel, and a kubelet restart is exactly when every millisecond counts.
+            let due = matches!(self.link, Link::Owed(Some(at)) if at <= Instant::now());
+            let next = if due {
+                self.register().await?
+            } else {
+                self.wait(wake_at).await
+            };
+            if let ControlFlow::Break(stop) = next {
+                return Ok(stop);
+            }
+        }
+    }
+
+    /// Whether serving must stop before anything else is done: the process shuts down, or the directory
+    /// was replaced under us (waiting would not bring the kubelet back to it).
+    fn must_stop(&self) -> Option<Stop> {
+        if self.shutdown.is_cancelled() {
+            return Some(Stop::Shutdown);
+        }
+        if self.dir_watch.replaced() {
+            return Some(Stop::DirReplaced);
+        }
+        None
+    }
+
+    /// Binds our socket again if it was deleted (the kubelet deletes every socket here when it restarts),
+    /// and then owes a registration unless we are registered with the kubelet now behind `kubelet.sock`.
+    fn keep_socket_in_place(&mut self) -> Result<(), KubeletError> {
+        if !self.endpoint.is_in_place() {
+            tracing::info!(socket = %self.endpoint.path.display(), "plugin socket was removed (kubelet restart?); binding it again");
+            self.endpoint.rebind()?;
+            if !self.link.holds(&self.kubelet_socket) {
+                self.link = self.registrar.owe_now();
+            }
+        }
+        Ok(())
+    }
+
+    /// While registered: notes when the kubelet opened its stream, and marks the registration lost when no
+    /// stream is open any more (a kubelet restart, or another instance's stream ending on kubelets up to
+    /// 1.36), with the delay before registering again.
+    fn follow_streams(&mut self) {
         if let Link::Registered {
             awaiting,
             lost,
             since,
             ..
-        } = &mut link
+        } = &mut self.link
         {
-            let now = *streams.borrow_and_update();
+            let now = *self.streams.borrow_and_update();
             if let Some((opened_before, _)) = *awaiting
                 && now.opened > opened_before
             {
                 *awaiting = None;
             }
             if awaiting.is_none() && now.open == 0 {
-                let delay = registrar.lost_after(since.elapsed());
+                let delay = self.registrar.lost_after(since.elapsed());
                 tracing::warn!(
                     held_ms = since.elapsed().as_millis() as u64,
                     retry_in_ms = delay.as_millis() as u64,
@@ -290,143 +482,165 @@ pub async fn run(
                 *lost = Some(delay);
             }
         }
-        let registered = matches!(link, Link::Registered { lost: None, .. });
-        let open = streams.borrow().open;
-        config.status.send_if_modified(|s| {
+    }
+
+    /// Tells `/readyz` and `/status` whether we are registered and how many streams are open; watchers wake
+    /// only on a change.
+    fn publish_status(&self) {
+        let registered = matches!(self.link, Link::Registered { lost: None, .. });
+        let open = self.streams.borrow().open;
+        self.config.status.send_if_modified(|s| {
             let changed = s.registered != registered || s.streams_open != open;
             s.registered = registered;
             s.streams_open = open;
             changed
         });
-        let wake_at = match &link {
-            Link::Owed(at) => *at,
+    }
+
+    /// When to act next by ourselves: the owed attempt, or the end of the wait for the kubelet's stream. A
+    /// lost registration becomes one owed after its delay, and the turn starts again.
+    fn next_wake(&mut self) -> Wake {
+        match &self.link {
+            Link::Owed(at) => Wake::At(*at),
             Link::Registered {
                 lost: Some(delay), ..
             } => {
-                link = registrar.owe_after_lost(*delay);
-                continue;
+                self.link = self.registrar.owe_after_lost(*delay);
+                Wake::Again
             }
             Link::Registered {
                 awaiting: Some((_, deadline)),
                 ..
-            } => Some(*deadline),
-            Link::Registered { .. } => None,
-        };
-        // An attempt that is due now starts at once: a timer, even an expired one, costs a tick (1 ms) of
-        // the runtime's timer wheel, and a kubelet restart is exactly when every millisecond counts.
-        let due = matches!(link, Link::Owed(Some(at)) if at <= Instant::now());
-        if due {
-            // The attempt runs to its end; directory changes meanwhile are noted, and our socket is re-bound
-            // at once so that the kubelet's dial-back can reach it.
-            let before = streams.borrow().opened;
-            let target = socket::SocketId::of(&kubelet_socket);
-            let mut changed = false;
-            let outcome = {
-                let attempt = registrar.attempt(&kubelet_socket);
-                tokio::pin!(attempt);
-                loop {
-                    tokio::select! {
-                        () = shutdown.cancelled() => break 'serve,
-                        () = dir_watch.changed() => {
-                            changed = true;
-                            if dir_watch.replaced() {
-                                dir_replaced = true;
-                                break 'serve;
-                            }
-                            if !socket.is_in_place() {
-                                tracing::info!(socket = %path.display(), "plugin socket was removed during registration; binding it again");
-                                drop(socket);
-                                socket = PluginSocket::bind(&path, conn_tx.clone())?;
-                            }
-                        }
-                        outcome = &mut attempt => break outcome,
-                    }
-                }
-            };
-            // What kubelet.sock is now. If there was none when the attempt began, the one that appeared
-            // meanwhile is the one the attempt reached.
-            let now_id = socket::SocketId::of(&kubelet_socket);
-            link = match outcome {
-                Attempt::Registered if target.is_some() && now_id != target => {
-                    tracing::info!(
-                        "kubelet.sock was replaced while registering; registering with the new kubelet"
-                    );
-                    registrar.owe_now()
-                }
-                Attempt::Registered => {
-                    let target = target.or(now_id);
-                    config.status.send_modify(|s| s.registrations += 1);
-                    config
-                        .metrics
-                        .registered(last_kubelet.is_some_and(|last| last != target));
-                    last_kubelet = Some(target);
-                    Link::Registered {
-                        kubelet: target,
-                        since: Instant::now(),
-                        awaiting: Some((before, Instant::now() + STREAM_WAIT)),
-                        lost: None,
-                    }
-                }
-                Attempt::NoKubelet => Link::Owed(None),
-                // A new kubelet came up while we talked to the old one (its inotify event may still be on
-                // its way): no reason to wait.
-                Attempt::Failed(_) if changed || now_id != target => registrar.owe_now(),
-                Attempt::Failed(retry_in) => Link::Owed(Some(Instant::now() + retry_in)),
-            };
-            continue;
+            } => Wake::At(Some(*deadline)),
+            Link::Registered { .. } => Wake::At(None),
         }
-        tokio::select! {
-            () = shutdown.cancelled() => break,
-            () = dir_watch.changed() => {
-                // A sign of a kubelet restart; our socket is looked at on the next turn. A sign that changed
-                // nothing (a late duplicate of an event already acted on) must not register twice.
-                if !link.holds(&kubelet_socket) && socket.is_in_place() {
-                    link = registrar.owe_now();
+    }
+
+    /// One registration attempt, run to its end, and the link it leaves. Breaks when serving must stop
+    /// meanwhile.
+    async fn register(&mut self) -> Result<ControlFlow<Stop>, KubeletError> {
+        let before = self.streams.borrow().opened;
+        let target = socket::SocketId::of(&self.kubelet_socket);
+        let (outcome, changed) = match self.attempt_watching().await? {
+            ControlFlow::Continue(ran) => ran,
+            ControlFlow::Break(stop) => return Ok(ControlFlow::Break(stop)),
+        };
+        self.link = self.settle(outcome, target, before, changed);
+        Ok(ControlFlow::Continue(()))
+    }
+
+    /// Runs an attempt to its end while watching the directory: changes meanwhile are noted (the returned
+    /// flag), and our socket is re-bound at once so that the kubelet's dial-back can reach it.
+    async fn attempt_watching(
+        &mut self,
+    ) -> Result<ControlFlow<Stop, (Attempt, bool)>, KubeletError> {
+        let mut changed = false;
+        let attempt = self.registrar.attempt(&self.kubelet_socket);
+        tokio::pin!(attempt);
+        loop {
+            tokio::select! {
+                () = self.shutdown.cancelled() => return Ok(ControlFlow::Break(Stop::Shutdown)),
+                () = self.dir_watch.changed() => {
+                    changed = true;
+                    if self.dir_watch.replaced() {
+                        return Ok(ControlFlow::Break(Stop::DirReplaced));
+                    }
+                    if !self.endpoint.is_in_place() {
+                        tracing::info!(socket = %self.endpoint.path.display(), "plugin socket was removed during registration; binding it again");
+                        self.endpoint.rebind()?;
+                    }
+                }
+                outcome = &mut attempt => return Ok(ControlFlow::Continue((outcome, changed))),
+            }
+        }
+    }
+
+    /// The link an attempt leaves, given `target`, the `kubelet.sock` it began with, and `before`, the streams
+    /// opened by then. A registration with a kubelet that has since been replaced is made again at once;
+    /// so is a failure while the directory changed.
+    fn settle(
+        &mut self,
+        outcome: Attempt,
+        target: Option<socket::SocketId>,
+        before: u64,
+        changed: bool,
+    ) -> Link {
+        // What kubelet.sock is now. If there was none when the attempt began, the one that appeared meanwhile
+        // is the one the attempt reached.
+        let now_id = socket::SocketId::of(&self.kubelet_socket);
+        match outcome {
+            Attempt::Registered if target.is_some() && now_id != target => {
+                tracing::info!(
+                    "kubelet.sock was replaced while registering; registering with the new kubelet"
+                );
+                self.registrar.owe_now()
+            }
+            Attempt::Registered => {
+                let target = target.or(now_id);
+                self.config.status.send_modify(|s| s.registrations += 1);
+                self.config
+                    .metrics
+                    .registered(self.last_kubelet.is_some_and(|last| last != target));
+                self.last_kubelet = Some(target);
+                Link::Registered {
+                    kubelet: target,
+                    since: Instant::now(),
+                    awaiting: Some((before, Instant::now() + STREAM_WAIT)),
+                    lost: None,
                 }
             }
-            changed = streams.changed() => {
+            Attempt::NoKubelet => Link::Owed(None),
+            // A new kubelet came up while we talked to the old one (its inotify event may still be on its
+            // way): no reason to wait.
+            Attempt::Failed(_) if changed || now_id != target => self.registrar.owe_now(),
+            Attempt::Failed(retry_in) => Link::Owed(Some(Instant::now() + retry_in)),
+        }
+    }
+
+    /// Waits for the next thing to act on: shutdown, a directory change, a stream opened or closed, or the
+    /// time to act by ourselves. Breaks when serving must stop.
+    async fn wait(&mut self, wake_at: Option<Instant>) -> ControlFlow<Stop> {
+        tokio::select! {
+            () = self.shutdown.cancelled() => return ControlFlow::Break(Stop::Shutdown),
+            () = self.dir_watch.changed() => self.on_dir_change(),
+            changed = self.streams.changed() => {
                 if changed.is_err() {
                     // The gRPC server is gone (it holds the other end): nothing can be served any more.
-                    break;
+                    return ControlFlow::Break(Stop::ServerGone);
                 }
             }
-            () = sleep_until(wake_at) => {
-                if let Link::Registered { awaiting: Some(_), .. } = link {
-                    let delay = registrar.next_delay();
-                    tracing::warn!(
-                        waited_ms = STREAM_WAIT.as_millis() as u64,
-                        retry_in_ms = delay.as_millis() as u64,
-                        "the kubelet accepted the registration but opened no ListAndWatch stream; registering again"
-                    );
-                    link = Link::Owed(Some(Instant::now() + delay));
-                }
-            }
+            () = sleep_until(wake_at) => self.on_wake(),
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// A sign of a kubelet restart; our socket is looked at on the next turn. A sign that changed nothing (a
+    /// late duplicate of an event already acted on) must not register twice.
+    fn on_dir_change(&mut self) {
+        if !self.link.holds(&self.kubelet_socket) && self.endpoint.is_in_place() {
+            self.link = self.registrar.owe_now();
         }
     }
 
-    drop(conn_tx);
-    socket.remove();
-    let server_died = !shutdown.is_cancelled() && !dir_replaced;
-    server_shutdown.cancel();
-    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => {
-            tracing::warn!(error = %registration::error_chain(&e), "gRPC server stopped with an error")
+    /// The time set by [`Supervisor::next_wake`] came. An owed attempt is due and starts on the next turn;
+    /// a registration whose stream the kubelet did not open in time is made again after a backoff delay.
+    fn on_wake(&mut self) {
+        if let Link::Registered {
+            awaiting: Some(_), ..
+        } = self.link
+        {
+            let delay = self.registrar.next_delay();
+            tracing::warn!(
+                waited_ms = STREAM_WAIT.as_millis() as u64,
+                retry_in_ms = delay.as_millis() as u64,
+                "the kubelet accepted the registration but opened no ListAndWatch stream; registering again"
+            );
+            self.link = Link::Owed(Some(Instant::now() + delay));
         }
-        Ok(Err(e)) => tracing::warn!(error = %e, "gRPC server task failed"),
-        Err(_) => {
-            tracing::warn!("gRPC connections still open after {SHUTDOWN_GRACE:?}; closing them")
-        }
     }
-    if dir_replaced {
-        return Err(KubeletError::DirReplaced(dir.to_path_buf()));
-    }
-    if server_died {
-        return Err(KubeletError::ServerStopped);
-    }
-    Ok(())
 }
 
+/// Sleeps until `at`, or forever without one.
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,

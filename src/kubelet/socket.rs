@@ -108,7 +108,7 @@ pub struct PluginSocket {
     path: PathBuf,
     /// Inode of the socket file we bound: a file at our path with another inode is not ours.
     inode: u64,
-    _acceptor: AbortOnDropHandle<()>,
+    acceptor: AbortOnDropHandle<()>,
 }
 
 impl PluginSocket {
@@ -145,8 +145,17 @@ impl PluginSocket {
         Ok(PluginSocket {
             path: path.to_owned(),
             inode,
-            _acceptor: acceptor,
+            acceptor,
         })
+    }
+
+    /// Binds the path again after our file was deleted (the kubelet deletes every socket here when it
+    /// restarts). The old listener, unreachable without its file, stops before the new one is bound; if the
+    /// bind fails, it stays stopped.
+    pub fn rebind(&mut self, conns: mpsc::Sender<UnixStream>) -> Result<(), KubeletError> {
+        self.acceptor.abort();
+        *self = PluginSocket::bind(&self.path, conns)?;
+        Ok(())
     }
 
     /// Path of the socket.
