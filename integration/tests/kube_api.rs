@@ -340,6 +340,34 @@ async fn a_plugin_stopped_for_good_leaves_the_node_condition_unknown_not_a_stale
 }
 
 #[tokio::test]
+async fn a_plugin_stopped_while_its_condition_write_is_unanswered_still_leaves_it_unknown()
+-> TestResult {
+    let mut node = ApiNode::start("{}\n").await?;
+    node.wait("the first condition", |r| !condition_patches(r).is_empty())
+        .await?;
+    node.api.apply_and_hold_next_status_patch();
+    node.inject(&[format!("xid {} 79", gpu(1))]);
+    node.wait("the condition True taken in", |r| {
+        condition_patches(r)
+            .last()
+            .is_some_and(|p| patched_condition(p)["status"] == "True")
+    })
+    .await?;
+    // The API server has applied the write; its answer has not reached the plugin when it is stopped.
+    node.plugin.signal(nix::sys::signal::Signal::SIGTERM);
+    let exit = node.plugin.wait_exit(WAIT).await;
+    assert!(exit.is_some_and(|s| s.success()), "{}", node.plugin.log());
+    let condition = node.api.node_condition(NODE, "GPUUnhealthy").unwrap();
+    assert_eq!(condition["status"], "Unknown", "{condition}");
+    let message = condition["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("its last report (True): 1 of 4 GPUs Unhealthy"),
+        "{message}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
 async fn a_stopping_plugin_leaves_alone_the_condition_a_newer_instance_wrote() -> TestResult {
     let mut node = ApiNode::start("{}\n").await?;
     node.wait("the first condition", |r| !condition_patches(r).is_empty())

@@ -14,13 +14,54 @@ pub(super) enum Left {
     NothingWritten,
 }
 
-/// The node condition as this instance last wrote it: at stop, the node still showing exactly this means no
-/// other instance has written since.
+/// One node condition this instance sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Written {
     status: String,
     message: String,
     heartbeat: String,
+}
+
+/// Unanswered writes kept: enough for the retries of one stop's last seconds.
+const MAX_UNANSWERED: usize = 8;
+
+/// The node conditions this instance wrote, or may have: the last write the API server answered, and the
+/// writes sent since without an answer (the API server may have applied any of them: the answer can be lost,
+/// or the plugin stopped, after the write was taken in). At stop, the node still showing one of these means
+/// no other instance has written since.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Ours {
+    answered: Option<Written>,
+    unanswered: std::collections::VecDeque<Written>,
+}
+
+impl Ours {
+    /// `written` is about to be sent.
+    fn sending(&mut self, written: Written) {
+        if self.unanswered.len() == MAX_UNANSWERED {
+            self.unanswered.pop_front();
+        }
+        self.unanswered.push_back(written);
+    }
+
+    /// The API server answered `written`: older writes can no longer be what the node shows.
+    fn answered(&mut self, written: Written) {
+        self.unanswered.clear();
+        self.answered = Some(written);
+    }
+
+    /// Ours among what was written, if `current` is one of them.
+    fn find(&self, current: &Written) -> Option<&Written> {
+        self.unanswered
+            .iter()
+            .rev()
+            .chain(self.answered.as_ref())
+            .find(|w| *w == current)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.answered.is_none() && self.unanswered.is_empty()
+    }
 }
 
 impl Cluster {
@@ -30,7 +71,7 @@ impl Cluster {
         self,
         mut wanted: watch::Receiver<WantedCondition>,
         metrics: Arc<Metrics>,
-        written: Arc<std::sync::Mutex<Option<Written>>>,
+        ours: Arc<std::sync::Mutex<Ours>>,
     ) {
         // What the node says now: (status, lastTransitionTime) of our condition, once read.
         let mut on_node: Option<Option<(String, String)>> = None;
@@ -41,13 +82,13 @@ impl Cluster {
             // Whether a newer state arrived while this one was being retried (then it is written at once).
             let mut newer = false;
             loop {
-                let result = self.write_condition(&target, &mut on_node).await;
+                let result = self.write_condition(&target, &mut on_node, &ours).await;
                 metrics.api_call("node_condition", result.is_ok());
                 match result {
                     Ok(wrote) => {
-                        *written
-                            .lock()
-                            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(wrote);
+                        ours.lock()
+                            .unwrap_or_else(|poisoned| poisoned.into_inner())
+                            .answered(wrote);
                         if failing {
                             tracing::info!(node = %self.node, "node condition written again");
                         }
@@ -86,6 +127,7 @@ impl Cluster {
         &self,
         target: &WantedCondition,
         on_node: &mut Option<Option<(String, String)>>,
+        ours: &std::sync::Mutex<Ours>,
     ) -> Result<Written, kube::Error> {
         let path = format!("/api/v1/nodes/{}", self.node);
         let known = match on_node {
@@ -127,22 +169,27 @@ impl Cluster {
             .header("content-type", "application/strategic-merge-patch+json")
             .body(patch.to_string().into_bytes())
             .map_err(kube::Error::HttpError)?;
-        self.client.request_text(request).await?;
-        *on_node = Some(Some((status.to_string(), transition)));
-        Ok(Written {
+        let written = Written {
             status: status.to_string(),
             message: target.message.clone(),
             heartbeat: now,
-        })
+        };
+        ours.lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .sending(written.clone());
+        self.client.request_text(request).await?;
+        *on_node = Some(Some((status.to_string(), transition)));
+        Ok(written)
     }
 
-    /// At stop: the condition `Unknown` if it is still as this instance wrote it. The patch carries the
-    /// Node's `resourceVersion` as read, so that a write by another instance between the read and the
-    /// patch makes the API server refuse it (409) rather than be overwritten.
-    pub(super) async fn leave_stopped(&self, ours: Option<Written>) -> Result<Left, kube::Error> {
-        let Some(ours) = ours else {
+    /// At stop: the condition `Unknown` if it is still as this instance wrote it (or may have: a write whose
+    /// answer had not come). The patch carries the Node's `resourceVersion` as read, so that a write by
+    /// another instance between the read and the patch makes the API server refuse it (409) rather than be
+    /// overwritten.
+    pub(super) async fn leave_stopped(&self, ours: Ours) -> Result<Left, kube::Error> {
+        if ours.is_empty() {
             return Ok(Left::NothingWritten);
-        };
+        }
         let path = format!("/api/v1/nodes/{}", self.node);
         let request = hyper::Request::get(&path)
             .body(Vec::new())
@@ -158,9 +205,9 @@ impl Cluster {
                 message: c.message.unwrap_or_default(),
                 heartbeat: c.last_heartbeat_time.unwrap_or_default(),
             });
-        if current.as_ref() != Some(&ours) {
+        let Some(ours) = current.as_ref().and_then(|c| ours.find(c)) else {
             return Ok(Left::Newer);
-        }
+        };
         let now = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
         let message = crate::util::text::cut_bytes(
             &format!(

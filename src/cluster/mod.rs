@@ -242,7 +242,7 @@ impl ApiAccess {
                     }
                 }
             }
-            let written = Arc::new(std::sync::Mutex::new(None));
+            let written = Arc::new(std::sync::Mutex::new(condition::Ours::default()));
             let keeper = tokio::spawn(cluster.clone().keep_condition(
                 wanted,
                 metrics.clone(),

@@ -58,6 +58,8 @@ struct State {
     events: BTreeMap<(String, String), Value>,
     forbidden: bool,
     fail_next: u32,
+    /// Node status patches still to be applied and then left unanswered ([`FakeApiServer::apply_and_hold_next_status_patch`]).
+    hold_next_status_patches: u32,
     version: u64,
     /// Open watches on one node each: the node's name and where its changes go.
     watches: Vec<(String, tokio::sync::mpsc::UnboundedSender<Value>)>,
@@ -217,6 +219,13 @@ impl FakeApiServer {
         self.with_state(|s| s.forbidden = forbidden);
     }
 
+    /// Applies the next node status patch and records it, but never answers it: the client sees a request
+    /// that the server has taken in while it waits for the answer, as when the API server is slow to reply
+    /// (or the plugin is stopped in between).
+    pub fn apply_and_hold_next_status_patch(&self) {
+        self.with_state(|s| s.hold_next_status_patches += 1);
+    }
+
     /// Answers the next `n` requests 503 Service Unavailable.
     pub fn fail_next(&self, n: u32) {
         self.with_state(|s| s.fail_next = n);
@@ -372,10 +381,34 @@ async fn handle(
             }
         };
     }
-    let (status, mut reply) = {
+    let (status, mut reply, held) = {
         let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
-        route(&mut state, &method, &path, content_type.as_deref(), &body)
+        let (status, reply) = route(&mut state, &method, &path, content_type.as_deref(), &body);
+        let held = method == Method::PATCH
+            && path.starts_with("/api/v1/nodes/")
+            && path.ends_with("/status")
+            && status == StatusCode::OK
+            && state.hold_next_status_patches > 0;
+        if held {
+            state.hold_next_status_patches -= 1;
+        }
+        (status, reply, held)
     };
+    if held {
+        requests.send_modify(|r| {
+            r.push(Recorded {
+                method: method.to_string(),
+                path,
+                query,
+                content_type,
+                body,
+                status: status.as_u16(),
+                at,
+            });
+        });
+        // Applied and recorded; the answer never comes (until the server stops).
+        return std::future::pending().await;
+    }
     if metadata_only && method == Method::GET && status == StatusCode::OK {
         reply = json!({
             "kind": "PartialObjectMetadata",
