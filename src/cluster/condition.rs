@@ -346,15 +346,7 @@ fn device_line(id: &str, index: usize, message: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::DeviceInfo;
-
-    fn inventory(n: usize) -> Inventory {
-        Inventory::new((0..n).map(|i| DeviceInfo {
-            id: format!("GPU-{i}"),
-            numa_node: None,
-            ..DeviceInfo::default()
-        }))
-    }
+    use crate::cluster::tests::inventory;
 
     #[test]
     fn the_condition_lists_every_unhealthy_gpu_and_is_false_when_none_is() {

@@ -288,15 +288,7 @@ impl TokenBucket {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::DeviceInfo;
-
-    fn inventory(n: usize) -> Inventory {
-        Inventory::new((0..n).map(|i| DeviceInfo {
-            id: format!("GPU-{i}"),
-            numa_node: None,
-            ..DeviceInfo::default()
-        }))
-    }
+    use crate::cluster::tests::inventory;
 
     #[test]
     fn a_fault_and_a_recovery_are_transitions_a_new_message_alone_is_not() {

@@ -381,3 +381,17 @@ fn explain(e: &kube::Error, rbac: &str) -> String {
         _ => e.to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::devices::{DeviceInfo, Inventory};
+
+    /// `n` GPUs, `GPU-0` on, for the tests of the Events and the condition.
+    pub(super) fn inventory(n: usize) -> Inventory {
+        Inventory::new((0..n).map(|i| DeviceInfo {
+            id: format!("GPU-{i}"),
+            numa_node: None,
+            ..DeviceInfo::default()
+        }))
+    }
+}

@@ -394,18 +394,17 @@ async fn handle(
         }
         (status, reply, held)
     };
+    let recorded = Recorded {
+        method: method.to_string(),
+        path,
+        query,
+        content_type,
+        body,
+        status: status.as_u16(),
+        at,
+    };
     if held {
-        requests.send_modify(|r| {
-            r.push(Recorded {
-                method: method.to_string(),
-                path,
-                query,
-                content_type,
-                body,
-                status: status.as_u16(),
-                at,
-            });
-        });
+        requests.send_modify(|r| r.push(recorded));
         // Applied and recorded; the answer never comes (until the server stops).
         return std::future::pending().await;
     }
@@ -416,19 +415,7 @@ async fn handle(
             "metadata": reply["metadata"].clone(),
         });
     }
-    answer(
-        requests,
-        Recorded {
-            method: method.to_string(),
-            path,
-            query,
-            content_type,
-            body,
-            status: status.as_u16(),
-            at,
-        },
-        (status, reply),
-    )
+    answer(requests, recorded, (status, reply))
 }
 
 /// A list of nodes, or a watch's stream of changes.
