@@ -1,5 +1,5 @@
 """Every relative link and #anchor in README.md, BENCHMARKS.md and docs/*.md must resolve, anchors as GitHub
-makes them from headings. Run by hand after moving a section: `python3 docs/check_links.py` (exit 1 if broken)."""
+makes them from headings. `.ci/run` runs it; by hand: `python3 docs/check_links.py [ROOT]` (exit 1 if broken)."""
 import re, sys, pathlib
 root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).parent.parent).resolve()
 files = [root / "README.md", root / "BENCHMARKS.md"] + sorted((root / "docs").glob("*.md"))
