@@ -383,7 +383,19 @@ async fn a_replaced_kubelet_directory_stops_the_plugin_for_a_restart(replace: bo
         std::fs::rename(&dir, root.path().join("device-plugins.old"))?;
         std::fs::create_dir(&dir)?;
     } else {
-        std::fs::remove_dir_all(&dir)?;
+        // Removing the directory races with the plugin putting its socket back (it binds a deleted socket
+        // again, as after a kubelet restart): what was made meanwhile is removed again, as `rm -rf` run again
+        // would.
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => break,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::DirectoryNotEmpty
+                        && std::time::Instant::now() < deadline => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
     let status = plugin.wait_exit(WAIT).await;
     let log = plugin.log();

@@ -13,7 +13,7 @@ pub mod socket;
 pub mod watch;
 
 use std::ops::ControlFlow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
@@ -268,6 +268,8 @@ struct Endpoint {
     path: PathBuf,
     conns: mpsc::Sender<UnixStream>,
     socket: PluginSocket,
+    /// Binds in a row whose file vanished as it was made (see [`rebind`]).
+    vanished: u32,
 }
 
 impl Endpoint {
@@ -278,6 +280,7 @@ impl Endpoint {
             path,
             conns,
             socket,
+            vanished: 0,
         })
     }
 
@@ -408,7 +411,9 @@ impl Supervisor {
             if let Some(stop) = self.must_stop() {
                 return Ok(stop);
             }
-            self.keep_socket_in_place()?;
+            if let Some(stop) = self.keep_socket_in_place()? {
+                return Ok(stop);
+            }
             self.follow_streams();
             self.publish_status();
             let wake_at = match self.next_wake() {
@@ -443,15 +448,17 @@ impl Supervisor {
 
     /// Binds our socket again if it was deleted (the kubelet deletes every socket here when it restarts),
     /// and then owes a registration unless we are registered with the kubelet now behind `kubelet.sock`.
-    fn keep_socket_in_place(&mut self) -> Result<(), KubeletError> {
+    fn keep_socket_in_place(&mut self) -> Result<Option<Stop>, KubeletError> {
         if !self.endpoint.is_in_place() {
             tracing::info!(socket = %self.endpoint.path.display(), "plugin socket was removed (kubelet restart?); binding it again");
-            self.endpoint.rebind()?;
+            if let Some(stop) = rebind(&mut self.endpoint)? {
+                return Ok(Some(stop));
+            }
             if !self.link.holds(&self.kubelet_socket) {
                 self.link = self.registrar.owe_now();
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     /// While registered: notes when the kubelet opened its stream, and marks the registration lost when no
@@ -547,7 +554,9 @@ impl Supervisor {
                     }
                     if !self.endpoint.is_in_place() {
                         tracing::info!(socket = %self.endpoint.path.display(), "plugin socket was removed during registration; binding it again");
-                        self.endpoint.rebind()?;
+                        if let Some(stop) = rebind(&mut self.endpoint)? {
+                            return Ok(ControlFlow::Break(stop));
+                        }
                     }
                 }
                 outcome = &mut attempt => return Ok(ControlFlow::Continue((outcome, changed))),
@@ -825,6 +834,38 @@ pub struct KubeletStatus {
     pub registrations: u64,
     /// Whether the kubelet calls PreStartContainer before each container start (the start check).
     pub pre_start_check: bool,
+}
+
+/// Binds in a row whose file may vanish as it is made before that is an error.
+const MAX_VANISHED_BINDS: u32 = 16;
+
+/// Binds our socket again. A file that vanishes as it is made (`NotFound`) means the directory is being
+/// emptied: deleted with everything in it (then serving stops as for a replaced directory, not as for a socket
+/// that cannot be bound), or cleared by a kubelet starting (then the next turn binds again, a bounded number
+/// of times).
+fn rebind(endpoint: &mut Endpoint) -> Result<Option<Stop>, KubeletError> {
+    match endpoint.rebind() {
+        Ok(()) => {
+            endpoint.vanished = 0;
+            Ok(None)
+        }
+        Err(e @ KubeletError::Bind { .. }) if vanished(&e) => {
+            if !endpoint.path.parent().is_some_and(Path::is_dir) {
+                return Ok(Some(Stop::DirReplaced));
+            }
+            endpoint.vanished += 1;
+            if endpoint.vanished > MAX_VANISHED_BINDS {
+                return Err(e);
+            }
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether a bind failed because a path it made was gone a moment later.
+fn vanished(e: &KubeletError) -> bool {
+    matches!(e, KubeletError::Bind { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
 }
 
 #[cfg(test)]
