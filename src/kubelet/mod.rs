@@ -268,7 +268,7 @@ struct Endpoint {
     path: PathBuf,
     conns: mpsc::Sender<UnixStream>,
     socket: PluginSocket,
-    /// Binds in a row whose file vanished as it was made (see [`rebind`]).
+    /// Binds in a row whose file vanished as it was made (see [`Endpoint::rebind`]).
     vanished: u32,
 }
 
@@ -289,9 +289,28 @@ impl Endpoint {
         self.socket.is_in_place()
     }
 
-    /// Binds our socket again, after the kubelet deleted it.
-    fn rebind(&mut self) -> Result<(), KubeletError> {
-        self.socket.rebind(self.conns.clone())
+    /// Binds our socket again, after it was deleted (the kubelet deletes every socket here when it starts).
+    /// A file that vanishes as it is made (`NotFound`) means the directory is being emptied: deleted with
+    /// everything in it (then serving stops as for a replaced directory, not as for a socket that cannot be
+    /// bound), or cleared by a kubelet starting (then the next turn binds again, a bounded number of times).
+    fn rebind(&mut self) -> Result<Option<Stop>, KubeletError> {
+        match self.socket.rebind(self.conns.clone()) {
+            Ok(()) => {
+                self.vanished = 0;
+                Ok(None)
+            }
+            Err(e @ KubeletError::Bind { .. }) if vanished(&e) => {
+                if !self.path.parent().is_some_and(Path::is_dir) {
+                    return Ok(Some(Stop::DirReplaced));
+                }
+                self.vanished += 1;
+                if self.vanished > MAX_VANISHED_BINDS {
+                    return Err(e);
+                }
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Drops our end of the connection channel, then stops accepting and removes our socket file if it is
@@ -451,7 +470,7 @@ impl Supervisor {
     fn keep_socket_in_place(&mut self) -> Result<Option<Stop>, KubeletError> {
         if !self.endpoint.is_in_place() {
             tracing::info!(socket = %self.endpoint.path.display(), "plugin socket was removed (kubelet restart?); binding it again");
-            if let Some(stop) = rebind(&mut self.endpoint)? {
+            if let Some(stop) = self.endpoint.rebind()? {
                 return Ok(Some(stop));
             }
             if !self.link.holds(&self.kubelet_socket) {
@@ -554,7 +573,7 @@ impl Supervisor {
                     }
                     if !self.endpoint.is_in_place() {
                         tracing::info!(socket = %self.endpoint.path.display(), "plugin socket was removed during registration; binding it again");
-                        if let Some(stop) = rebind(&mut self.endpoint)? {
+                        if let Some(stop) = self.endpoint.rebind()? {
                             return Ok(ControlFlow::Break(stop));
                         }
                     }
@@ -838,30 +857,6 @@ pub struct KubeletStatus {
 
 /// Binds in a row whose file may vanish as it is made before that is an error.
 const MAX_VANISHED_BINDS: u32 = 16;
-
-/// Binds our socket again. A file that vanishes as it is made (`NotFound`) means the directory is being
-/// emptied: deleted with everything in it (then serving stops as for a replaced directory, not as for a socket
-/// that cannot be bound), or cleared by a kubelet starting (then the next turn binds again, a bounded number
-/// of times).
-fn rebind(endpoint: &mut Endpoint) -> Result<Option<Stop>, KubeletError> {
-    match endpoint.rebind() {
-        Ok(()) => {
-            endpoint.vanished = 0;
-            Ok(None)
-        }
-        Err(e @ KubeletError::Bind { .. }) if vanished(&e) => {
-            if !endpoint.path.parent().is_some_and(Path::is_dir) {
-                return Ok(Some(Stop::DirReplaced));
-            }
-            endpoint.vanished += 1;
-            if endpoint.vanished > MAX_VANISHED_BINDS {
-                return Err(e);
-            }
-            Ok(None)
-        }
-        Err(e) => Err(e),
-    }
-}
 
 /// Whether a bind failed because a path it made was gone a moment later.
 fn vanished(e: &KubeletError) -> bool {
