@@ -17,6 +17,8 @@
 //!   checkpoint file, answers snapshots and operators' fences.
 //! - [`kubelet`]: the device plugin server, registration, the socket-directory watch, pod-resources.
 //! - [`cluster`]: the Kubernetes API: Events and the node condition.
+//! - [`dra`]: serving GPUs through Dynamic Resource Allocation: the kubelet DRA plugin, its registration, the
+//!   prepared-claim record and the health stream that carries the engine's message into the pod status.
 //! - [`http`]: `/healthz`, `/readyz`, `/status`, `/metrics`, and the status report the `status` command shows.
 //! - [`fence`]: operator inputs: the control socket (`fence`, `release`), the fence directory, the Node
 //!   annotation.
@@ -26,6 +28,7 @@ pub mod api;
 pub mod cluster;
 pub mod config;
 pub mod devices;
+pub mod dra;
 pub mod fence;
 pub mod health;
 pub mod http;

@@ -18,6 +18,7 @@ const ROOMS: &[&str] = &[
     "monitor", // the task around the engine: inventory, checkpoint file, operator requests
     "kubelet", // the device plugin server, registration, the socket watch, pod-resources
     "cluster", // the Kubernetes API: Events, the node condition
+    "dra",  // serving GPUs through DRA: registration, prepare and its record, the health stream
     "http", // /healthz, /readyz, /status, /metrics and the status report
     "fence", // operator inputs: the control socket, the fence directory, the Node annotation
     "config", // flags, environment, our config file and NVIDIA's

@@ -373,7 +373,7 @@ async fn follow(
 }
 
 /// An API error with what to do about the usual ones.
-fn explain(e: &kube::Error, rbac: &str) -> String {
+pub fn explain(e: &kube::Error, rbac: &str) -> String {
     match e {
         kube::Error::Api(status) if status.is_forbidden() => format!(
             "{e} (the plugin's service account needs {rbac}; the RBAC in manifests/base/rbac.yaml grants it)"

@@ -85,14 +85,7 @@ impl Store {
     /// it, so that the next save does not overwrite what it recorded (a newer version's file after a
     /// rollback, a damaged one to look at). Returns where it went.
     pub fn set_aside(&self) -> std::io::Result<PathBuf> {
-        let secs = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let mut name = self.path.file_name().unwrap_or_default().to_os_string();
-        name.push(format!(".unreadable-{secs}"));
-        let aside = self.path.with_file_name(name);
-        std::fs::rename(&self.path, &aside)?;
-        Ok(aside)
+        set_aside(&self.path)
     }
 
     /// Replaces the checkpoint atomically: a crash of the plugin leaves the old file or the new one, never
@@ -105,43 +98,69 @@ impl Store {
         checkpoint: &Checkpoint,
         durability: Durability,
     ) -> Result<(), CheckpointError> {
-        let io = |action, source| CheckpointError::Io {
-            action,
+        let text = checkpoint.encode().map_err(|e| CheckpointError::Io {
+            action: "cannot encode",
             path: self.path.clone(),
-            source,
-        };
-        let text = checkpoint
-            .encode()
-            .map_err(|e| io("cannot encode", e.into()))?;
-        // A temporary file of this write's own: during a rolling update two instances share the state
-        // directory and both write the checkpoint, and a shared temporary name would let their writes mix.
-        // One that is not persisted is removed on drop.
-        let dir = match self.path.parent() {
-            Some(dir) if !dir.as_os_str().is_empty() => dir,
-            _ => Path::new("."),
-        };
-        let mut file = tempfile::Builder::new()
-            .prefix(TEMP_PREFIX)
-            .suffix(".tmp")
-            .tempfile_in(dir)
-            .map_err(|e| io("cannot create a temporary file beside", e))?;
-        file.write_all(&text).map_err(|e| io("cannot write", e))?;
-        let synced = durability == Durability::Synced;
-        if synced {
-            file.as_file()
-                .sync_all()
-                .map_err(|e| io("cannot sync", e))?;
-        }
-        file.persist(&self.path)
-            .map_err(|e| io("cannot replace", e.error))?;
-        if synced && let Some(dir) = self.path.parent() {
-            // Make the rename itself durable.
-            File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| io("cannot sync directory of", e))?;
-        }
-        Ok(())
+            source: e.into(),
+        })?;
+        replace(&self.path, TEMP_PREFIX, &text, durability)
     }
+}
+
+/// Moves a state file that cannot be used out of the way, to `<name>.unreadable-<unix seconds>` beside it,
+/// so that the next save does not overwrite what it recorded. Returns where it went.
+pub fn set_aside(path: &Path) -> std::io::Result<PathBuf> {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".unreadable-{secs}"));
+    let aside = path.with_file_name(name);
+    std::fs::rename(path, &aside)?;
+    Ok(aside)
+}
+
+/// Replaces the state file at `path` with `bytes` atomically, through a temporary file beside it named
+/// `<temp_prefix>…`; with [`Durability::Synced`] the data and the rename are on disk before it returns.
+pub fn replace(
+    path: &Path,
+    temp_prefix: &str,
+    bytes: &[u8],
+    durability: Durability,
+) -> Result<(), CheckpointError> {
+    let io = |action, source| CheckpointError::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    };
+    // A temporary file of this write's own: during a rolling update two instances share the state
+    // directory and both write the file, and a shared temporary name would let their writes mix.
+    // One that is not persisted is removed on drop.
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let mut file = tempfile::Builder::new()
+        .prefix(temp_prefix)
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(|e| io("cannot create a temporary file beside", e))?;
+    file.write_all(bytes).map_err(|e| io("cannot write", e))?;
+    let synced = durability == Durability::Synced;
+    if synced {
+        file.as_file()
+            .sync_all()
+            .map_err(|e| io("cannot sync", e))?;
+    }
+    file.persist(path)
+        .map_err(|e| io("cannot replace", e.error))?;
+    if synced {
+        // Make the rename itself durable.
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| io("cannot sync directory of", e))?;
+    }
+    Ok(())
 }
 
 /// This boot's id, or `None` if it cannot be read.

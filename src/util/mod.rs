@@ -3,6 +3,7 @@
 //! ([`bounded`]) and Unix-socket gRPC channels ([`uds`]).
 
 pub mod bounded;
+pub mod files;
 pub mod limits;
 pub mod runtime;
 pub mod text;

@@ -7,7 +7,7 @@ use std::ffi::OsString;
 use std::fs::{DirEntry, FileType};
 use std::hash::Hasher as _;
 use std::io::Read as _;
-use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, OpenOptionsExt as _};
+use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -395,12 +395,7 @@ fn open_report(path: &Path) -> Result<(Vec<u8>, u64), Unusable> {
             Unusable::Problem(format!("cannot read it: {e}"), 0)
         }
     };
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        // O_NOCTTY: a terminal swapped in is not made the plugin's controlling terminal.
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_NOCTTY)
-        .open(path)
-        .map_err(problem)?;
+    let file = crate::util::files::open_unfollowed(path).map_err(problem)?;
     let metadata = file.metadata().map_err(problem)?;
     let version = hash((
         metadata.ino(),

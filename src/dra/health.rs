@@ -1,0 +1,307 @@
+//! The DRA health stream (`DRAResourceHealth/NodeWatchResources`, `v1alpha1` and `v1`): how the engine's
+//! health and message reach the pod status (`allocatedResourcesStatus`).
+//!
+//! Every message is the complete list of the devices this driver publishes, sent at once, after every change,
+//! and again every [`HealthConfig::heartbeat`] while nothing changes: the kubelet turns a device it has not
+//! heard of within `health_check_timeout_seconds` Unknown, and an end of the stream clears everything it
+//! knew, so the stream is kept open for as long as the plugin runs.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures_util::Stream;
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt as _;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::api::dra::{health_v1, health_v1alpha1};
+use crate::devices::{Health, Inventory, InventoryWatch};
+use crate::health::message::truncate;
+
+use super::names::device_name;
+
+/// How often the stream is sent while nothing changes.
+pub const HEARTBEAT: Duration = Duration::from_secs(10);
+/// How long the kubelet is told to trust a report: three heartbeats, so one late one is no gap.
+pub const REPORT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The health stream's settings.
+#[derive(Debug, Clone)]
+pub struct HealthConfig {
+    /// The pool the devices are published in (the node's name).
+    pub pool: String,
+    /// The time between messages while nothing changes.
+    pub heartbeat: Duration,
+    /// `health_check_timeout_seconds` of every device.
+    pub timeout: Duration,
+}
+
+/// One device's line in a report, before it is put into either version's message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceReport {
+    /// Pool.
+    pub pool: String,
+    /// Device name, as published.
+    pub device: String,
+    /// `HealthStatus` value (the same numbers in both versions).
+    pub health: i32,
+    /// When this was reported, in Unix seconds.
+    pub at: i64,
+    /// Seconds the kubelet should trust it.
+    pub timeout_seconds: i64,
+    /// The engine's message; empty while Healthy.
+    pub message: String,
+}
+
+/// The complete list, as of `now`.
+pub fn report(inventory: &Inventory, config: &HealthConfig, now: SystemTime) -> Vec<DeviceReport> {
+    let at = now
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    inventory
+        .devices()
+        .iter()
+        .map(|d| DeviceReport {
+            pool: config.pool.clone(),
+            device: device_name(&d.info),
+            health: match d.health {
+                Health::Healthy => health_v1::HealthStatus::Healthy as i32,
+                Health::Unhealthy => health_v1::HealthStatus::Unhealthy as i32,
+            },
+            at,
+            timeout_seconds: i64::try_from(config.timeout.as_secs()).unwrap_or(i64::MAX),
+            message: d.reason.as_deref().map(truncate).unwrap_or_default(),
+        })
+        .collect()
+}
+
+/// The service, for both versions.
+#[derive(Clone)]
+pub struct HealthService {
+    devices: InventoryWatch,
+    config: Arc<HealthConfig>,
+    shutdown: CancellationToken,
+}
+
+impl HealthService {
+    /// Reports the devices of `devices` until `shutdown`.
+    pub fn new(devices: InventoryWatch, config: HealthConfig, shutdown: CancellationToken) -> Self {
+        HealthService {
+            devices,
+            config: Arc::new(config),
+            shutdown,
+        }
+    }
+
+    /// The reports of one stream: the list at once, after every change and on every heartbeat. A kubelet
+    /// slower than the changes gets the newest list when it reads again, never a queue of old ones.
+    fn reports(&self) -> mpsc::Receiver<Vec<DeviceReport>> {
+        let (tx, rx) = mpsc::channel(1);
+        let mut devices = self.devices.clone();
+        let config = self.config.clone();
+        let shutdown = self.shutdown.clone();
+        tokio::spawn(async move {
+            let mut beat = tokio::time::interval(config.heartbeat);
+            beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut source_gone = false;
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tx.closed() => return,
+                    changed = devices.changed(), if !source_gone => {
+                        // Without a source the last list stands: an ended stream would clear it.
+                        source_gone = changed.is_err();
+                        beat.reset();
+                    }
+                    _ = beat.tick() => {}
+                }
+                let list = report(&devices.borrow_and_update(), &config, SystemTime::now());
+                if tx.send(list).await.is_err() {
+                    return;
+                }
+            }
+        });
+        rx
+    }
+
+    fn stream<T: Send + 'static>(
+        &self,
+        into: fn(Vec<DeviceReport>) -> T,
+    ) -> Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>> {
+        // Ends at shutdown: the task behind it returns then.
+        Box::pin(ReceiverStream::new(self.reports()).map(move |list| Ok(into(list))))
+    }
+}
+
+fn v1_message(list: Vec<DeviceReport>) -> health_v1::NodeWatchResourcesResponse {
+    health_v1::NodeWatchResourcesResponse {
+        devices: list
+            .into_iter()
+            .map(|d| health_v1::DeviceHealth {
+                device: Some(health_v1::DeviceIdentifier {
+                    pool_name: d.pool,
+                    device_name: d.device,
+                }),
+                health: d.health,
+                last_updated_time: d.at,
+                health_check_timeout_seconds: d.timeout_seconds,
+                message: d.message,
+            })
+            .collect(),
+    }
+}
+
+fn v1alpha1_message(list: Vec<DeviceReport>) -> health_v1alpha1::NodeWatchResourcesResponse {
+    health_v1alpha1::NodeWatchResourcesResponse {
+        devices: list
+            .into_iter()
+            .map(|d| health_v1alpha1::DeviceHealth {
+                device: Some(health_v1alpha1::DeviceIdentifier {
+                    pool_name: d.pool,
+                    device_name: d.device,
+                }),
+                health: d.health,
+                last_updated_time: d.at,
+                health_check_timeout_seconds: d.timeout_seconds,
+                message: d.message,
+            })
+            .collect(),
+    }
+}
+
+type V1Stream =
+    Pin<Box<dyn Stream<Item = Result<health_v1::NodeWatchResourcesResponse, Status>> + Send>>;
+type V1alpha1Stream =
+    Pin<Box<dyn Stream<Item = Result<health_v1alpha1::NodeWatchResourcesResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl health_v1::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = V1Stream;
+
+    async fn node_watch_resources(
+        &self,
+        _request: Request<health_v1::NodeWatchResourcesRequest>,
+    ) -> Result<Response<V1Stream>, Status> {
+        tracing::debug!("the kubelet opened the DRA health stream (v1)");
+        Ok(Response::new(self.stream(v1_message)))
+    }
+}
+
+#[tonic::async_trait]
+impl health_v1alpha1::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = V1alpha1Stream;
+
+    async fn node_watch_resources(
+        &self,
+        _request: Request<health_v1alpha1::NodeWatchResourcesRequest>,
+    ) -> Result<Response<V1alpha1Stream>, Status> {
+        tracing::debug!("the kubelet opened the DRA health stream (v1alpha1)");
+        Ok(Response::new(self.stream(v1alpha1_message)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::DeviceInfo;
+    use std::path::PathBuf;
+    use tokio::sync::watch;
+
+    fn inventory() -> Inventory {
+        Inventory::new((0..2).map(|i| DeviceInfo {
+            id: format!("GPU-{i}"),
+            index: Some(i.to_string()),
+            device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
+            ..DeviceInfo::default()
+        }))
+    }
+
+    fn config(heartbeat: Duration) -> HealthConfig {
+        HealthConfig {
+            pool: "node-a".into(),
+            heartbeat,
+            timeout: REPORT_TIMEOUT,
+        }
+    }
+
+    #[test]
+    fn a_report_lists_every_device_with_the_engines_message() {
+        let mut inv = inventory();
+        inv.set_health(
+            "GPU-1",
+            Health::Unhealthy,
+            Some("XID 79: fell off the bus".into()),
+        );
+        let list = report(
+            &inv,
+            &config(HEARTBEAT),
+            UNIX_EPOCH + Duration::from_secs(7),
+        );
+        assert_eq!(list.len(), 2);
+        assert_eq!(list[0].device, "gpu-0");
+        assert_eq!(list[0].health, health_v1::HealthStatus::Healthy as i32);
+        assert_eq!(list[0].message, "");
+        assert_eq!(list[1].health, health_v1::HealthStatus::Unhealthy as i32);
+        assert_eq!(list[1].message, "XID 79: fell off the bus");
+        assert_eq!((list[1].at, list[1].timeout_seconds), (7, 30));
+        assert_eq!(list[1].pool, "node-a");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_stream_sends_the_list_at_once_on_every_change_and_on_each_heartbeat() {
+        let (tx, rx) = watch::channel(Arc::new(inventory()));
+        let shutdown = CancellationToken::new();
+        let service = HealthService::new(rx, config(Duration::from_secs(10)), shutdown.clone());
+        let mut reports = service.reports();
+        let first = reports.recv().await.expect("first list");
+        assert!(first.iter().all(|d| d.health == 1));
+
+        let mut inv = inventory();
+        inv.set_health("GPU-0", Health::Unhealthy, Some("XID 48".into()));
+        tx.send_replace(Arc::new(inv));
+        let second = reports.recv().await.expect("list after the change");
+        assert_eq!(second[0].health, 2);
+        assert_eq!(second[0].message, "XID 48");
+
+        // Nothing changes: the same list comes again, one heartbeat later and not before.
+        let start = tokio::time::Instant::now();
+        let beat = reports.recv().await.expect("heartbeat");
+        assert_eq!(
+            beat,
+            second
+                .iter()
+                .map(|d| DeviceReport {
+                    at: beat[0].at,
+                    ..d.clone()
+                })
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(start.elapsed(), Duration::from_secs(10));
+
+        shutdown.cancel();
+        assert!(
+            reports.recv().await.is_none(),
+            "the stream ends at shutdown"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_gone_source_keeps_the_last_list_on_the_heartbeat() {
+        let (tx, rx) = watch::channel(Arc::new(inventory()));
+        let service = HealthService::new(
+            rx,
+            config(Duration::from_secs(10)),
+            CancellationToken::new(),
+        );
+        let mut reports = service.reports();
+        assert!(reports.recv().await.is_some());
+        drop(tx);
+        for _ in 0..3 {
+            let list = reports.recv().await.expect("the stream stays open");
+            assert_eq!(list.len(), 2);
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! Serving GPUs through Dynamic Resource Allocation: a kubelet DRA plugin on the same health engine as the
+//! device plugin. The devices it serves are published under NVIDIA's DRA driver's names ([`names`]), prepared
+//! for claims ([`prepare`], with the record of what was prepared, [`record`], and the claims read from the
+//! API server, [`claims`]), and their health is streamed to the kubelet, which puts the engine's message into
+//! the pod status ([`health`]). The kubelet finds the plugin through [`registration`].
+//!
+//! Two sockets: the DRA API on `<plugins dir>/<driver>/dra.sock` (served first), then the registration
+//! socket `<registry dir>/<driver>-reg.sock` that the kubelet's plugin watcher finds. Either socket deleted
+//! while the plugin runs is bound again; both are removed when it stops.
+
+pub mod claims;
+pub mod health;
+pub mod names;
+pub mod prepare;
+pub mod record;
+pub mod registration;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt as _;
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::dra::registration::registration_server::RegistrationServer;
+use crate::api::dra::{health_v1, health_v1alpha1, v1, v1beta1};
+use crate::devices::InventoryWatch;
+use crate::kubelet::KubeletError;
+use crate::kubelet::socket::PluginSocket;
+
+use self::claims::ClaimReader;
+use self::health::{HealthConfig, HealthService};
+use self::prepare::{PrepareConfig, Preparer};
+use self::record::RecordFile;
+use self::registration::{DraStatus, RegistrationService};
+
+/// NVIDIA's DRA driver's name: its DeviceClasses and users' selectors name it.
+pub const DEFAULT_DRIVER: &str = "gpu.nvidia.com";
+/// Where the kubelet's plugin watcher looks.
+pub const DEFAULT_REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
+/// Where DRA plugins keep their sockets.
+pub const DEFAULT_PLUGINS_DIR: &str = "/var/lib/kubelet/plugins";
+/// How often the sockets are checked for being in place.
+const SOCKET_CHECK: Duration = Duration::from_secs(1);
+/// How long the servers get to finish at shutdown.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// The DRA side's settings.
+#[derive(Debug, Clone)]
+pub struct DraConfig {
+    /// Driver name.
+    pub driver: String,
+    /// The kubelet's plugin registry directory.
+    pub registry_dir: PathBuf,
+    /// The kubelet's DRA plugins directory.
+    pub plugins_dir: PathBuf,
+    /// The pool devices are published in: the node's name.
+    pub pool: String,
+    /// CDI kind of the device IDs handed out.
+    pub cdi_kind: String,
+    /// The plugin's state directory (the prepared-claim record).
+    pub state_dir: PathBuf,
+    /// This boot's id, when known: a record from another boot is dropped.
+    pub boot_id: Option<String>,
+    /// The health stream's heartbeat.
+    pub heartbeat: Duration,
+}
+
+impl DraConfig {
+    /// `dra.sock` in the driver's directory under the plugins directory.
+    pub fn endpoint(&self) -> PathBuf {
+        self.plugins_dir.join(&self.driver).join("dra.sock")
+    }
+
+    /// `<driver>-reg.sock` in the registry directory.
+    pub fn registration_socket(&self) -> PathBuf {
+        self.registry_dir.join(format!("{}-reg.sock", self.driver))
+    }
+}
+
+/// Why the DRA side stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum DraError {
+    /// A directory could not be made.
+    #[error("cannot create {}: {source}", .path.display())]
+    Dir {
+        /// The directory.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A socket could not be served.
+    #[error(transparent)]
+    Socket(#[from] KubeletError),
+}
+
+/// One served socket and its gRPC server.
+struct Served {
+    socket: PluginSocket,
+    conns: mpsc::Sender<UnixStream>,
+    task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+impl Served {
+    fn start(
+        path: &Path,
+        router: tonic::transport::server::Router,
+        shutdown: &CancellationToken,
+    ) -> Result<Served, DraError> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| DraError::Dir {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        }
+        let (conns, incoming) = mpsc::channel(16);
+        let socket = PluginSocket::bind(path, conns.clone())?;
+        let incoming = ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>);
+        let task = tokio::spawn(
+            router.serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned()),
+        );
+        Ok(Served {
+            socket,
+            conns,
+            task,
+        })
+    }
+
+    /// Binds the socket again if its file is gone.
+    fn keep_in_place(&mut self) -> Result<(), DraError> {
+        if !self.socket.is_in_place() {
+            tracing::info!(socket = %self.socket.path().display(), "DRA socket gone; binding it again");
+            self.socket.rebind(self.conns.clone())?;
+        }
+        Ok(())
+    }
+
+    async fn stop(self) {
+        self.socket.remove();
+        if tokio::time::timeout(SHUTDOWN_GRACE, self.task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("a DRA gRPC server did not stop within {SHUTDOWN_GRACE:?}");
+        }
+    }
+}
+
+/// Serves `devices` through DRA until `shutdown`: the DRA API, then the registration the kubelet finds.
+/// `status` follows what the kubelet says of the registration.
+pub async fn run(
+    config: DraConfig,
+    devices: InventoryWatch,
+    claims: Arc<dyn ClaimReader>,
+    status: watch::Sender<DraStatus>,
+    shutdown: CancellationToken,
+) -> Result<(), DraError> {
+    let record_file = RecordFile::in_dir(&config.state_dir);
+    let record = {
+        let (file, boot) = (record_file.clone(), config.boot_id.clone());
+        tokio::task::spawn_blocking(move || file.load(boot))
+            .await
+            .unwrap_or_default()
+    };
+    tracing::info!(
+        prepared = record.claims.len(),
+        "prepared-claim record loaded"
+    );
+    let preparer = Preparer::new(
+        PrepareConfig {
+            driver: config.driver.clone(),
+            pool: config.pool.clone(),
+            cdi_kind: config.cdi_kind.clone(),
+        },
+        devices.clone(),
+        claims,
+        record,
+        record_file,
+    );
+    let health = HealthService::new(
+        devices,
+        HealthConfig {
+            pool: config.pool.clone(),
+            heartbeat: config.heartbeat,
+            timeout: health::REPORT_TIMEOUT,
+        },
+        shutdown.clone(),
+    );
+    let endpoint = config.endpoint();
+    let dra = tonic::transport::Server::builder()
+        .add_service(v1::dra_plugin_server::DraPluginServer::new(
+            preparer.clone(),
+        ))
+        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(preparer))
+        .add_service(
+            health_v1::dra_resource_health_server::DraResourceHealthServer::new(health.clone()),
+        )
+        .add_service(
+            health_v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(health),
+        );
+    let mut dra = Served::start(&endpoint, dra, &shutdown)?;
+
+    let registration = RegistrationService::new(config.driver.clone(), endpoint.clone(), status);
+    let reg =
+        tonic::transport::Server::builder().add_service(RegistrationServer::new(registration));
+    let mut reg = match Served::start(&config.registration_socket(), reg, &shutdown) {
+        Ok(reg) => reg,
+        Err(e) => {
+            dra.stop().await;
+            return Err(e);
+        }
+    };
+    tracing::info!(
+        driver = %config.driver,
+        endpoint = %endpoint.display(),
+        registration = %config.registration_socket().display(),
+        "serving GPUs through DRA; waiting for the kubelet's plugin watcher"
+    );
+
+    let mut check = tokio::time::interval(SOCKET_CHECK);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let result = loop {
+        tokio::select! {
+            () = shutdown.cancelled() => break Ok(()),
+            _ = check.tick() => {
+                if let Err(e) = dra.keep_in_place().and_then(|()| reg.keep_in_place()) {
+                    break Err(e);
+                }
+            }
+        }
+    };
+    // The registration first: the kubelet must not find a driver whose API is already gone.
+    reg.stop().await;
+    dra.stop().await;
+    result
+}

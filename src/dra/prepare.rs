@@ -1,0 +1,408 @@
+//! `DRAPlugin` (v1 and v1beta1): preparing a claim's devices for its pod, and unpreparing them.
+//!
+//! Preparing reads the claim from the API server, takes the devices allocated to it from this driver's pool,
+//! and answers with their CDI device IDs (`<cdi kind>=<UUID>`, names the node's CDI spec already holds; the
+//! first of them is the `resourceID` the pod status shows, so it is the GPU's UUID). Every answer is
+//! recorded before the kubelet hears it; a repeated prepare answers from the record; a device held by
+//! another claim is refused, as is a device that is Unhealthy now. Prepare and unprepare are serialized.
+//! Unpreparing a claim the plugin never prepared succeeds: the kubelet asks for claims of pods that never
+//! started and for claims it already unprepared.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use futures_util::future::join_all;
+use tokio::sync::Mutex;
+use tonic::{Request, Response, Status};
+
+use crate::api::dra::{v1, v1beta1};
+use crate::devices::{Health, InventoryWatch};
+
+use super::claims::{Claim, ClaimReader};
+use super::names;
+use super::record::{PreparedClaim, PreparedDevice, Record, RecordFile};
+
+/// A claim as the kubelet names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRef {
+    /// Namespace.
+    pub namespace: String,
+    /// UID.
+    pub uid: String,
+    /// Name.
+    pub name: String,
+}
+
+impl ClaimRef {
+    fn describe(&self) -> String {
+        format!("ResourceClaim {}/{}", self.namespace, self.name)
+    }
+}
+
+/// What preparing serves.
+#[derive(Debug, Clone)]
+pub struct PrepareConfig {
+    /// The driver name devices are allocated under.
+    pub driver: String,
+    /// This node's pool.
+    pub pool: String,
+    /// The CDI kind device IDs are qualified with (`nvidia.com/gpu`).
+    pub cdi_kind: String,
+}
+
+/// The service behind both versions.
+#[derive(Clone)]
+pub struct Preparer {
+    config: Arc<PrepareConfig>,
+    devices: InventoryWatch,
+    claims: Arc<dyn ClaimReader>,
+    record: Arc<Mutex<Record>>,
+    file: Arc<RecordFile>,
+}
+
+impl Preparer {
+    /// Prepares from `devices`, reading claims from `claims`, recording in `file` (starting from `record`).
+    pub fn new(
+        config: PrepareConfig,
+        devices: InventoryWatch,
+        claims: Arc<dyn ClaimReader>,
+        record: Record,
+        file: RecordFile,
+    ) -> Self {
+        Preparer {
+            config: Arc::new(config),
+            devices,
+            claims,
+            record: Arc::new(Mutex::new(record)),
+            file: Arc::new(file),
+        }
+    }
+
+    /// Prepares every claim: by UID, its devices or why it cannot be prepared.
+    pub async fn prepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> HashMap<String, Result<Vec<PreparedDevice>, String>> {
+        // Claims are read before the lock, together: a slow API server delays this call, not every other.
+        let known: Vec<bool> = {
+            let record = self.record.lock().await;
+            claims
+                .iter()
+                .map(|c| record.claims.contains_key(&c.uid))
+                .collect()
+        };
+        let reads = claims.iter().zip(&known).map(|(c, known)| async move {
+            if *known {
+                return Ok(None);
+            }
+            self.claims.get(&c.namespace, &c.name).await.map(Some)
+        });
+        let read = join_all(reads).await;
+
+        let mut record = self.record.lock().await;
+        let before = record.clone();
+        let mut answers = HashMap::new();
+        for (claim, read) in claims.into_iter().zip(read) {
+            let answer = match record.claims.get(&claim.uid) {
+                Some(prepared) => Ok(prepared.devices.clone()),
+                None => match read {
+                    Ok(Some(Some(object))) => self.devices_of(&claim, &object, &record),
+                    Ok(Some(None)) => Err(format!(
+                        "{} is not in the API server (deleted?); the pod needs a claim that exists",
+                        claim.describe()
+                    )),
+                    Ok(None) => Err(format!(
+                        "{} was unprepared while this prepare read it; the kubelet asks again",
+                        claim.describe()
+                    )),
+                    Err(e) => Err(format!(
+                        "cannot read {} from the API server: {e}; the kubelet asks again",
+                        claim.describe()
+                    )),
+                },
+            };
+            if let Ok(devices) = &answer {
+                record.claims.insert(
+                    claim.uid.clone(),
+                    PreparedClaim {
+                        namespace: claim.namespace.clone(),
+                        name: claim.name.clone(),
+                        devices: devices.clone(),
+                    },
+                );
+            }
+            answers.insert(claim.uid, answer);
+        }
+        if *record != before {
+            if let Err(e) = self.save(&record).await {
+                // Nothing is handed out that the record does not hold: a restart must not forget a device's
+                // holder.
+                *record = before;
+                let why = format!("cannot record the prepared claims: {e}; the kubelet asks again");
+                for answer in answers.values_mut() {
+                    if answer.is_ok() {
+                        *answer = Err(why.clone());
+                    }
+                }
+            }
+        }
+        answers
+    }
+
+    /// Unprepares every claim: by UID, success or why not.
+    pub async fn unprepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, Result<(), String>> {
+        let mut record = self.record.lock().await;
+        let before = record.clone();
+        for claim in &claims {
+            if let Some(prepared) = record.claims.remove(&claim.uid) {
+                tracing::info!(claim = %claim.describe(), devices = prepared.devices.len(), "unprepared");
+            }
+        }
+        let saved = if *record != before {
+            self.save(&record).await
+        } else {
+            Ok(())
+        };
+        let answer = match saved {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                *record = before;
+                Err(format!(
+                    "cannot record the unprepared claims: {e}; the kubelet asks again"
+                ))
+            }
+        };
+        claims
+            .into_iter()
+            .map(|c| (c.uid, answer.clone()))
+            .collect()
+    }
+
+    /// Writes the record off the async thread (a synced write waits on the disk).
+    async fn save(&self, record: &Record) -> Result<(), String> {
+        let (file, record) = (self.file.clone(), record.clone());
+        tokio::task::spawn_blocking(move || file.save(&record))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())
+    }
+
+    /// The devices of this driver allocated to `object`, checked against what the node serves now.
+    fn devices_of(
+        &self,
+        claim: &ClaimRef,
+        object: &Claim,
+        record: &Record,
+    ) -> Result<Vec<PreparedDevice>, String> {
+        let name = claim.describe();
+        if object.uid != claim.uid {
+            return Err(format!(
+                "{name} in the API server has UID {}, not {} as the kubelet asks: it was deleted and made \
+                 again; the pod must be recreated to use the new one",
+                object.uid, claim.uid
+            ));
+        }
+        let Some(allocated) = &object.allocated else {
+            return Err(format!(
+                "{name} is not allocated yet; the scheduler allocates it first"
+            ));
+        };
+        let config = &self.config;
+        let inventory = self.devices.borrow().clone();
+        let mut devices: Vec<PreparedDevice> = Vec::new();
+        for result in allocated.iter().filter(|r| r.driver == config.driver) {
+            if result.pool != config.pool {
+                return Err(format!(
+                    "{name} was given device {} of pool {}, but this node publishes pool {}: it was allocated \
+                     for another node",
+                    result.device, result.pool, config.pool
+                ));
+            }
+            let Some(device) = names::find(&inventory, &result.device) else {
+                return Err(format!(
+                    "{name} was given device {}, which this node does not publish (any more); delete the pod \
+                     so that its claim is allocated again",
+                    result.device
+                ));
+            };
+            if device.health == Health::Unhealthy {
+                return Err(format!(
+                    "{name} was given device {} ({}), which is Unhealthy: {}; delete the pod so that its \
+                     claim is allocated another device",
+                    result.device,
+                    device.info.id,
+                    device.reason.as_deref().unwrap_or("no reason recorded")
+                ));
+            }
+            if let Some((uid, holder)) = record.holder(&config.pool, &result.device, &claim.uid) {
+                return Err(format!(
+                    "{name} was given device {}, which is prepared for ResourceClaim {}/{} (UID {uid}); a \
+                     device serves one claim at a time",
+                    result.device, holder.namespace, holder.name
+                ));
+            }
+            let request = result.request.clone();
+            match devices.iter_mut().find(|d| d.device == result.device) {
+                Some(same) => same.requests.push(request),
+                None => devices.push(PreparedDevice {
+                    requests: vec![request],
+                    pool: result.pool.clone(),
+                    device: result.device.clone(),
+                    cdi_device_ids: vec![format!("{}={}", config.cdi_kind, device.info.id)],
+                }),
+            }
+        }
+        tracing::info!(claim = %name, devices = devices.len(), "prepared");
+        Ok(devices)
+    }
+}
+
+fn refs<'a>(claims: impl Iterator<Item = (&'a str, &'a str, &'a str)>) -> Vec<ClaimRef> {
+    claims
+        .map(|(namespace, uid, name)| ClaimRef {
+            namespace: namespace.to_string(),
+            uid: uid.to_string(),
+            name: name.to_string(),
+        })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl v1::dra_plugin_server::DraPlugin for Preparer {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<v1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
+        let request = request.into_inner();
+        let claims = refs(
+            request
+                .claims
+                .iter()
+                .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
+        );
+        let claims = self
+            .prepare(claims)
+            .await
+            .into_iter()
+            .map(|(uid, answer)| {
+                let response = match answer {
+                    Ok(devices) => v1::NodePrepareResourceResponse {
+                        devices: devices
+                            .into_iter()
+                            .map(|d| v1::Device {
+                                request_names: d.requests,
+                                pool_name: d.pool,
+                                device_name: d.device,
+                                cdi_device_ids: d.cdi_device_ids,
+                                share_id: None,
+                            })
+                            .collect(),
+                        error: String::new(),
+                    },
+                    Err(error) => v1::NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error,
+                    },
+                };
+                (uid, response)
+            })
+            .collect();
+        Ok(Response::new(v1::NodePrepareResourcesResponse { claims }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<v1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
+        let request = request.into_inner();
+        let claims = refs(
+            request
+                .claims
+                .iter()
+                .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
+        );
+        let claims = self
+            .unprepare(claims)
+            .await
+            .into_iter()
+            .map(|(uid, answer)| {
+                let error = answer.err().unwrap_or_default();
+                (uid, v1::NodeUnprepareResourceResponse { error })
+            })
+            .collect();
+        Ok(Response::new(v1::NodeUnprepareResourcesResponse { claims }))
+    }
+}
+
+#[tonic::async_trait]
+impl v1beta1::dra_plugin_server::DraPlugin for Preparer {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<v1beta1::NodePrepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
+        let request = request.into_inner();
+        let claims = refs(
+            request
+                .claims
+                .iter()
+                .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
+        );
+        let claims = self
+            .prepare(claims)
+            .await
+            .into_iter()
+            .map(|(uid, answer)| {
+                let response = match answer {
+                    Ok(devices) => v1beta1::NodePrepareResourceResponse {
+                        devices: devices
+                            .into_iter()
+                            .map(|d| v1beta1::Device {
+                                request_names: d.requests,
+                                pool_name: d.pool,
+                                device_name: d.device,
+                                cdi_device_ids: d.cdi_device_ids,
+                            })
+                            .collect(),
+                        error: String::new(),
+                    },
+                    Err(error) => v1beta1::NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error,
+                    },
+                };
+                (uid, response)
+            })
+            .collect();
+        Ok(Response::new(v1beta1::NodePrepareResourcesResponse {
+            claims,
+        }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<v1beta1::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
+        let request = request.into_inner();
+        let claims = refs(
+            request
+                .claims
+                .iter()
+                .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
+        );
+        let claims = self
+            .unprepare(claims)
+            .await
+            .into_iter()
+            .map(|(uid, answer)| {
+                let error = answer.err().unwrap_or_default();
+                (uid, v1beta1::NodeUnprepareResourceResponse { error })
+            })
+            .collect();
+        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse {
+            claims,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests;

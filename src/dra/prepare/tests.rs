@@ -1,0 +1,276 @@
+use std::path::PathBuf;
+use std::sync::Mutex as StdMutex;
+
+use tokio::sync::watch;
+
+use super::*;
+use crate::devices::{DeviceInfo, Inventory};
+use crate::dra::claims::Allocated;
+
+/// Claims as a test sets them; a read of one not set is "not found", and `fail` makes every read fail.
+#[derive(Default)]
+struct Claims {
+    claims: StdMutex<HashMap<String, Claim>>,
+    fail: StdMutex<Option<String>>,
+}
+
+impl Claims {
+    fn allocate(&self, name: &str, uid: &str, devices: &[(&str, &str, &str)]) {
+        let allocated = devices
+            .iter()
+            .map(|(request, pool, device)| Allocated {
+                request: request.to_string(),
+                driver: "gpu.nvidia.com".into(),
+                pool: pool.to_string(),
+                device: device.to_string(),
+            })
+            .collect();
+        let claim = Claim {
+            uid: uid.into(),
+            allocated: Some(allocated),
+        };
+        self.claims.lock().expect("lock").insert(name.into(), claim);
+    }
+}
+
+#[tonic::async_trait]
+impl ClaimReader for Claims {
+    async fn get(&self, _namespace: &str, name: &str) -> Result<Option<Claim>, String> {
+        if let Some(why) = self.fail.lock().expect("lock").clone() {
+            return Err(why);
+        }
+        Ok(self.claims.lock().expect("lock").get(name).cloned())
+    }
+}
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    state: PathBuf,
+    devices: watch::Sender<Arc<Inventory>>,
+    claims: Arc<Claims>,
+}
+
+fn inventory() -> Inventory {
+    Inventory::new((0..2).map(|i| DeviceInfo {
+        id: format!("GPU-{i}"),
+        index: Some(i.to_string()),
+        device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
+        ..DeviceInfo::default()
+    }))
+}
+
+fn setup() -> Setup {
+    let dir = tempfile::tempdir().expect("dir");
+    Setup {
+        state: dir.path().to_path_buf(),
+        _dir: dir,
+        devices: watch::Sender::new(Arc::new(inventory())),
+        claims: Arc::new(Claims::default()),
+    }
+}
+
+impl Setup {
+    fn preparer(&self) -> Preparer {
+        let file = RecordFile::in_dir(&self.state);
+        Preparer::new(
+            PrepareConfig {
+                driver: "gpu.nvidia.com".into(),
+                pool: "node-a".into(),
+                cdi_kind: "nvidia.com/gpu".into(),
+            },
+            self.devices.subscribe(),
+            self.claims.clone(),
+            file.load(None),
+            file,
+        )
+    }
+}
+
+fn claim(name: &str, uid: &str) -> ClaimRef {
+    ClaimRef {
+        namespace: "ns".into(),
+        uid: uid.into(),
+        name: name.into(),
+    }
+}
+
+#[tokio::test]
+async fn a_claim_is_prepared_with_its_gpus_uuid_as_cdi_id_and_answered_again_from_the_record() {
+    let s = setup();
+    s.claims
+        .allocate("train", "u-1", &[("gpu", "node-a", "gpu-1")]);
+    let preparer = s.preparer();
+    let answer = preparer.prepare(vec![claim("train", "u-1")]).await;
+    let devices = answer["u-1"].clone().expect("prepared");
+    assert_eq!(devices.len(), 1);
+    assert_eq!(devices[0].device, "gpu-1");
+    assert_eq!(devices[0].requests, vec!["gpu".to_string()]);
+    assert_eq!(
+        devices[0].cdi_device_ids,
+        vec!["nvidia.com/gpu=GPU-1".to_string()]
+    );
+
+    // The API server is gone now: a repeated prepare (the kubelet retries) answers from the record, and so
+    // does a new instance (a restart, or the other pod of a rolling update).
+    *s.claims.fail.lock().expect("lock") = Some("connection refused".into());
+    assert_eq!(
+        preparer.prepare(vec![claim("train", "u-1")]).await["u-1"],
+        Ok(devices.clone())
+    );
+    assert_eq!(
+        s.preparer().prepare(vec![claim("train", "u-1")]).await["u-1"],
+        Ok(devices)
+    );
+}
+
+#[tokio::test]
+async fn a_device_prepared_for_one_claim_is_refused_to_another_until_unprepared() {
+    let s = setup();
+    s.claims
+        .allocate("first", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    s.claims
+        .allocate("second", "u-2", &[("gpu", "node-a", "gpu-0")]);
+    let preparer = s.preparer();
+    assert!(preparer.prepare(vec![claim("first", "u-1")]).await["u-1"].is_ok());
+    let refused = preparer.prepare(vec![claim("second", "u-2")]).await["u-2"].clone();
+    let why = refused.expect_err("held by the first claim");
+    assert!(
+        why.contains("ResourceClaim ns/first") && why.contains("gpu-0"),
+        "{why}"
+    );
+
+    // After a restart too: the holder is in the record.
+    let restarted = s.preparer();
+    assert!(restarted.prepare(vec![claim("second", "u-2")]).await["u-2"].is_err());
+    assert_eq!(
+        restarted.unprepare(vec![claim("first", "u-1")]).await["u-1"],
+        Ok(())
+    );
+    assert!(restarted.prepare(vec![claim("second", "u-2")]).await["u-2"].is_ok());
+}
+
+#[tokio::test]
+async fn unpreparing_a_claim_never_prepared_succeeds() {
+    let s = setup();
+    let answer = s.preparer().unprepare(vec![claim("ghost", "u-9")]).await;
+    assert_eq!(answer["u-9"], Ok(()));
+}
+
+#[tokio::test]
+async fn each_claim_that_cannot_be_prepared_says_why_and_what_to_do() {
+    let s = setup();
+    s.claims
+        .allocate("renewed", "u-new", &[("gpu", "node-a", "gpu-0")]);
+    s.claims
+        .allocate("elsewhere", "u-2", &[("gpu", "node-b", "gpu-0")]);
+    s.claims
+        .allocate("gone-gpu", "u-3", &[("gpu", "node-a", "gpu-7")]);
+    s.claims.claims.lock().expect("lock").insert(
+        "pending".into(),
+        Claim {
+            uid: "u-4".into(),
+            allocated: None,
+        },
+    );
+    let mut sick = inventory();
+    sick.set_health(
+        "GPU-1",
+        Health::Unhealthy,
+        Some("XID 79: the GPU fell off the bus".into()),
+    );
+    s.devices.send_replace(Arc::new(sick));
+    s.claims
+        .allocate("sick", "u-5", &[("gpu", "node-a", "gpu-1")]);
+
+    let answer = s
+        .preparer()
+        .prepare(vec![
+            claim("renewed", "u-old"),
+            claim("elsewhere", "u-2"),
+            claim("gone-gpu", "u-3"),
+            claim("pending", "u-4"),
+            claim("sick", "u-5"),
+            claim("missing", "u-6"),
+        ])
+        .await;
+    let why = |uid: &str| answer[uid].clone().expect_err("refused");
+    assert!(
+        why("u-old").contains("deleted and made again"),
+        "{}",
+        why("u-old")
+    );
+    assert!(
+        why("u-2").contains("allocated for another node"),
+        "{}",
+        why("u-2")
+    );
+    assert!(why("u-3").contains("does not publish"), "{}", why("u-3"));
+    assert!(why("u-4").contains("not allocated yet"), "{}", why("u-4"));
+    assert!(why("u-5").contains("Unhealthy: XID 79"), "{}", why("u-5"));
+    assert!(
+        why("u-6").contains("not in the API server"),
+        "{}",
+        why("u-6")
+    );
+    assert_eq!(answer.len(), 6, "every claim has its answer");
+}
+
+#[tokio::test]
+async fn an_api_server_that_fails_fails_the_claim_and_records_nothing() {
+    let s = setup();
+    s.claims
+        .allocate("train", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    *s.claims.fail.lock().expect("lock") = Some("503 Service Unavailable".into());
+    let preparer = s.preparer();
+    let why = preparer.prepare(vec![claim("train", "u-1")]).await["u-1"]
+        .clone()
+        .expect_err("failed");
+    assert!(why.contains("503") && why.contains("asks again"), "{why}");
+    *s.claims.fail.lock().expect("lock") = None;
+    assert!(preparer.prepare(vec![claim("train", "u-1")]).await["u-1"].is_ok());
+}
+
+#[tokio::test]
+async fn a_record_that_cannot_be_written_hands_nothing_out() {
+    let s = setup();
+    s.claims
+        .allocate("train", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    let blocked = s.state.join("not-a-dir");
+    std::fs::write(&blocked, "").expect("file");
+    let preparer = Preparer::new(
+        PrepareConfig {
+            driver: "gpu.nvidia.com".into(),
+            pool: "node-a".into(),
+            cdi_kind: "nvidia.com/gpu".into(),
+        },
+        s.devices.subscribe(),
+        s.claims.clone(),
+        Record::new(None),
+        RecordFile::in_dir(&blocked),
+    );
+    let why = preparer.prepare(vec![claim("train", "u-1")]).await["u-1"]
+        .clone()
+        .expect_err("not recorded, not handed out");
+    assert!(why.contains("cannot record"), "{why}");
+    // Nothing was kept either: the same device is free for another claim once the record works.
+    assert!(preparer.record.lock().await.claims.is_empty());
+}
+
+#[tokio::test]
+async fn two_requests_on_one_device_list_the_device_once_with_both() {
+    let s = setup();
+    s.claims.allocate(
+        "pair",
+        "u-1",
+        &[
+            ("a", "node-a", "gpu-0"),
+            ("b", "node-a", "gpu-0"),
+            ("c", "node-a", "gpu-1"),
+        ],
+    );
+    let devices = s.preparer().prepare(vec![claim("pair", "u-1")]).await["u-1"]
+        .clone()
+        .expect("prepared");
+    assert_eq!(devices.len(), 2);
+    assert_eq!(devices[0].requests, vec!["a".to_string(), "b".to_string()]);
+}

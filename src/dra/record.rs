@@ -1,0 +1,252 @@
+//! The prepared-claim record: `<state-dir>/dra-prepared-claims.json`, every claim this node prepared and
+//! what the kubelet was given for it. A prepare repeated after a restart (the kubelet retries, or asks a new
+//! instance during a rolling update) answers from it; unprepare removes from it; a device prepared for one
+//! claim is refused to another while the first holds it.
+//!
+//! Preparing a claim changes nothing on the node (the CDI IDs name specs that exist already), so a claim is
+//! written once, complete; a prepare the process did not live to record is simply done again. The file is
+//! replaced atomically and synced before the kubelet hears the answer. A record from another boot is dropped
+//! (the kubelet prepares every claim again after a reboot); one that cannot be read is set aside with a
+//! warning, and the plugin starts with an empty record.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::health::checkpoint::Durability;
+use crate::monitor::checkpoint::{self as files, CheckpointError};
+
+/// File name in the state directory.
+pub const FILE_NAME: &str = "dra-prepared-claims.json";
+const TEMP_PREFIX: &str = ".dra-prepared-claims.";
+/// The record's format version.
+const VERSION: u32 = 1;
+/// A record larger than this is not ours to parse (10 000 claims of 8 devices fit well under it).
+const MAX_BYTES: u64 = 16 * 1024 * 1024;
+
+/// One device as the kubelet was given it for a claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PreparedDevice {
+    /// The claim's requests this device satisfies.
+    pub requests: Vec<String>,
+    /// Pool.
+    pub pool: String,
+    /// Device name.
+    pub device: String,
+    /// The CDI device IDs handed out.
+    pub cdi_device_ids: Vec<String>,
+}
+
+/// One prepared claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PreparedClaim {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// Its devices of this driver.
+    pub devices: Vec<PreparedDevice>,
+}
+
+/// Every claim prepared on this node, by claim UID.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Record {
+    version: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    boot_id: Option<String>,
+    /// Prepared claims by UID.
+    pub claims: BTreeMap<String, PreparedClaim>,
+}
+
+impl Record {
+    /// An empty record for this boot.
+    pub fn new(boot_id: Option<String>) -> Self {
+        Record {
+            version: VERSION,
+            boot_id,
+            claims: BTreeMap::new(),
+        }
+    }
+
+    /// The claim other than `uid` that holds `device` of `pool`, if any.
+    pub fn holder(&self, pool: &str, device: &str, uid: &str) -> Option<(&str, &PreparedClaim)> {
+        self.claims
+            .iter()
+            .find(|(other, claim)| {
+                *other != uid
+                    && claim
+                        .devices
+                        .iter()
+                        .any(|d| d.pool == pool && d.device == device)
+            })
+            .map(|(uid, claim)| (uid.as_str(), claim))
+    }
+}
+
+/// The record's file.
+#[derive(Debug, Clone)]
+pub struct RecordFile {
+    path: PathBuf,
+}
+
+impl RecordFile {
+    /// The record in `state_dir`.
+    pub fn in_dir(state_dir: &Path) -> Self {
+        RecordFile {
+            path: state_dir.join(FILE_NAME),
+        }
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The record as it was left: empty when there is none, when it is from another boot, or when it
+    /// cannot be used (set aside, with a warning).
+    pub fn load(&self, boot_id: Option<String>) -> Record {
+        match self.read() {
+            Ok(None) => Record::new(boot_id),
+            Ok(Some(record)) if boot_id.is_some() && record.boot_id != boot_id => {
+                tracing::info!(
+                    claims = record.claims.len(),
+                    "the prepared-claim record is from another boot; the kubelet prepares its claims again"
+                );
+                Record::new(boot_id)
+            }
+            Ok(Some(mut record)) => {
+                record.boot_id = boot_id;
+                record
+            }
+            Err(why) => {
+                let aside = files::set_aside(&self.path)
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|e| format!("not moved: {e}"));
+                tracing::warn!(
+                    file = %self.path.display(),
+                    set_aside = %aside,
+                    error = %why,
+                    "the prepared-claim record cannot be used; starting with none (a claim the kubelet \
+                     asks for again is prepared again)"
+                );
+                Record::new(boot_id)
+            }
+        }
+    }
+
+    fn read(&self) -> Result<Option<Record>, String> {
+        use std::io::Read as _;
+        let file = match crate::util::files::open_unfollowed(&self.path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("cannot read it: {e}")),
+        };
+        if !file.metadata().map_err(|e| e.to_string())?.is_file() {
+            return Err("not a regular file".into());
+        }
+        let mut text = String::new();
+        file.take(MAX_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| format!("cannot read it: {e}"))?;
+        if text.len() as u64 > MAX_BYTES {
+            return Err(format!("larger than {MAX_BYTES} bytes"));
+        }
+        let record: Record = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+        if record.version != VERSION {
+            return Err(format!(
+                "format version {} (this plugin writes {VERSION})",
+                record.version
+            ));
+        }
+        Ok(Some(record))
+    }
+
+    /// Replaces the file with `record`, synced.
+    pub fn save(&self, record: &Record) -> Result<(), CheckpointError> {
+        let text = serde_json::to_vec(record).map_err(|e| CheckpointError::Io {
+            action: "cannot encode",
+            path: self.path.clone(),
+            source: e.into(),
+        })?;
+        files::replace(&self.path, TEMP_PREFIX, &text, Durability::Synced)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(device: &str) -> PreparedClaim {
+        PreparedClaim {
+            namespace: "ns".into(),
+            name: "train".into(),
+            devices: vec![PreparedDevice {
+                requests: vec!["gpu".into()],
+                pool: "node-a".into(),
+                device: device.into(),
+                cdi_device_ids: vec!["nvidia.com/gpu=GPU-0".into()],
+            }],
+        }
+    }
+
+    #[test]
+    fn a_saved_record_loads_again_in_the_same_boot_and_not_in_another() {
+        let dir = tempfile::tempdir().expect("dir");
+        let file = RecordFile::in_dir(dir.path());
+        let mut record = Record::new(Some("boot-1".into()));
+        record.claims.insert("uid-1".into(), claim("gpu-0"));
+        file.save(&record).expect("save");
+        assert_eq!(file.load(Some("boot-1".into())), record);
+        assert!(file.load(Some("boot-2".into())).claims.is_empty());
+    }
+
+    #[test]
+    fn a_corrupt_record_is_set_aside_and_the_plugin_starts_with_none() {
+        let dir = tempfile::tempdir().expect("dir");
+        let file = RecordFile::in_dir(dir.path());
+        std::fs::write(file.path(), "{\"version\": 1, \"claims\": [").expect("write");
+        assert!(file.load(None).claims.is_empty());
+        assert!(!file.path().exists(), "moved out of the way");
+        let aside = std::fs::read_dir(dir.path())
+            .expect("list")
+            .filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().contains(".unreadable-"));
+        assert!(aside, "kept beside, to look at");
+    }
+
+    #[test]
+    fn a_fifo_in_place_of_the_record_is_not_waited_on() {
+        let dir = tempfile::tempdir().expect("dir");
+        let file = RecordFile::in_dir(dir.path());
+        let made = std::process::Command::new("mkfifo")
+            .arg(file.path())
+            .status();
+        assert!(made.is_ok_and(|s| s.success()), "mkfifo");
+        // Opening a FIFO for reading blocks until a writer comes; the test would hang if it were opened so.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let path = dir.path().to_path_buf();
+        std::thread::spawn(move || {
+            let _sent = tx.send(RecordFile::in_dir(&path).load(None));
+        });
+        let loaded = rx
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("load returns");
+        assert!(loaded.claims.is_empty());
+    }
+
+    #[test]
+    fn the_holder_of_a_device_is_another_claim_never_the_one_asking() {
+        let mut record = Record::new(None);
+        record.claims.insert("uid-1".into(), claim("gpu-0"));
+        assert_eq!(
+            record.holder("node-a", "gpu-0", "uid-2").map(|h| h.0),
+            Some("uid-1")
+        );
+        assert!(record.holder("node-a", "gpu-0", "uid-1").is_none());
+        assert!(record.holder("node-a", "gpu-1", "uid-2").is_none());
+    }
+}
