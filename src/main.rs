@@ -13,6 +13,7 @@ use gpu_device_plugin::devices;
 use gpu_device_plugin::devices::allocation::MpsDirs;
 use gpu_device_plugin::devices::mig::ResourceNaming;
 use gpu_device_plugin::devices::resources::ResourcePlan;
+use gpu_device_plugin::dra::DraError;
 use gpu_device_plugin::fence;
 use gpu_device_plugin::http;
 use gpu_device_plugin::kubelet::pods::PodResources;
@@ -151,19 +152,33 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     let monitored = monitor::spawn_monitored(source, monitor_config)
         .context("cannot start the device source")?;
 
-    let (plan, plugins) = plugins_for(&settings, &monitored, &metrics)?;
+    // One road per GPU: those served through DRA are not in the device plugin's view.
+    let roads = Roads::split(&settings, &monitored.inventory)?;
+    let (plan, plugins) = plugins_for(&settings, &roads.device_plugin, &metrics)?;
     let links: Vec<_> = plugins.iter().map(|(p, _)| p.status.subscribe()).collect();
 
     // An unusable --kubeconfig stops the plugin here, before it registers; no API access at all is one line
-    // and everything else goes on.
+    // and everything else goes on (but DRA, which cannot work without it).
     let api = ApiAccess::resolve(&settings.cluster).await?;
+    let dra = match (&settings.dra, &roads.dra, &api) {
+        (Some(dra), Some(devices), Some(api)) => {
+            Some(start_dra(&settings, dra, devices.clone(), api, &shutdown)?)
+        }
+        (Some(_), _, None) => bail!(
+            "--dra needs the Kubernetes API (claims are read from it): run in a pod with a service account, \
+             or give --kubeconfig"
+        ),
+        _ => None,
+    };
     let pods = pod_resources(&settings, &plugins, &monitored);
     let api_stop = api.map(|api| {
         // The kubelet first: the API client starts once the first registration is accepted, or after a
         // couple of seconds without one. Health changes meanwhile are reported then.
-        let kubelet = links[0].clone();
+        let kubelet = links.first().cloned();
         let registered = async move {
-            let _either = kubelet::registered_or_late(kubelet).await;
+            if let Some(kubelet) = kubelet {
+                let _either = kubelet::registered_or_late(kubelet).await;
+            }
         };
         let before = monitored.inventory.borrow().clone();
         api.spawn(
@@ -195,7 +210,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         },
         &shutdown,
     )?;
-    let failed = serve(plugins, &shutdown).await;
+    let failed = serve(plugins, dra, &shutdown).await;
 
     // The checkpoint holds what the kubelet was last told before the process goes: a write still queued when
     // the runtime stops would never run.
@@ -214,7 +229,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         );
     }
     if let Some(e) = failed {
-        return Err(e.into());
+        return Err(e);
     }
     if reload.load(std::sync::atomic::Ordering::SeqCst) {
         return Ok(Stopped::Reload);
@@ -256,19 +271,79 @@ fn open_source(settings: &Settings) -> anyhow::Result<Box<dyn DeviceSource>> {
 /// Each resource's registration settings, with the view of the inventory it lists.
 type Plugins = Vec<(PluginConfig, devices::InventoryWatch)>;
 
+/// The devices each road serves: the device plugin's view, and DRA's when it is on. A GPU is in one of them.
+struct Roads {
+    device_plugin: devices::InventoryWatch,
+    dra: Option<devices::InventoryWatch>,
+}
+
+impl Roads {
+    /// Splits the inventory by `--dra`; a selection naming a GPU the node does not have stops the start.
+    fn split(settings: &Settings, inventory: &devices::InventoryWatch) -> anyhow::Result<Roads> {
+        let Some(dra) = &settings.dra else {
+            return Ok(Roads {
+                device_plugin: inventory.clone(),
+                dra: None,
+            });
+        };
+        dra.gpus
+            .check(&inventory.borrow())
+            .map_err(|why| anyhow::anyhow!("{why}"))?;
+        let (mine, theirs) = (dra.gpus.clone(), dra.gpus.clone());
+        Ok(Roads {
+            device_plugin: devices::subset_watch(inventory.clone(), move |i| !mine.serves(i)),
+            dra: Some(devices::subset_watch(inventory.clone(), move |i| theirs.serves(i))),
+        })
+    }
+}
+
+/// Starts the DRA side on its own thread; resolves when it stops.
+fn start_dra(
+    settings: &Settings,
+    dra: &config::DraSettings,
+    devices: devices::InventoryWatch,
+    api: &ApiAccess,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
+    let config = gpu_device_plugin::dra::DraConfig {
+        driver: dra.driver.clone(),
+        registry_dir: dra.registry_dir.clone(),
+        plugins_dir: dra.plugins_dir.clone(),
+        pool: api.node().to_string(),
+        cdi_kind: settings.allocate.cdi_kind.clone(),
+        state_dir: settings.state_dir.clone(),
+        boot_id: monitor::checkpoint::read_boot_id(&settings.monitor.boot_id_path),
+        heartbeat: gpu_device_plugin::dra::health::HEARTBEAT,
+    };
+    let status = tokio::sync::watch::Sender::new(Default::default());
+    gpu_device_plugin::dra::spawn(
+        config,
+        devices,
+        api.client_config(),
+        status,
+        shutdown.clone(),
+    )
+    .context("cannot start the DRA side's thread")
+}
+
 /// One registration per resource: whole GPUs, under migStrategy mixed each MIG profile, and each name shared
 /// devices are served under; each with its socket, its view of the inventory, and its device list checked
 /// against the kubelet's message limit.
 fn plugins_for(
     settings: &Settings,
-    monitored: &monitor::Monitored,
+    inventory: &devices::InventoryWatch,
     metrics: &Arc<Metrics>,
 ) -> anyhow::Result<(Arc<ResourcePlan>, Plugins)> {
-    let (plan, warnings) = plan_resources(settings, &monitored.inventory.borrow())?;
+    let (plan, warnings) = plan_resources(settings, &inventory.borrow())?;
+    let plan = Arc::new(plan);
+    // Every GPU served through DRA: the device plugin does not register (a resource with no device would
+    // still be one the scheduler counts on this node).
+    if settings.dra.is_some() && inventory.borrow().is_empty() {
+        return Ok((plan, Vec::new()));
+    }
     for warning in warnings {
         tracing::warn!("{warning}");
     }
-    let plan = Arc::new(plan);
     let several = plan.resources().len() > 1;
     let mut plugins = Vec::new();
     for (position, served) in plan.resources().iter().enumerate() {
@@ -289,11 +364,9 @@ fn plugins_for(
         plugin.metrics = metrics.clone();
         let inventory = if several {
             let plan = plan.clone();
-            devices::subset_watch(monitored.inventory.clone(), move |info| {
-                plan.serves(position, info)
-            })
+            devices::subset_watch(inventory.clone(), move |info| plan.serves(position, info))
         } else {
-            monitored.inventory.clone()
+            inventory.clone()
         };
         let size = kubelet::server::check_list_size(
             &served.name,
@@ -362,11 +435,28 @@ fn start_side_surfaces(
 /// Serves every resource until shutdown; one that cannot be served stops them all (the DaemonSet restarts
 /// the pod), as a node half-served would hide the other half's capacity without a word. Returns the first
 /// failure.
-async fn serve(plugins: Plugins, shutdown: &CancellationToken) -> Option<kubelet::KubeletError> {
-    let mut served: futures_util::stream::FuturesUnordered<_> = plugins
+async fn serve(
+    plugins: Plugins,
+    dra: Option<tokio::sync::oneshot::Receiver<Result<(), DraError>>>,
+    shutdown: &CancellationToken,
+) -> Option<anyhow::Error> {
+    let mut served: futures_util::stream::FuturesUnordered<
+        std::pin::Pin<Box<dyn std::future::Future<Output = anyhow::Result<()>> + Send>>,
+    > = plugins
         .into_iter()
-        .map(|(plugin, inventory)| kubelet::run(plugin, inventory, shutdown.clone()))
+        .map(|(plugin, inventory)| {
+            let run = kubelet::run(plugin, inventory, shutdown.clone());
+            Box::pin(async move { run.await.map_err(anyhow::Error::from) }) as _
+        })
         .collect();
+    if let Some(dra) = dra {
+        served.push(Box::pin(async move {
+            match dra.await {
+                Ok(result) => result.map_err(anyhow::Error::from),
+                Err(_) => Err(anyhow::anyhow!("the DRA side's thread ended without a word")),
+            }
+        }));
+    }
     let mut failed = None;
     while let Some(result) = served.next().await {
         if let Err(e) = result {

@@ -176,6 +176,17 @@ impl ApiAccess {
         }))
     }
 
+    /// The client settings, for another side that talks to the API server (DRA's claims and slices) with a
+    /// client of its own, built on its own thread.
+    pub fn client_config(&self) -> Config {
+        self.config.clone()
+    }
+
+    /// This node's name.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
     /// Reports the devices' health from `start` on: once `start` resolves (the plugin registers first: the
     /// client's TLS set-up is work the kubelet must not wait behind), builds the client, writes the node
     /// condition, and from then on follows `inventory`: the condition on every change of health, Events on

@@ -276,6 +276,38 @@ pub struct Args {
     )]
     pub node_name: Option<String>,
 
+    /// Serve GPUs through Dynamic Resource Allocation instead of the device plugin: all, or a list of GPU
+    /// indices and UUIDs (the others stay with the device plugin; a GPU is never served by both) [default: off]
+    #[arg(long, env = "GPU_DEVICE_PLUGIN_DRA", value_name = "all|GPUS", help_heading = "DRA")]
+    pub dra: Option<String>,
+
+    /// The DRA driver name devices are published under [default: gpu.nvidia.com]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_DRA_DRIVER_NAME",
+        value_name = "NAME",
+        help_heading = "DRA"
+    )]
+    pub dra_driver_name: Option<String>,
+
+    /// The kubelet's plugin registration directory [default: /var/lib/kubelet/plugins_registry]
+    #[arg(
+        long,
+        env = "KUBELET_REGISTRAR_DIRECTORY_PATH",
+        value_name = "DIR",
+        help_heading = "DRA"
+    )]
+    pub kubelet_registrar_directory_path: Option<PathBuf>,
+
+    /// The kubelet's DRA plugins directory [default: /var/lib/kubelet/plugins]
+    #[arg(
+        long,
+        env = "KUBELET_PLUGINS_DIRECTORY_PATH",
+        value_name = "DIR",
+        help_heading = "DRA"
+    )]
+    pub kubelet_plugins_directory_path: Option<PathBuf>,
+
     /// NVIDIA's device plugin's flags and variables, under their own heading.
     #[command(flatten)]
     pub nvidia: nvidia::NvidiaFlags,
@@ -449,6 +481,14 @@ pub struct FileConfig {
     pub stuck_after: Option<std::time::Duration>,
     /// See `--fence-dir`.
     pub fence_dir: Option<PathBuf>,
+    /// See `--dra`.
+    pub dra: Option<String>,
+    /// See `--dra-driver-name`.
+    pub dra_driver_name: Option<String>,
+    /// See `--kubelet-registrar-directory-path`.
+    pub kubelet_registrar_directory_path: Option<PathBuf>,
+    /// See `--kubelet-plugins-directory-path`.
+    pub kubelet_plugins_directory_path: Option<PathBuf>,
 }
 
 /// Checked settings the plugin runs with.
@@ -492,8 +532,23 @@ pub struct Settings {
     pub fence_dir: Option<PathBuf>,
     /// The Kubernetes API side.
     pub cluster: crate::cluster::ClusterConfig,
+    /// The GPUs served through DRA, and how; `None` when every GPU goes through the device plugin.
+    pub dra: Option<DraSettings>,
     /// Settings read and ignored (keys of NVIDIA's config file it ignores too), one line each, for the log.
     pub warnings: Vec<String>,
+}
+
+/// How GPUs are served through DRA.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraSettings {
+    /// Which GPUs.
+    pub gpus: crate::dra::selection::DraSelection,
+    /// The driver name.
+    pub driver: String,
+    /// The kubelet's plugin registration directory.
+    pub registry_dir: PathBuf,
+    /// The kubelet's DRA plugins directory.
+    pub plugins_dir: PathBuf,
 }
 
 /// A setting that cannot be used.
@@ -542,6 +597,14 @@ impl Settings {
         let gpus = gpu_and_health_settings(&args, &file, &nvidia)?;
         let allocate = allocate_settings(&args, &file, &nvidia, &mut warnings)?;
         let surfaces = surface_settings(&args, &file)?;
+        let dra = dra_settings(&args, &file, &surfaces.cluster)?;
+        if dra.is_some() && nvidia.applied.sharing.is_some() {
+            warnings.push(
+                "sharing (time-slicing, MPS) applies to the GPUs served through the device plugin only; \
+                 GPUs served through DRA are handed out whole"
+                    .into(),
+            );
+        }
         Ok(Settings {
             kubelet_dir: kubelet.dir,
             resource_name: kubelet.resource_name,
@@ -562,6 +625,7 @@ impl Settings {
             pod_resources_socket: kubelet.pod_resources_socket,
             fence_dir: surfaces.fence_dir,
             cluster: surfaces.cluster,
+            dra,
             warnings,
         })
     }
@@ -699,6 +763,18 @@ impl Settings {
                 self.fence_dir.as_deref().map_or("none".into(), path),
             ),
             ("Kubernetes API", on(self.cluster.enabled).into()),
+            (
+                "DRA",
+                self.dra.as_ref().map_or("off".into(), |d| {
+                    format!(
+                        "{} as driver {} (registration in {}, sockets in {})",
+                        d.gpus,
+                        d.driver,
+                        path(&d.registry_dir),
+                        path(&d.plugins_dir)
+                    )
+                }),
+            ),
         ];
         lines
             .iter()
@@ -1050,6 +1126,78 @@ struct Surfaces {
 /// Decides the log format; when `/healthz` calls an NVML event thread stuck (from 3s, which the event wait
 /// itself may take, to the policy's longest duration); the fence directory, which must exist; the
 /// Kubernetes API side (an empty kubeconfig or node name is none); and the HTTP address (empty is off).
+/// The DRA settings: which GPUs, under which driver name, where the kubelet looks. DRA needs the API server
+/// (claims are read from it, devices published in it) and the node's name (the pool is named after it).
+fn dra_settings(
+    args: &Args,
+    file: &FileConfig,
+    cluster: &crate::cluster::ClusterConfig,
+) -> Result<Option<DraSettings>, ConfigError> {
+    let value = args.dra.clone().or_else(|| file.dra.clone()).unwrap_or_default();
+    let invalid = |why: String| ConfigError::Invalid {
+        setting: "--dra (GPU_DEVICE_PLUGIN_DRA)",
+        value: value.clone(),
+        why,
+    };
+    let Some(gpus) = crate::dra::selection::DraSelection::parse(&value).map_err(invalid)? else {
+        return Ok(None);
+    };
+    if !cluster.enabled {
+        return Err(invalid(
+            "DRA needs the Kubernetes API (claims are read from it, devices published in it), and \
+             --kube-api is off"
+                .into(),
+        ));
+    }
+    if cluster.node_name.as_deref().is_none_or(str::is_empty) {
+        return Err(invalid(
+            "DRA needs the node's name (NODE_NAME, from the downward API spec.nodeName): devices are \
+             published in a pool named after it"
+                .into(),
+        ));
+    }
+    let driver = args
+        .dra_driver_name
+        .clone()
+        .or_else(|| file.dra_driver_name.clone())
+        .unwrap_or_else(|| crate::dra::DEFAULT_DRIVER.to_string());
+    if driver.len() > 63 || !is_dns_subdomain(&driver) {
+        return Err(ConfigError::Invalid {
+            setting: "--dra-driver-name",
+            value: driver,
+            why: "a driver name is a DNS subdomain of at most 63 characters (e.g. gpu.example.com)".into(),
+        });
+    }
+    let dir = |flag: Option<&PathBuf>, file: Option<&PathBuf>, default: &str, setting| {
+        let dir = flag.or(file).cloned().unwrap_or_else(|| PathBuf::from(default));
+        if dir.is_absolute() {
+            Ok(dir)
+        } else {
+            Err(ConfigError::Invalid {
+                setting,
+                value: dir.display().to_string(),
+                why: "must be an absolute path".into(),
+            })
+        }
+    };
+    Ok(Some(DraSettings {
+        gpus,
+        driver,
+        registry_dir: dir(
+            args.kubelet_registrar_directory_path.as_ref(),
+            file.kubelet_registrar_directory_path.as_ref(),
+            crate::dra::DEFAULT_REGISTRY_DIR,
+            "--kubelet-registrar-directory-path",
+        )?,
+        plugins_dir: dir(
+            args.kubelet_plugins_directory_path.as_ref(),
+            file.kubelet_plugins_directory_path.as_ref(),
+            crate::dra::DEFAULT_PLUGINS_DIR,
+            "--kubelet-plugins-directory-path",
+        )?,
+    }))
+}
+
 fn surface_settings(args: &Args, file: &FileConfig) -> Result<Surfaces, ConfigError> {
     let stuck_after = match args.stuck_after.or(file.stuck_after) {
         Some(d) if d < std::time::Duration::from_secs(3) => {

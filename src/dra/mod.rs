@@ -14,6 +14,7 @@ pub mod names;
 pub mod prepare;
 pub mod record;
 pub mod registration;
+pub mod selection;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -95,6 +96,33 @@ pub enum DraError {
     /// A socket could not be served.
     #[error(transparent)]
     Socket(#[from] KubeletError),
+    /// No client for the API server could be built.
+    #[error("cannot build a Kubernetes API client for DRA (claims are read from the API server): {0}")]
+    Client(String),
+}
+
+/// Runs [`run`] on a thread and runtime of its own, with a client for the API server built there from
+/// `api`: a slow API server or a burst of prepares never takes a turn from the device plugin's fault path.
+/// The receiver resolves when the DRA side stops, with why.
+pub fn spawn(
+    config: DraConfig,
+    devices: InventoryWatch,
+    api: kube::Config,
+    status: watch::Sender<DraStatus>,
+    shutdown: CancellationToken,
+) -> std::io::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
+    let (done, stopped) = tokio::sync::oneshot::channel();
+    crate::util::runtime::spawn_on_own_thread("dra", async move {
+        let result = match kube::Client::try_from(api) {
+            Ok(client) => {
+                let claims = Arc::new(claims::ApiClaims::new(client));
+                run(config, devices, claims, status, shutdown).await
+            }
+            Err(e) => Err(DraError::Client(e.to_string())),
+        };
+        let _gone = done.send(result);
+    })?;
+    Ok(stopped)
 }
 
 /// One served socket and its gRPC server.
