@@ -292,7 +292,9 @@ impl Roads {
         let (mine, theirs) = (dra.gpus.clone(), dra.gpus.clone());
         Ok(Roads {
             device_plugin: devices::subset_watch(inventory.clone(), move |i| !mine.serves(i)),
-            dra: Some(devices::subset_watch(inventory.clone(), move |i| theirs.serves(i))),
+            dra: Some(devices::subset_watch(inventory.clone(), move |i| {
+                theirs.serves(i)
+            })),
         })
     }
 }
@@ -453,7 +455,9 @@ async fn serve(
         served.push(Box::pin(async move {
             match dra.await {
                 Ok(result) => result.map_err(anyhow::Error::from),
-                Err(_) => Err(anyhow::anyhow!("the DRA side's thread ended without a word")),
+                Err(_) => Err(anyhow::anyhow!(
+                    "the DRA side's thread ended without a word"
+                )),
             }
         }));
     }

@@ -278,7 +278,12 @@ pub struct Args {
 
     /// Serve GPUs through Dynamic Resource Allocation instead of the device plugin: all, or a list of GPU
     /// indices and UUIDs (the others stay with the device plugin; a GPU is never served by both) [default: off]
-    #[arg(long, env = "GPU_DEVICE_PLUGIN_DRA", value_name = "all|GPUS", help_heading = "DRA")]
+    #[arg(
+        long,
+        env = "GPU_DEVICE_PLUGIN_DRA",
+        value_name = "all|GPUS",
+        help_heading = "DRA"
+    )]
     pub dra: Option<String>,
 
     /// The DRA driver name devices are published under [default: gpu.nvidia.com]
@@ -1133,7 +1138,11 @@ fn dra_settings(
     file: &FileConfig,
     cluster: &crate::cluster::ClusterConfig,
 ) -> Result<Option<DraSettings>, ConfigError> {
-    let value = args.dra.clone().or_else(|| file.dra.clone()).unwrap_or_default();
+    let value = args
+        .dra
+        .clone()
+        .or_else(|| file.dra.clone())
+        .unwrap_or_default();
     let invalid = |why: String| ConfigError::Invalid {
         setting: "--dra (GPU_DEVICE_PLUGIN_DRA)",
         value: value.clone(),
@@ -1165,11 +1174,15 @@ fn dra_settings(
         return Err(ConfigError::Invalid {
             setting: "--dra-driver-name",
             value: driver,
-            why: "a driver name is a DNS subdomain of at most 63 characters (e.g. gpu.example.com)".into(),
+            why: "a driver name is a DNS subdomain of at most 63 characters (e.g. gpu.example.com)"
+                .into(),
         });
     }
     let dir = |flag: Option<&PathBuf>, file: Option<&PathBuf>, default: &str, setting| {
-        let dir = flag.or(file).cloned().unwrap_or_else(|| PathBuf::from(default));
+        let dir = flag
+            .or(file)
+            .cloned()
+            .unwrap_or_else(|| PathBuf::from(default));
         if dir.is_absolute() {
             Ok(dir)
         } else {
@@ -1873,6 +1886,54 @@ mod tests {
             .err()
             .unwrap_or_default();
         assert!(err.contains("--http-addr"), "{err}");
+    }
+
+    #[test]
+    fn dra_is_off_by_default_and_refused_without_what_it_needs() {
+        let off = settings(&["--node-name", "gpu-7"]).map(|s| s.dra);
+        assert_eq!(off, Ok(None));
+        let on = settings(&["--dra", "all", "--node-name", "gpu-7"]).map(|s| s.dra);
+        assert_eq!(
+            on,
+            Ok(Some(DraSettings {
+                gpus: crate::dra::selection::DraSelection::All,
+                driver: "gpu.nvidia.com".into(),
+                registry_dir: PathBuf::from("/var/lib/kubelet/plugins_registry"),
+                plugins_dir: PathBuf::from("/var/lib/kubelet/plugins"),
+            }))
+        );
+        let refused = |argv: &[&str], says: &str| {
+            let why = settings(argv).map(|_| ()).expect_err("refused");
+            assert!(why.contains(says), "{argv:?}: {why}");
+        };
+        refused(&["--dra", "all", "--node-name", ""], "NODE_NAME");
+        refused(
+            &["--dra", "0,1", "--node-name", "n", "--kube-api=false"],
+            "needs the Kubernetes API",
+        );
+        refused(&["--dra", "0:1", "--node-name", "n"], "MIG device");
+        refused(
+            &[
+                "--dra",
+                "all",
+                "--node-name",
+                "n",
+                "--dra-driver-name",
+                "GPU_driver",
+            ],
+            "DNS subdomain",
+        );
+        refused(
+            &[
+                "--dra",
+                "all",
+                "--node-name",
+                "n",
+                "--kubelet-plugins-directory-path",
+                "plugins",
+            ],
+            "absolute",
+        );
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! device plugin. The devices it serves are published under NVIDIA's DRA driver's names ([`names`]), prepared
 //! for claims ([`prepare`], with the record of what was prepared, [`record`], and the claims read from the
 //! API server, [`claims`]), and their health is streamed to the kubelet, which puts the engine's message into
-//! the pod status ([`health`]). The kubelet finds the plugin through [`registration`].
+//! the pod status ([`health`]). The kubelet finds the plugin through [`registration`]; the scheduler finds
+//! the devices in ResourceSlices ([`slices`]). Which GPUs take this road: [`selection`].
 //!
 //! Two sockets: the DRA API on `<plugins dir>/<driver>/dra.sock` (served first), then the registration
 //! socket `<registry dir>/<driver>-reg.sock` that the kubelet's plugin watcher finds. Either socket deleted
@@ -15,6 +16,7 @@ pub mod prepare;
 pub mod record;
 pub mod registration;
 pub mod selection;
+pub mod slices;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -97,7 +99,9 @@ pub enum DraError {
     #[error(transparent)]
     Socket(#[from] KubeletError),
     /// No client for the API server could be built.
-    #[error("cannot build a Kubernetes API client for DRA (claims are read from the API server): {0}")]
+    #[error(
+        "cannot build a Kubernetes API client for DRA (claims are read from the API server): {0}"
+    )]
     Client(String),
 }
 
@@ -115,6 +119,16 @@ pub fn spawn(
     crate::util::runtime::spawn_on_own_thread("dra", async move {
         let result = match kube::Client::try_from(api) {
             Ok(client) => {
+                let publish = slices::publish(
+                    client.clone(),
+                    slices::SliceConfig {
+                        driver: config.driver.clone(),
+                        node: config.pool.clone(),
+                    },
+                    devices.clone(),
+                    shutdown.clone(),
+                );
+                let _publisher = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(publish));
                 let claims = Arc::new(claims::ApiClaims::new(client));
                 run(config, devices, claims, status, shutdown).await
             }

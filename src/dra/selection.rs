@@ -75,7 +75,11 @@ impl DraSelection {
                     .collect();
                 return Err(format!(
                     "--dra names GPU {gpu}, which this node does not have (its GPUs: {})",
-                    if present.is_empty() { "none".into() } else { present.join(", ") }
+                    if present.is_empty() {
+                        "none".into()
+                    } else {
+                        present.join(", ")
+                    }
                 ));
             }
         }
@@ -94,7 +98,10 @@ impl std::fmt::Display for DraSelection {
 
 /// Whether `entry` names the GPU `info` is or is part of.
 fn names(info: &DeviceInfo, entry: &str) -> bool {
-    let gpu_uuid = info.mig.as_ref().map_or(info.id.as_str(), |m| m.parent.as_str());
+    let gpu_uuid = info
+        .mig
+        .as_ref()
+        .map_or(info.id.as_str(), |m| m.parent.as_str());
     gpu_uuid == entry || info.gpu_index().is_some_and(|i| i.to_string() == entry)
 }
 
@@ -135,9 +142,16 @@ mod tests {
             Ok(Some(DraSelection::Gpus(vec!["1".into(), "GPU-abc".into()])))
         );
         let mig = DraSelection::parse("0:1").expect_err("MIG");
-        assert!(mig.contains("MIG device") && mig.contains("one road"), "{mig}");
+        assert!(
+            mig.contains("MIG device") && mig.contains("one road"),
+            "{mig}"
+        );
         assert!(DraSelection::parse("MIG-abc").is_err());
-        assert!(DraSelection::parse("gpu0").expect_err("typo").contains("neither"));
+        assert!(
+            DraSelection::parse("gpu0")
+                .expect_err("typo")
+                .contains("neither")
+        );
         assert!(DraSelection::parse("0,,1").is_err());
     }
 
@@ -155,10 +169,16 @@ mod tests {
     #[test]
     fn a_gpu_the_node_does_not_have_is_refused_naming_the_ones_it_has() {
         let inventory = Inventory::new([gpu(0), gpu(1)]);
-        assert_eq!(DraSelection::Gpus(vec!["1".into()]).check(&inventory), Ok(()));
+        assert_eq!(
+            DraSelection::Gpus(vec!["1".into()]).check(&inventory),
+            Ok(())
+        );
         let why = DraSelection::Gpus(vec!["7".into()])
             .check(&inventory)
             .expect_err("no GPU 7");
-        assert!(why.contains("GPU 7") && why.contains("0 (GPU-0), 1 (GPU-1)"), "{why}");
+        assert!(
+            why.contains("GPU 7") && why.contains("0 (GPU-0), 1 (GPU-1)"),
+            "{why}"
+        );
     }
 }

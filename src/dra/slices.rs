@@ -1,0 +1,418 @@
+//! The ResourceSlices that publish this node's DRA devices: one pool named after the node, as many slices as
+//! the devices need (at most [`DEVICES_PER_SLICE`] each), owned by the Node so that they go with it.
+//!
+//! The slices are kept as the inventory says: written when a device comes, goes or changes health, written
+//! again when something else deletes them (the kubelet deletes every slice of its node when it starts, and a
+//! driver's slices when its plugin has been gone 30 s), and the pool's generation is raised whenever the
+//! devices change, so that the scheduler never mixes slices of two versions of the pool. An Unhealthy device
+//! carries a `NoSchedule` taint, so that the scheduler stops giving it to new claims.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures_util::StreamExt as _;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, PostParams};
+use kube::runtime::watcher;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::devices::{DeviceState, Health, Inventory, InventoryWatch};
+
+use super::names::device_name;
+
+/// Devices per slice: the API's limit for slices whose devices carry taints.
+pub const DEVICES_PER_SLICE: usize = 64;
+/// The wait after a failed write, doubling to [`MAX_RETRY`].
+const FIRST_RETRY: Duration = Duration::from_secs(1);
+const MAX_RETRY: Duration = Duration::from_secs(60);
+/// Changes are written once the inventory has been quiet this long (a burst of faults is one write).
+const SETTLE: Duration = Duration::from_millis(50);
+/// The longest string attribute value the API takes.
+const MAX_STRING: usize = 64;
+
+/// The `resource.k8s.io/v1` ResourceSlice resource.
+pub fn slice_resource() -> ApiResource {
+    ApiResource {
+        group: "resource.k8s.io".into(),
+        version: "v1".into(),
+        api_version: "resource.k8s.io/v1".into(),
+        kind: "ResourceSlice".into(),
+        plural: "resourceslices".into(),
+    }
+}
+
+/// What the slices are for.
+#[derive(Debug, Clone)]
+pub struct SliceConfig {
+    /// Driver name.
+    pub driver: String,
+    /// The node (and pool) name.
+    pub node: String,
+}
+
+impl SliceConfig {
+    /// The name of slice `n` of the pool.
+    pub fn slice_name(&self, n: usize) -> String {
+        let mut name = format!("{}-{}-{n}", self.node, self.driver.replace('.', "-"));
+        name.truncate(253);
+        name
+    }
+}
+
+/// One device as published: its name, attributes, capacity and taints.
+pub fn device(state: &DeviceState, driver: &str) -> Value {
+    let info = &state.info;
+    let mut attributes = serde_json::Map::new();
+    let mut string = |name: &str, value: &str| {
+        let value = crate::util::text::cut_bytes(value, MAX_STRING);
+        attributes.insert(name.to_string(), json!({ "string": value }));
+    };
+    match &info.mig {
+        None => string("type", "gpu"),
+        Some(mig) => {
+            string("type", "mig");
+            string("parentUUID", &mig.parent);
+            string("profile", &mig.profile);
+        }
+    }
+    string("uuid", &info.id);
+    if let Some(index) = info.gpu_index() {
+        attributes.insert("index".into(), json!({ "int": index }));
+    }
+    if let Some(numa) = info.numa_node {
+        attributes.insert("numaNode".into(), json!({ "int": numa }));
+    }
+    let mut device = json!({
+        "name": device_name(info),
+        "attributes": attributes,
+    });
+    if state.health == Health::Unhealthy {
+        device["taints"] = json!([{
+            "key": format!("{driver}/unhealthy"),
+            "effect": "NoSchedule",
+        }]);
+    }
+    device
+}
+
+/// The devices of `inventory`, in slices.
+pub fn devices(inventory: &Inventory, driver: &str) -> Vec<Vec<Value>> {
+    let all: Vec<Value> = inventory
+        .devices()
+        .iter()
+        .map(|d| device(d, driver))
+        .collect();
+    if all.is_empty() {
+        return vec![Vec::new()];
+    }
+    all.chunks(DEVICES_PER_SLICE)
+        .map(<[Value]>::to_vec)
+        .collect()
+}
+
+/// The slices' specs for `devices` at `generation`.
+pub fn specs(config: &SliceConfig, devices: &[Vec<Value>], generation: i64) -> Vec<Value> {
+    devices
+        .iter()
+        .map(|chunk| {
+            json!({
+                "driver": config.driver,
+                "nodeName": config.node,
+                "pool": {
+                    "name": config.node,
+                    "generation": generation,
+                    "resourceSliceCount": devices.len(),
+                },
+                "devices": chunk,
+            })
+        })
+        .collect()
+}
+
+/// Keeps the slices as `inventory` says until `shutdown`.
+pub async fn publish(
+    client: kube::Client,
+    config: SliceConfig,
+    mut inventory: InventoryWatch,
+    shutdown: CancellationToken,
+) {
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &slice_resource());
+    let selector = format!(
+        "spec.nodeName={},spec.driver={}",
+        config.node, config.driver
+    );
+    let mut events = watcher(api.clone(), watcher::Config::default().fields(&selector)).boxed();
+    let mut owner: Option<Value> = None;
+    let mut seen: BTreeMap<String, DynamicObject> = BTreeMap::new();
+    let mut listed: Option<BTreeMap<String, DynamicObject>> = None;
+    let mut published: Option<(Vec<Vec<Value>>, i64)> = None;
+    let mut retry = FIRST_RETRY;
+    let mut dirty = true;
+    let mut said_taints_dropped = false;
+    loop {
+        let wait = if dirty && listed.is_some() {
+            SETTLE
+        } else {
+            Duration::MAX
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = inventory.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                dirty = true;
+                continue;
+            }
+            event = events.next() => {
+                match event {
+                    Some(Ok(event)) => {
+                        follow(event, &mut seen, &mut listed);
+                        dirty = true;
+                    }
+                    Some(Err(e)) => tracing::debug!(error = %e, "watch of the ResourceSlices ended; watching again"),
+                    None => return,
+                }
+                continue;
+            }
+            () = sleep_for(wait) => {}
+        }
+        let Some(current) = &listed else { continue };
+        if owner.is_none() {
+            owner = node_owner(&client, &config.node).await;
+        }
+        let devices = devices(&inventory.borrow_and_update(), &config.driver);
+        let generation = match &published {
+            Some((before, generation)) if *before == devices => *generation,
+            Some((_, generation)) => generation + 1,
+            None => first_generation(current, &devices),
+        };
+        match write(&api, &config, owner.as_ref(), current, &devices, generation).await {
+            Ok(dropped) => {
+                if dropped && !said_taints_dropped {
+                    said_taints_dropped = true;
+                    tracing::warn!(
+                        "the API server dropped the device taints of the ResourceSlice (the DRADeviceTaints \
+                         feature is off): the scheduler may give an Unhealthy GPU to a new claim, which \
+                         prepare then refuses"
+                    );
+                }
+                published = Some((devices, generation));
+                retry = FIRST_RETRY;
+                dirty = false;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?retry, "cannot write the ResourceSlices");
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(retry) => {}
+                }
+                retry = (retry * 2).min(MAX_RETRY);
+            }
+        }
+    }
+}
+
+async fn sleep_for(wait: Duration) {
+    if wait == Duration::MAX {
+        std::future::pending::<()>().await;
+    }
+    tokio::time::sleep(wait).await;
+}
+
+/// Applies a watch event to what is known of our slices; `listed` is set once the first list is complete.
+fn follow(
+    event: watcher::Event<DynamicObject>,
+    seen: &mut BTreeMap<String, DynamicObject>,
+    listed: &mut Option<BTreeMap<String, DynamicObject>>,
+) {
+    let name = |o: &DynamicObject| o.metadata.name.clone().unwrap_or_default();
+    match event {
+        watcher::Event::Init => seen.clear(),
+        watcher::Event::InitApply(o) => {
+            seen.insert(name(&o), o);
+        }
+        watcher::Event::InitDone => {
+            *listed = Some(seen.clone());
+            return;
+        }
+        watcher::Event::Apply(o) => {
+            seen.insert(name(&o), o);
+        }
+        watcher::Event::Delete(o) => {
+            seen.remove(&name(&o));
+        }
+    }
+    if listed.is_some() {
+        *listed = Some(seen.clone());
+    }
+}
+
+/// The generation to start from: the slices already there are kept if they hold these devices, else one
+/// past the newest.
+fn first_generation(current: &BTreeMap<String, DynamicObject>, devices: &[Vec<Value>]) -> i64 {
+    let newest = current
+        .values()
+        .filter_map(|o| o.data["spec"]["pool"]["generation"].as_i64())
+        .max();
+    let same = current.len() == devices.len()
+        && current
+            .values()
+            .zip(devices)
+            .all(|(o, d)| o.data["spec"]["devices"].as_array() == Some(d));
+    match newest {
+        Some(g) if same => g,
+        Some(g) => g + 1,
+        None => 1,
+    }
+}
+
+/// The Node as the slices' owner, so that they are deleted with it; `None` (and a warning) if it cannot
+/// be read: the slices are written without.
+async fn node_owner(client: &kube::Client, node: &str) -> Option<Value> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    match nodes.get(node).await {
+        Ok(n) => n.metadata.uid.map(|uid| {
+            json!({"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid, "controller": true})
+        }),
+        Err(e) => {
+            tracing::warn!(error = %crate::cluster::explain(&e, "get on nodes"), "cannot read the Node: the ResourceSlices are written without an owner");
+            None
+        }
+    }
+}
+
+/// Makes the slices on the API server these; whether the API server dropped taints it was sent.
+async fn write(
+    api: &Api<DynamicObject>,
+    config: &SliceConfig,
+    owner: Option<&Value>,
+    current: &BTreeMap<String, DynamicObject>,
+    devices: &[Vec<Value>],
+    generation: i64,
+) -> Result<bool, String> {
+    let mut dropped = false;
+    let specs = specs(config, devices, generation);
+    let names: Vec<String> = (0..specs.len()).map(|n| config.slice_name(n)).collect();
+    for (name, spec) in names.iter().zip(specs) {
+        let existing = current.get(name);
+        if existing.is_some_and(|o| o.data["spec"] == spec) {
+            continue;
+        }
+        let mut object = json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": name},
+            "spec": spec,
+        });
+        if let Some(owner) = owner {
+            object["metadata"]["ownerReferences"] = json!([owner]);
+        }
+        let object: DynamicObject = serde_json::from_value(object).map_err(|e| e.to_string())?;
+        let sent_taints = has_taints(&object.data);
+        let written = match existing {
+            Some(before) => {
+                let mut object = object;
+                object.metadata.resource_version = before.metadata.resource_version.clone();
+                api.replace(name, &PostParams::default(), &object).await
+            }
+            None => api.create(&PostParams::default(), &object).await,
+        }
+        .map_err(|e| crate::cluster::explain(&e, "create and update on resourceslices"))?;
+        dropped |= sent_taints && !has_taints(&written.data);
+    }
+    for name in current.keys().filter(|n| !names.contains(n)) {
+        match api.delete(name, &DeleteParams::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(crate::cluster::explain(&e, "delete on resourceslices")),
+        }
+    }
+    Ok(dropped)
+}
+
+fn has_taints(data: &Value) -> bool {
+    data["spec"]["devices"].as_array().is_some_and(|d| {
+        d.iter()
+            .any(|d| d["taints"].as_array().is_some_and(|t| !t.is_empty()))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::DeviceInfo;
+    use std::path::PathBuf;
+
+    fn inventory(n: usize) -> Inventory {
+        Inventory::new((0..n).map(|i| DeviceInfo {
+            id: format!("GPU-{i}"),
+            index: Some(i.to_string()),
+            numa_node: Some(0),
+            device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
+            ..DeviceInfo::default()
+        }))
+    }
+
+    fn config() -> SliceConfig {
+        SliceConfig {
+            driver: "gpu.nvidia.com".into(),
+            node: "node-a".into(),
+        }
+    }
+
+    #[test]
+    fn a_gpu_is_published_with_nvidias_name_and_attributes_and_a_taint_while_unhealthy() {
+        let mut inv = inventory(2);
+        inv.set_health("GPU-1", Health::Unhealthy, Some("XID 79".into()));
+        let slices = devices(&inv, "gpu.nvidia.com");
+        assert_eq!(slices.len(), 1);
+        let gpu0 = &slices[0][0];
+        assert_eq!(gpu0["name"], "gpu-0");
+        assert_eq!(gpu0["attributes"]["type"]["string"], "gpu");
+        assert_eq!(gpu0["attributes"]["uuid"]["string"], "GPU-0");
+        assert_eq!(gpu0["attributes"]["numaNode"]["int"], 0);
+        assert!(gpu0.get("taints").is_none());
+        assert_eq!(
+            slices[0][1]["taints"],
+            json!([{"key": "gpu.nvidia.com/unhealthy", "effect": "NoSchedule"}])
+        );
+    }
+
+    #[test]
+    fn many_devices_take_several_slices_of_one_pool_that_count_each_other() {
+        let slices = devices(&inventory(130), "gpu.nvidia.com");
+        assert_eq!(
+            slices.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![64, 64, 2]
+        );
+        let specs = specs(&config(), &slices, 4);
+        assert_eq!(specs.len(), 3);
+        for spec in &specs {
+            assert_eq!(
+                spec["pool"],
+                json!({"name": "node-a", "generation": 4, "resourceSliceCount": 3})
+            );
+            assert_eq!(spec["nodeName"], "node-a");
+            assert_eq!(spec["driver"], "gpu.nvidia.com");
+        }
+        assert_eq!(config().slice_name(2), "node-a-gpu-nvidia-com-2");
+    }
+
+    #[test]
+    fn a_restart_keeps_the_generation_of_slices_that_hold_the_same_devices() {
+        let slices = devices(&inventory(2), "gpu.nvidia.com");
+        let spec = specs(&config(), &slices, 7).remove(0);
+        let object: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": "node-a-gpu-nvidia-com-0"}, "spec": spec,
+        }))
+        .expect("object");
+        let current = BTreeMap::from([("node-a-gpu-nvidia-com-0".to_string(), object)]);
+        assert_eq!(first_generation(&current, &slices), 7);
+        let changed = devices(&inventory(3), "gpu.nvidia.com");
+        assert_eq!(first_generation(&current, &changed), 8);
+        assert_eq!(first_generation(&BTreeMap::new(), &changed), 1);
+    }
+}
