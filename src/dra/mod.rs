@@ -144,6 +144,7 @@ struct Served {
     socket: PluginSocket,
     conns: mpsc::Sender<UnixStream>,
     task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    replaced_said: bool,
 }
 
 impl Served {
@@ -171,11 +172,23 @@ impl Served {
         })
     }
 
-    /// Binds the socket again if its file is gone.
+    /// Binds the socket again if its file is gone. A file of someone else's in its place (another instance
+    /// on the same node) is left alone, and said once.
     fn keep_in_place(&mut self) -> Result<(), DraError> {
-        if !self.socket.is_in_place() {
+        if self.socket.is_in_place() {
+            self.replaced_said = false;
+            return Ok(());
+        }
+        if std::fs::symlink_metadata(self.socket.path()).is_err() {
             tracing::info!(socket = %self.socket.path().display(), "DRA socket gone; binding it again");
             self.socket.rebind(self.conns.clone())?;
+        } else if !self.replaced_said {
+            self.replaced_said = true;
+            tracing::warn!(
+                socket = %self.socket.path().display(),
+                "another process has bound the DRA socket (a second instance of the plugin on this node?); \
+                 leaving it to that one"
+            );
         }
         Ok(())
     }
