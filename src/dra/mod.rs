@@ -169,6 +169,7 @@ impl Served {
             socket,
             conns,
             task,
+            replaced_said: false,
         })
     }
 
