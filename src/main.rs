@@ -160,11 +160,22 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     // An unusable --kubeconfig stops the plugin here, before it registers; no API access at all is one line
     // and everything else goes on (but DRA, which cannot work without it).
     let api = ApiAccess::resolve(&settings.cluster).await?;
-    let dra = match (&settings.dra, &roads.dra, &api) {
-        (Some(dra), Some(devices), Some(api)) => {
-            Some(start_dra(&settings, dra, devices.clone(), api, &shutdown)?)
-        }
-        (Some(_), _, None) => bail!(
+    let dra_status = settings.dra.as_ref().map(|dra| {
+        tokio::sync::watch::Sender::new(gpu_device_plugin::dra::registration::DraStatus {
+            driver: dra.driver.clone(),
+            ..Default::default()
+        })
+    });
+    let dra = match (&settings.dra, &roads.dra, &api, &dra_status) {
+        (Some(dra), Some(devices), Some(api), Some(status)) => Some(start_dra(
+            &settings,
+            dra,
+            devices.clone(),
+            api,
+            status.clone(),
+            &shutdown,
+        )?),
+        (Some(_), _, None, _) => bail!(
             "--dra needs the Kubernetes API (claims are read from it): run in a pod with a service account, \
              or give --kubeconfig"
         ),
@@ -207,6 +218,14 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             metrics,
             pods,
             unserved: monitored.unserved.clone(),
+            dra: settings
+                .dra
+                .as_ref()
+                .zip(dra_status.as_ref())
+                .map(|(dra, status)| http::DraSurface {
+                    gpus: dra.gpus.clone(),
+                    status: status.subscribe(),
+                }),
         },
         &shutdown,
     )?;
@@ -305,6 +324,7 @@ fn start_dra(
     dra: &config::DraSettings,
     devices: devices::InventoryWatch,
     api: &ApiAccess,
+    status: tokio::sync::watch::Sender<gpu_device_plugin::dra::registration::DraStatus>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
     let config = gpu_device_plugin::dra::DraConfig {
@@ -317,7 +337,6 @@ fn start_dra(
         boot_id: monitor::checkpoint::read_boot_id(&settings.monitor.boot_id_path),
         heartbeat: gpu_device_plugin::dra::health::HEARTBEAT,
     };
-    let status = tokio::sync::watch::Sender::new(Default::default());
     gpu_device_plugin::dra::spawn(
         config,
         devices,

@@ -225,6 +225,7 @@ pub async fn run(
         prepared = record.claims.len(),
         "prepared-claim record loaded"
     );
+    status.send_modify(|s| s.driver = config.driver.clone());
     let preparer = Preparer::new(
         PrepareConfig {
             driver: config.driver.clone(),
@@ -235,7 +236,8 @@ pub async fn run(
         claims,
         record,
         record_file,
-    );
+    )
+    .with_status(status.clone());
     let health = HealthService::new(
         devices,
         HealthConfig {

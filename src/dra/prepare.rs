@@ -58,6 +58,7 @@ pub struct Preparer {
     claims: Arc<dyn ClaimReader>,
     record: Arc<Mutex<Record>>,
     file: Arc<RecordFile>,
+    status: Option<tokio::sync::watch::Sender<super::registration::DraStatus>>,
 }
 
 impl Preparer {
@@ -75,7 +76,20 @@ impl Preparer {
             claims,
             record: Arc::new(Mutex::new(record)),
             file: Arc::new(file),
+            status: None,
         }
+    }
+
+    /// Says which claim holds each device in `status`, now and after every change.
+    pub fn with_status(
+        mut self,
+        status: tokio::sync::watch::Sender<super::registration::DraStatus>,
+    ) -> Self {
+        if let Ok(record) = self.record.try_lock() {
+            show(&status, &record);
+        }
+        self.status = Some(status);
+        self
     }
 
     /// Prepares every claim: by UID, its devices or why it cannot be prepared.
@@ -180,11 +194,15 @@ impl Preparer {
 
     /// Writes the record off the async thread (a synced write waits on the disk).
     async fn save(&self, record: &Record) -> Result<(), String> {
-        let (file, record) = (self.file.clone(), record.clone());
-        tokio::task::spawn_blocking(move || file.save(&record))
+        let (file, copy) = (self.file.clone(), record.clone());
+        tokio::task::spawn_blocking(move || file.save(&copy))
             .await
             .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        if let Some(status) = &self.status {
+            show(status, record);
+        }
+        Ok(())
     }
 
     /// The devices of this driver allocated to `object`, checked against what the node serves now.
@@ -255,6 +273,20 @@ impl Preparer {
         tracing::info!(claim = %name, devices = devices.len(), "prepared");
         Ok(devices)
     }
+}
+
+/// Puts each device's claim into `status`.
+fn show(status: &tokio::sync::watch::Sender<super::registration::DraStatus>, record: &Record) {
+    let prepared = record
+        .claims
+        .values()
+        .flat_map(|c| {
+            c.devices
+                .iter()
+                .map(move |d| (d.device.clone(), format!("{}/{}", c.namespace, c.name)))
+        })
+        .collect();
+    status.send_modify(|s| s.prepared = prepared);
 }
 
 fn refs<'a>(claims: impl Iterator<Item = (&'a str, &'a str, &'a str)>) -> Vec<ClaimRef> {

@@ -23,15 +23,23 @@ pub const SUPPORTED_VERSIONS: [&str; 4] = [
 /// The plugin type the kubelet's watcher routes to its DRA manager.
 pub const PLUGIN_TYPE: &str = "DRAPlugin";
 
-/// What the kubelet last said about our registration.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// What the DRA side says of itself on the status surfaces: the kubelet's word on the registration, and the
+/// claims prepared.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct DraStatus {
+    /// The driver name.
+    pub driver: String,
     /// How many times the kubelet asked who we are.
     pub asked: u64,
-    /// Whether the last answer was a registration accepted.
+    /// Whether the kubelet's last word was a registration accepted.
     pub registered: bool,
     /// The kubelet's reason, when it refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Each prepared device's claim (`namespace/name`), by device name.
+    #[serde(default)]
+    pub prepared: std::collections::BTreeMap<String, String>,
 }
 
 /// The registration service.

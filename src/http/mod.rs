@@ -88,6 +88,17 @@ pub struct Context {
     pub pods: Option<Arc<PodResources>>,
     /// Devices present but not served, with why (found at start).
     pub unserved: Vec<crate::devices::Unserved>,
+    /// The DRA side, when some GPUs are served through it.
+    pub dra: Option<DraSurface>,
+}
+
+/// What the surfaces read of the DRA side.
+#[derive(Debug, Clone)]
+pub struct DraSurface {
+    /// The GPUs served through DRA.
+    pub gpus: crate::dra::selection::DraSelection,
+    /// The DRA side's own account: registration, prepared claims.
+    pub status: watch::Receiver<crate::dra::registration::DraStatus>,
 }
 
 /// `/status` asks the kubelet which pods hold the devices at most this often.
@@ -262,6 +273,16 @@ async fn route<B>(
                     ))
                 }
             });
+            let not_ready = not_ready.or_else(|| {
+                let dra = context.dra.as_ref()?.status.borrow().clone();
+                (!dra.registered).then(|| match dra.error {
+                    Some(e) => format!("DRA driver {}: the kubelet refused it: {e}\n", dra.driver),
+                    None => format!(
+                        "DRA driver {}: not registered with the kubelet yet\n",
+                        dra.driver
+                    ),
+                })
+            });
             match not_ready {
                 None => text(StatusCode::OK, "ready\n".into()),
                 Some(why) => text(StatusCode::SERVICE_UNAVAILABLE, why),
@@ -281,18 +302,26 @@ async fn route<B>(
                 };
                 let mut kubelet = context.kubelet.iter().map(|k| k.borrow().clone());
                 let kubelet = (kubelet.next().unwrap_or_default(), kubelet.collect());
+                let dra = context.dra.as_ref().map(|d| d.status.borrow().clone());
                 let report = Report {
                     devices: devices
                         .iter()
-                        .map(|d| {
-                            let resource = resource_of(context, d, &kubelet.0);
-                            DeviceStatus::of(d, resource, pods_of(&d.info.id))
+                        .map(|d| match dra_device(context, d, &dra) {
+                            Some(dra) => DeviceStatus {
+                                dra: Some(dra),
+                                ..DeviceStatus::of(d, String::new(), Vec::new())
+                            },
+                            None => {
+                                let resource = resource_of(context, d, &kubelet.0);
+                                DeviceStatus::of(d, resource, pods_of(&d.info.id))
+                            }
                         })
                         .collect(),
                     kubelet: kubelet.0,
                     other_resources: kubelet.1,
                     policy: context.policy.clone(),
                     unserved: context.unserved.clone(),
+                    dra,
                 };
                 match serde_json::to_vec_pretty(&report) {
                     Ok(body) => respond(StatusCode::OK, "application/json", body),
@@ -310,9 +339,14 @@ async fn route<B>(
                 let links: Vec<KubeletStatus> =
                     context.kubelet.iter().map(|k| k.borrow().clone()).collect();
                 let first = links.first().cloned().unwrap_or_default();
+                let dra = context.dra.as_ref().map(|d| d.status.borrow().clone());
                 let resources: Vec<String> = devices
                     .iter()
-                    .map(|d| resource_of(context, d, &first))
+                    .map(|d| match dra_device(context, d, &dra) {
+                        // Through DRA: the driver stands where the resource would.
+                        Some(dra) => dra.driver,
+                        None => resource_of(context, d, &first),
+                    })
                     .collect();
                 let gauges = devices
                     .iter()
@@ -357,6 +391,25 @@ async fn snapshot(context: &Context) -> Option<Vec<DeviceSnapshot>> {
 }
 
 /// The resource `device` is served under (the main one, `main`, where the plan names none).
+/// How `device` is published through DRA, when it is served there.
+fn dra_device(
+    context: &Context,
+    device: &DeviceSnapshot,
+    status: &Option<crate::dra::registration::DraStatus>,
+) -> Option<status::DraDevice> {
+    let surface = context.dra.as_ref()?;
+    if !surface.gpus.serves(&device.info) {
+        return None;
+    }
+    let name = crate::dra::names::device_name(&device.info);
+    let status = status.as_ref();
+    Some(status::DraDevice {
+        driver: status.map(|s| s.driver.clone()).unwrap_or_default(),
+        claim: status.and_then(|s| s.prepared.get(&name).cloned()),
+        device: name,
+    })
+}
+
 fn resource_of(context: &Context, device: &DeviceSnapshot, main: &KubeletStatus) -> String {
     let resource = context.resources.resource_of(
         &device.info.id,

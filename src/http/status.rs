@@ -25,6 +25,23 @@ pub struct Report {
     /// Devices present on the node but not served, each with why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unserved: Vec<crate::devices::Unserved>,
+    /// The DRA side, when GPUs are served through DRA: the kubelet's word on its registration and the claims
+    /// prepared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dra: Option<crate::dra::registration::DraStatus>,
+}
+
+/// How a device served through DRA is published, and the claim it is prepared for.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DraDevice {
+    /// The driver it is published under.
+    pub driver: String,
+    /// Its name in the ResourceSlice.
+    pub device: String,
+    /// The claim (`namespace/name`) it is prepared for, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<String>,
 }
 
 /// One device.
@@ -56,6 +73,9 @@ pub struct DeviceStatus {
     /// the kubelet cannot say).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<crate::kubelet::pods::Holder>,
+    /// Set for a device served through DRA rather than the device plugin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dra: Option<DraDevice>,
 }
 
 /// What a MIG device is part of.
@@ -112,6 +132,7 @@ impl DeviceStatus {
             message: device.message.clone(),
             conditions: device.conditions.iter().map(ConditionStatus::of).collect(),
             pods,
+            dra: None,
         }
     }
 }
@@ -207,6 +228,9 @@ impl Report {
                     .map(|h| format!("{}/{}", h.namespace, h.pod))
                     .collect();
                 pods.dedup();
+                if let Some(claim) = d.dra.as_ref().and_then(|dra| dra.claim.as_ref()) {
+                    pods.push(format!("claim {claim}"));
+                }
                 [
                     d.index.to_string(),
                     d.id.clone(),
@@ -289,22 +313,48 @@ impl Report {
         } else {
             format!(", {} not served", self.unserved.len())
         };
+        // Every GPU through DRA: there is no device plugin registration to speak of.
+        let kubelet = if k.resource.is_empty() && self.dra.is_some() {
+            String::new()
+        } else {
+            format!(
+                "; kubelet: {} ({} as {}, {} stream{} open, {} registration{}){}",
+                if k.registered {
+                    "registered"
+                } else {
+                    "NOT registered"
+                },
+                printable(&k.resource),
+                printable(&k.endpoint),
+                k.streams_open,
+                if k.streams_open == 1 { "" } else { "s" },
+                k.registrations,
+                if k.registrations == 1 { "" } else { "s" },
+                others,
+            )
+        };
+        let dra = match &self.dra {
+            None => String::new(),
+            Some(dra) => format!(
+                "; DRA: {} as {} ({} device{} prepared){}",
+                if dra.registered {
+                    "registered"
+                } else {
+                    "NOT registered"
+                },
+                printable(&dra.driver),
+                dra.prepared.len(),
+                if dra.prepared.len() == 1 { "" } else { "s" },
+                dra.error
+                    .as_ref()
+                    .map(|e| format!(", the kubelet said: {}", printable(e)))
+                    .unwrap_or_default(),
+            ),
+        };
         out.push_str(&format!(
-            "\n{} devices, {} Unhealthy{not_served}; kubelet: {} ({} as {}, {} stream{} open, {} registration{}){}\n",
+            "\n{} devices, {} Unhealthy{not_served}{kubelet}{dra}\n",
             self.devices.len(),
             unhealthy,
-            if k.registered {
-                "registered"
-            } else {
-                "NOT registered"
-            },
-            printable(&k.resource),
-            printable(&k.endpoint),
-            k.streams_open,
-            if k.streams_open == 1 { "" } else { "s" },
-            k.registrations,
-            if k.registrations == 1 { "" } else { "s" },
-            others,
         ));
         for d in &self.devices {
             if let Some(message) = &d.message {
@@ -382,7 +432,47 @@ mod tests {
             other_resources: Vec::new(),
             policy: PolicySummary::default(),
             unserved: Vec::new(),
+            dra: None,
         }
+    }
+
+    #[test]
+    fn the_table_shows_a_dra_devices_claim_and_the_dra_registration_without_a_device_plugin_line() {
+        let mut report = report();
+        report.kubelet = KubeletStatus::default();
+        report.devices[0].dra = Some(DraDevice {
+            driver: "gpu.nvidia.com".into(),
+            device: "gpu-0".into(),
+            claim: Some("ml/train-gpu".into()),
+        });
+        report.dra = Some(crate::dra::registration::DraStatus {
+            driver: "gpu.nvidia.com".into(),
+            registered: true,
+            prepared: [("gpu-0".to_string(), "ml/train-gpu".to_string())].into(),
+            ..Default::default()
+        });
+        let table = report.table();
+        assert!(table.contains("claim ml/train-gpu"), "{table}");
+        assert!(
+            table.contains("DRA: registered as gpu.nvidia.com (1 device prepared)"),
+            "{table}"
+        );
+        assert!(
+            !table.contains("kubelet:"),
+            "no device plugin registration to report: {table}"
+        );
+
+        report.dra = Some(crate::dra::registration::DraStatus {
+            driver: "gpu.nvidia.com".into(),
+            error: Some("no supported version\nforged".into()),
+            ..Default::default()
+        });
+        let table = report.table();
+        assert!(table.contains("DRA: NOT registered"), "{table}");
+        assert!(
+            !table.contains("\nforged"),
+            "the kubelet's words are printed escaped: {table}"
+        );
     }
 
     #[test]
