@@ -172,6 +172,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             dra,
             devices.clone(),
             api,
+            monitored.handle.clone(),
             status.clone(),
             &shutdown,
         )?),
@@ -324,6 +325,7 @@ fn start_dra(
     dra: &config::DraSettings,
     devices: devices::InventoryWatch,
     api: &ApiAccess,
+    monitor: monitor::MonitorHandle,
     status: tokio::sync::watch::Sender<gpu_device_plugin::dra::registration::DraStatus>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
@@ -340,6 +342,7 @@ fn start_dra(
     gpu_device_plugin::dra::spawn(
         config,
         devices,
+        Some(monitor),
         api.client_config(),
         status,
         shutdown.clone(),

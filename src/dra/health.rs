@@ -11,17 +11,16 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::Stream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::api::dra::{health_v1, health_v1alpha1};
-use crate::devices::{Health, Inventory, InventoryWatch};
 use crate::health::message::truncate;
 
-use super::names::device_name;
+use super::view::{DraDevice, DraView};
 
 /// How often the stream is sent while nothing changes.
 pub const HEARTBEAT: Duration = Duration::from_secs(10);
@@ -57,23 +56,18 @@ pub struct DeviceReport {
 }
 
 /// The complete list, as of `now`.
-pub fn report(inventory: &Inventory, config: &HealthConfig, now: SystemTime) -> Vec<DeviceReport> {
+pub fn report(view: &[DraDevice], config: &HealthConfig, now: SystemTime) -> Vec<DeviceReport> {
     let at = now
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
-    inventory
-        .devices()
-        .iter()
+    view.iter()
         .map(|d| DeviceReport {
             pool: config.pool.clone(),
-            device: device_name(&d.info),
-            health: match d.health {
-                Health::Healthy => health_v1::HealthStatus::Healthy as i32,
-                Health::Unhealthy => health_v1::HealthStatus::Unhealthy as i32,
-            },
+            device: d.name.clone(),
+            health: d.health as i32,
             at,
             timeout_seconds: i64::try_from(config.timeout.as_secs()).unwrap_or(i64::MAX),
-            message: d.reason.as_deref().map(truncate).unwrap_or_default(),
+            message: truncate(&d.message),
         })
         .collect()
 }
@@ -81,14 +75,18 @@ pub fn report(inventory: &Inventory, config: &HealthConfig, now: SystemTime) -> 
 /// The service, for both versions.
 #[derive(Clone)]
 pub struct HealthService {
-    devices: InventoryWatch,
+    devices: watch::Receiver<DraView>,
     config: Arc<HealthConfig>,
     shutdown: CancellationToken,
 }
 
 impl HealthService {
     /// Reports the devices of `devices` until `shutdown`.
-    pub fn new(devices: InventoryWatch, config: HealthConfig, shutdown: CancellationToken) -> Self {
+    pub fn new(
+        devices: watch::Receiver<DraView>,
+        config: HealthConfig,
+        shutdown: CancellationToken,
+    ) -> Self {
         HealthService {
             devices,
             config: Arc::new(config),
@@ -206,9 +204,9 @@ impl health_v1alpha1::dra_resource_health_server::DraResourceHealth for HealthSe
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::DeviceInfo;
+    use crate::devices::{DeviceInfo, Health, Inventory};
+    use crate::dra::view::build;
     use std::path::PathBuf;
-    use tokio::sync::watch;
 
     fn inventory() -> Inventory {
         Inventory::new((0..2).map(|i| DeviceInfo {
@@ -217,6 +215,10 @@ mod tests {
             device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
             ..DeviceInfo::default()
         }))
+    }
+
+    fn view(inv: &Inventory) -> DraView {
+        Arc::new(build(inv, None, "gpu.nvidia.com"))
     }
 
     fn config(heartbeat: Duration) -> HealthConfig {
@@ -236,7 +238,7 @@ mod tests {
             Some("XID 79: fell off the bus".into()),
         );
         let list = report(
-            &inv,
+            &view(&inv),
             &config(HEARTBEAT),
             UNIX_EPOCH + Duration::from_secs(7),
         );
@@ -252,7 +254,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_stream_sends_the_list_at_once_on_every_change_and_on_each_heartbeat() {
-        let (tx, rx) = watch::channel(Arc::new(inventory()));
+        let (tx, rx) = watch::channel(view(&inventory()));
         let shutdown = CancellationToken::new();
         let service = HealthService::new(rx, config(Duration::from_secs(10)), shutdown.clone());
         let mut reports = service.reports();
@@ -261,7 +263,7 @@ mod tests {
 
         let mut inv = inventory();
         inv.set_health("GPU-0", Health::Unhealthy, Some("XID 48".into()));
-        tx.send_replace(Arc::new(inv));
+        tx.send_replace(view(&inv));
         let second = reports.recv().await.expect("list after the change");
         assert_eq!(second[0].health, 2);
         assert_eq!(second[0].message, "XID 48");
@@ -269,16 +271,14 @@ mod tests {
         // Nothing changes: the same list comes again, one heartbeat later and not before.
         let start = tokio::time::Instant::now();
         let beat = reports.recv().await.expect("heartbeat");
-        assert_eq!(
-            beat,
-            second
-                .iter()
-                .map(|d| DeviceReport {
-                    at: beat[0].at,
-                    ..d.clone()
-                })
-                .collect::<Vec<_>>()
-        );
+        let again: Vec<DeviceReport> = second
+            .iter()
+            .map(|d| DeviceReport {
+                at: beat[0].at,
+                ..d.clone()
+            })
+            .collect();
+        assert_eq!(beat, again);
         assert_eq!(start.elapsed(), Duration::from_secs(10));
 
         shutdown.cancel();
@@ -290,7 +290,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_gone_source_keeps_the_last_list_on_the_heartbeat() {
-        let (tx, rx) = watch::channel(Arc::new(inventory()));
+        let (tx, rx) = watch::channel(view(&inventory()));
         let service = HealthService::new(
             rx,
             config(Duration::from_secs(10)),

@@ -17,6 +17,7 @@ pub mod record;
 pub mod registration;
 pub mod selection;
 pub mod slices;
+pub mod view;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -33,6 +34,7 @@ use crate::api::dra::{health_v1, health_v1alpha1, v1, v1beta1};
 use crate::devices::InventoryWatch;
 use crate::kubelet::KubeletError;
 use crate::kubelet::socket::PluginSocket;
+use crate::monitor::MonitorHandle;
 
 use self::claims::ClaimReader;
 use self::health::{HealthConfig, HealthService};
@@ -111,6 +113,7 @@ pub enum DraError {
 pub fn spawn(
     config: DraConfig,
     devices: InventoryWatch,
+    monitor: Option<MonitorHandle>,
     api: kube::Config,
     status: watch::Sender<DraStatus>,
     shutdown: CancellationToken,
@@ -119,18 +122,19 @@ pub fn spawn(
     crate::util::runtime::spawn_on_own_thread("dra", async move {
         let result = match kube::Client::try_from(api) {
             Ok(client) => {
+                let view = view::follow(devices.clone(), monitor, config.driver.clone());
                 let publish = slices::publish(
                     client.clone(),
                     slices::SliceConfig {
                         driver: config.driver.clone(),
                         node: config.pool.clone(),
                     },
-                    devices.clone(),
+                    view.clone(),
                     shutdown.clone(),
                 );
                 let _publisher = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(publish));
                 let claims = Arc::new(claims::ApiClaims::new(client));
-                run(config, devices, claims, status, shutdown).await
+                run(config, devices, view, claims, status, shutdown).await
             }
             Err(e) => Err(DraError::Client(e.to_string())),
         };
@@ -206,10 +210,12 @@ impl Served {
 }
 
 /// Serves `devices` through DRA until `shutdown`: the DRA API, then the registration the kubelet finds.
-/// `status` follows what the kubelet says of the registration.
+/// Prepare reads `devices`; the health stream reports `view`. `status` follows what the kubelet says of the
+/// registration and which claims are prepared.
 pub async fn run(
     config: DraConfig,
     devices: InventoryWatch,
+    view: watch::Receiver<view::DraView>,
     claims: Arc<dyn ClaimReader>,
     status: watch::Sender<DraStatus>,
     shutdown: CancellationToken,
@@ -232,14 +238,14 @@ pub async fn run(
             pool: config.pool.clone(),
             cdi_kind: config.cdi_kind.clone(),
         },
-        devices.clone(),
+        devices,
         claims,
         record,
         record_file,
     )
     .with_status(status.clone());
     let health = HealthService::new(
-        devices,
+        view,
         HealthConfig {
             pool: config.pool.clone(),
             heartbeat: config.heartbeat,

@@ -15,11 +15,10 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, PostParams};
 use kube::runtime::watcher;
 use serde_json::{Value, json};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::devices::{DeviceState, Health, Inventory, InventoryWatch};
-
-use super::names::device_name;
+use super::view::{DraDevice, DraView};
 
 /// Devices per slice: the API's limit for slices whose devices carry taints.
 pub const DEVICES_PER_SLICE: usize = 64;
@@ -60,9 +59,10 @@ impl SliceConfig {
     }
 }
 
-/// One device as published: its name, attributes, capacity and taints.
-pub fn device(state: &DeviceState, driver: &str) -> Value {
-    let info = &state.info;
+/// One device as published: its name, attributes and taints (`None`-effect ones only where `none_effect`:
+/// API servers before 1.35 refuse them).
+pub fn device(device: &DraDevice, none_effect: bool) -> Value {
+    let info = &device.info;
     let mut attributes = serde_json::Map::new();
     let mut string = |name: &str, value: &str| {
         let value = crate::util::text::cut_bytes(value, MAX_STRING);
@@ -83,26 +83,31 @@ pub fn device(state: &DeviceState, driver: &str) -> Value {
     if let Some(numa) = info.numa_node {
         attributes.insert("numaNode".into(), json!({ "int": numa }));
     }
-    let mut device = json!({
-        "name": device_name(info),
+    let mut published = json!({
+        "name": device.name,
         "attributes": attributes,
     });
-    if state.health == Health::Unhealthy {
-        device["taints"] = json!([{
-            "key": format!("{driver}/unhealthy"),
-            "effect": "NoSchedule",
-        }]);
+    let taints: Vec<Value> = device
+        .taints
+        .iter()
+        .filter(|t| none_effect || t.effect != "None")
+        .map(|t| {
+            let mut taint = json!({"key": t.key, "effect": t.effect});
+            if let Some(value) = &t.value {
+                taint["value"] = json!(value);
+            }
+            taint
+        })
+        .collect();
+    if !taints.is_empty() {
+        published["taints"] = Value::Array(taints);
     }
-    device
+    published
 }
 
-/// The devices of `inventory`, in slices.
-pub fn devices(inventory: &Inventory, driver: &str) -> Vec<Vec<Value>> {
-    let all: Vec<Value> = inventory
-        .devices()
-        .iter()
-        .map(|d| device(d, driver))
-        .collect();
+/// The devices of `view`, in slices.
+pub fn devices(view: &[DraDevice], none_effect: bool) -> Vec<Vec<Value>> {
+    let all: Vec<Value> = view.iter().map(|d| device(d, none_effect)).collect();
     if all.is_empty() {
         return vec![Vec::new()];
     }
@@ -130,11 +135,11 @@ pub fn specs(config: &SliceConfig, devices: &[Vec<Value>], generation: i64) -> V
         .collect()
 }
 
-/// Keeps the slices as `inventory` says until `shutdown`.
+/// Keeps the slices as `view` says until `shutdown`.
 pub async fn publish(
     client: kube::Client,
     config: SliceConfig,
-    mut inventory: InventoryWatch,
+    mut view: watch::Receiver<DraView>,
     shutdown: CancellationToken,
 ) {
     let api: Api<DynamicObject> = Api::all_with(client.clone(), &slice_resource());
@@ -150,6 +155,8 @@ pub async fn publish(
     let mut retry = FIRST_RETRY;
     let mut dirty = true;
     let mut said_taints_dropped = false;
+    // Taints with effect None need a 1.35 API server; an older one refuses the slice, and they are left out.
+    let mut none_effect = true;
     loop {
         let wait = if dirty && listed.is_some() {
             SETTLE
@@ -158,7 +165,7 @@ pub async fn publish(
         };
         tokio::select! {
             () = shutdown.cancelled() => return,
-            changed = inventory.changed() => {
+            changed = view.changed() => {
                 if changed.is_err() {
                     return;
                 }
@@ -182,7 +189,7 @@ pub async fn publish(
         if owner.is_none() {
             owner = node_owner(&client, &config.node).await;
         }
-        let devices = devices(&inventory.borrow_and_update(), &config.driver);
+        let devices = devices(&view.borrow_and_update(), none_effect);
         let generation = match &published {
             Some((before, generation)) if *before == devices => *generation,
             Some((_, generation)) => generation + 1,
@@ -202,8 +209,16 @@ pub async fn publish(
                 retry = FIRST_RETRY;
                 dirty = false;
             }
-            Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?retry, "cannot write the ResourceSlices");
+            Err(Failed::Refused(why)) if none_effect && why.contains("None") => {
+                none_effect = false;
+                tracing::warn!(
+                    error = %why,
+                    "the API server refuses device taints with effect None (it is older than 1.35): \
+                     conditions that do not make a GPU Unhealthy are left out of the ResourceSlice"
+                );
+            }
+            Err(Failed::Refused(why) | Failed::Other(why)) => {
+                tracing::warn!(error = %why, retry_in = ?retry, "cannot write the ResourceSlices");
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     () = tokio::time::sleep(retry) => {}
@@ -212,6 +227,14 @@ pub async fn publish(
             }
         }
     }
+}
+
+/// Why a write failed.
+enum Failed {
+    /// The API server found the slice invalid (422).
+    Refused(String),
+    /// Anything else.
+    Other(String),
 }
 
 async fn sleep_for(wait: Duration) {
@@ -291,7 +314,7 @@ async fn write(
     current: &BTreeMap<String, DynamicObject>,
     devices: &[Vec<Value>],
     generation: i64,
-) -> Result<bool, String> {
+) -> Result<bool, Failed> {
     let mut dropped = false;
     let specs = specs(config, devices, generation);
     let names: Vec<String> = (0..specs.len()).map(|n| config.slice_name(n)).collect();
@@ -309,7 +332,8 @@ async fn write(
         if let Some(owner) = owner {
             object["metadata"]["ownerReferences"] = json!([owner]);
         }
-        let object: DynamicObject = serde_json::from_value(object).map_err(|e| e.to_string())?;
+        let object: DynamicObject =
+            serde_json::from_value(object).map_err(|e| Failed::Other(e.to_string()))?;
         let sent_taints = has_taints(&object.data);
         let written = match existing {
             Some(before) => {
@@ -319,14 +343,27 @@ async fn write(
             }
             None => api.create(&PostParams::default(), &object).await,
         }
-        .map_err(|e| crate::cluster::explain(&e, "create and update on resourceslices"))?;
+        .map_err(|e| match &e {
+            kube::Error::Api(status) if status.code == 422 => {
+                Failed::Refused(status.message.clone())
+            }
+            _ => Failed::Other(crate::cluster::explain(
+                &e,
+                "create and update on resourceslices",
+            )),
+        })?;
         dropped |= sent_taints && !has_taints(&written.data);
     }
     for name in current.keys().filter(|n| !names.contains(n)) {
         match api.delete(name, &DeleteParams::default()).await {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => return Err(crate::cluster::explain(&e, "delete on resourceslices")),
+            Err(e) => {
+                return Err(Failed::Other(crate::cluster::explain(
+                    &e,
+                    "delete on resourceslices",
+                )));
+            }
         }
     }
     Ok(dropped)
@@ -342,7 +379,8 @@ fn has_taints(data: &Value) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::DeviceInfo;
+    use crate::devices::{DeviceInfo, Health, Inventory};
+    use crate::dra::view::{Taint, build};
     use std::path::PathBuf;
 
     fn inventory(n: usize) -> Inventory {
@@ -353,6 +391,10 @@ mod tests {
             device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
             ..DeviceInfo::default()
         }))
+    }
+
+    fn view(inv: &Inventory) -> Vec<DraDevice> {
+        build(inv, None, "gpu.nvidia.com")
     }
 
     fn config() -> SliceConfig {
@@ -366,7 +408,7 @@ mod tests {
     fn a_gpu_is_published_with_nvidias_name_and_attributes_and_a_taint_while_unhealthy() {
         let mut inv = inventory(2);
         inv.set_health("GPU-1", Health::Unhealthy, Some("XID 79".into()));
-        let slices = devices(&inv, "gpu.nvidia.com");
+        let slices = devices(&view(&inv), true);
         assert_eq!(slices.len(), 1);
         let gpu0 = &slices[0][0];
         assert_eq!(gpu0["name"], "gpu-0");
@@ -381,8 +423,23 @@ mod tests {
     }
 
     #[test]
+    fn none_effect_taints_carry_their_value_and_are_left_out_for_an_older_api_server() {
+        let mut devices_view = view(&inventory(1));
+        devices_view[0].taints = vec![Taint {
+            key: "gpu.nvidia.com/xid".into(),
+            value: Some("13".into()),
+            effect: "None",
+        }];
+        assert_eq!(
+            device(&devices_view[0], true)["taints"],
+            json!([{"key": "gpu.nvidia.com/xid", "value": "13", "effect": "None"}])
+        );
+        assert!(device(&devices_view[0], false).get("taints").is_none());
+    }
+
+    #[test]
     fn many_devices_take_several_slices_of_one_pool_that_count_each_other() {
-        let slices = devices(&inventory(130), "gpu.nvidia.com");
+        let slices = devices(&view(&inventory(130)), true);
         assert_eq!(
             slices.iter().map(Vec::len).collect::<Vec<_>>(),
             vec![64, 64, 2]
@@ -402,7 +459,7 @@ mod tests {
 
     #[test]
     fn a_restart_keeps_the_generation_of_slices_that_hold_the_same_devices() {
-        let slices = devices(&inventory(2), "gpu.nvidia.com");
+        let slices = devices(&view(&inventory(2)), true);
         let spec = specs(&config(), &slices, 7).remove(0);
         let object: DynamicObject = serde_json::from_value(json!({
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
@@ -411,7 +468,7 @@ mod tests {
         .expect("object");
         let current = BTreeMap::from([("node-a-gpu-nvidia-com-0".to_string(), object)]);
         assert_eq!(first_generation(&current, &slices), 7);
-        let changed = devices(&inventory(3), "gpu.nvidia.com");
+        let changed = devices(&view(&inventory(3)), true);
         assert_eq!(first_generation(&current, &changed), 8);
         assert_eq!(first_generation(&BTreeMap::new(), &changed), 1);
     }

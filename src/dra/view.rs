@@ -1,0 +1,269 @@
+//! The devices as DRA shows them: each under its published name, with the health the stream reports
+//! (Healthy, Unhealthy, or Unknown while it is not watched), the engine's message, and the device taints its
+//! conditions put on it in the ResourceSlice. Built from the DRA side's view of the inventory, with the
+//! monitor's conditions; the health stream and the slices both read it, so they never disagree.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::api::dra::health_v1::HealthStatus;
+use crate::devices::{DeviceInfo, Health, Inventory, InventoryWatch};
+use crate::health::{ConditionKind, Effect};
+use crate::monitor::{DeviceSnapshot, MonitorHandle};
+
+use super::names::device_name;
+
+/// The API's limit on taints per device.
+pub const MAX_TAINTS: usize = 16;
+/// The longest the monitor is waited on for conditions; past it the view is built from the inventory alone
+/// (health and reason), so that a busy monitor never holds a fault back from the health stream.
+const MONITOR_ANSWER: Duration = Duration::from_millis(200);
+
+/// A device taint, as the ResourceSlice carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Taint {
+    /// `<driver>/<condition>`.
+    pub key: String,
+    /// The condition's value (the XID, the recovery action), if it has one.
+    pub value: Option<String>,
+    /// `NoSchedule` for a condition that makes the device Unhealthy, `None` for one only recorded.
+    pub effect: &'static str,
+}
+
+/// One device as DRA shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraDevice {
+    /// Its published name.
+    pub name: String,
+    /// What it is.
+    pub info: DeviceInfo,
+    /// What the health stream reports.
+    pub health: HealthStatus,
+    /// The engine's message; empty when there is nothing to say.
+    pub message: String,
+    /// Its taints in the slice.
+    pub taints: Vec<Taint>,
+}
+
+/// Every device DRA serves, in the inventory's order.
+pub type DraView = Arc<Vec<DraDevice>>;
+
+/// `inventory` as DRA shows it, with the monitor's `snapshots` where it answered.
+pub fn build(
+    inventory: &Inventory,
+    snapshots: Option<&[DeviceSnapshot]>,
+    driver: &str,
+) -> Vec<DraDevice> {
+    inventory
+        .devices()
+        .iter()
+        .map(|d| {
+            let snapshot = snapshots.and_then(|s| s.iter().find(|s| s.info.id == d.info.id));
+            let conditions = snapshot.map_or(&[][..], |s| &s.conditions[..]);
+            let unmonitored = conditions
+                .iter()
+                .any(|c| c.condition.kind == ConditionKind::Unmonitored);
+            let health = match d.health {
+                Health::Unhealthy => HealthStatus::Unhealthy,
+                Health::Healthy if unmonitored => HealthStatus::Unknown,
+                Health::Healthy => HealthStatus::Healthy,
+            };
+            let message = snapshot
+                .and_then(|s| s.message.clone())
+                .or_else(|| d.reason.clone())
+                .unwrap_or_default();
+            let mut taints: Vec<Taint> = Vec::new();
+            for c in conditions {
+                let taint = Taint {
+                    key: format!("{driver}/{}", c.condition.kind.name()),
+                    value: c.condition.kind.value().map(|v| v.to_string()),
+                    effect: match c.effect {
+                        Effect::Unhealthy => "NoSchedule",
+                        Effect::None => "None",
+                    },
+                };
+                if !taints
+                    .iter()
+                    .any(|t| t.key == taint.key && t.effect == taint.effect)
+                {
+                    taints.push(taint);
+                }
+            }
+            if d.health == Health::Unhealthy && !taints.iter().any(|t| t.effect == "NoSchedule") {
+                taints.push(Taint {
+                    key: format!("{driver}/unhealthy"),
+                    value: None,
+                    effect: "NoSchedule",
+                });
+            }
+            // The ones that keep claims away first, should a device ever have more than the API takes.
+            taints.sort_by_key(|t| t.effect != "NoSchedule");
+            taints.truncate(MAX_TAINTS);
+            DraDevice {
+                name: device_name(&d.info),
+                info: d.info.clone(),
+                health,
+                message,
+                taints,
+            }
+        })
+        .collect()
+}
+
+/// Keeps a [`DraView`] of `devices` current, asking `monitor` for conditions on every change, until
+/// `devices`' sender is gone. Must be called inside a tokio runtime.
+pub fn follow(
+    mut devices: InventoryWatch,
+    monitor: Option<MonitorHandle>,
+    driver: String,
+) -> watch::Receiver<DraView> {
+    let first = Arc::new(build(&devices.borrow_and_update(), None, &driver));
+    let (tx, rx) = watch::channel(first);
+    tokio::spawn(async move {
+        loop {
+            let inventory = devices.borrow_and_update().clone();
+            let snapshots = match &monitor {
+                Some(monitor) => tokio::time::timeout(MONITOR_ANSWER, monitor.devices())
+                    .await
+                    .ok()
+                    .flatten(),
+                None => None,
+            };
+            let view = build(&inventory, snapshots.as_deref(), &driver);
+            tx.send_if_modified(|current| {
+                if **current == view {
+                    return false;
+                }
+                *current = Arc::new(view);
+                true
+            });
+            if devices.changed().await.is_err() || tx.is_closed() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::health::{Condition, Recover};
+    use crate::monitor::ConditionSnapshot;
+    use std::path::PathBuf;
+    use std::time::SystemTime;
+
+    fn inventory() -> Inventory {
+        Inventory::new((0..3).map(|i| DeviceInfo {
+            id: format!("GPU-{i}"),
+            index: Some(i.to_string()),
+            device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
+            ..DeviceInfo::default()
+        }))
+    }
+
+    fn condition(kind: ConditionKind, effect: Effect) -> ConditionSnapshot {
+        let now = SystemTime::UNIX_EPOCH;
+        ConditionSnapshot {
+            condition: Condition {
+                kind,
+                detail: None,
+                count: 1,
+                first_seen: now,
+                last_seen: now,
+            },
+            effect,
+            recover: Recover::Auto,
+        }
+    }
+
+    fn snapshot(
+        inv: &Inventory,
+        id: &str,
+        message: &str,
+        conditions: Vec<ConditionSnapshot>,
+    ) -> DeviceSnapshot {
+        let state = inv.get(id).expect("device");
+        DeviceSnapshot {
+            info: state.info.clone(),
+            index: 0,
+            health: state.health,
+            message: Some(message.into()),
+            conditions,
+        }
+    }
+
+    #[test]
+    fn conditions_become_taints_and_an_unwatched_gpu_is_unknown() {
+        let mut inv = inventory();
+        inv.set_health("GPU-0", Health::Unhealthy, Some("Unhealthy: XID 79".into()));
+        let snapshots = vec![
+            snapshot(
+                &inv,
+                "GPU-0",
+                "Unhealthy: XID 79 …",
+                vec![condition(ConditionKind::Xid(79), Effect::Unhealthy)],
+            ),
+            snapshot(
+                &inv,
+                "GPU-1",
+                "Healthy: Also recorded, not affecting health: XID 13 …",
+                vec![condition(ConditionKind::Xid(13), Effect::None)],
+            ),
+            snapshot(
+                &inv,
+                "GPU-2",
+                "Healthy: not watched",
+                vec![condition(ConditionKind::Unmonitored, Effect::None)],
+            ),
+        ];
+        let view = build(&inv, Some(&snapshots), "gpu.nvidia.com");
+        assert_eq!(view[0].health, HealthStatus::Unhealthy);
+        assert_eq!(
+            view[0].taints,
+            vec![Taint {
+                key: "gpu.nvidia.com/xid".into(),
+                value: Some("79".into()),
+                effect: "NoSchedule"
+            }]
+        );
+        assert_eq!(view[1].health, HealthStatus::Healthy);
+        assert_eq!(view[1].taints[0].effect, "None");
+        assert!(
+            view[1].message.contains("XID 13"),
+            "a Healthy device's note reaches the pod status too"
+        );
+        assert_eq!(view[2].health, HealthStatus::Unknown);
+        assert_eq!(view[2].taints[0].key, "gpu.nvidia.com/unmonitored");
+    }
+
+    #[test]
+    fn without_the_monitors_answer_an_unhealthy_device_still_shows_with_its_reason_and_a_taint() {
+        let mut inv = inventory();
+        inv.set_health("GPU-2", Health::Unhealthy, Some("XID 48".into()));
+        let view = build(&inv, None, "gpu.nvidia.com");
+        assert_eq!(
+            (view[2].health, view[2].message.as_str()),
+            (HealthStatus::Unhealthy, "XID 48")
+        );
+        assert_eq!(view[2].taints[0].key, "gpu.nvidia.com/unhealthy");
+        assert!(view[0].taints.is_empty() && view[0].message.is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_view_follows_the_inventory() {
+        let (tx, rx) = watch::channel(Arc::new(inventory()));
+        let mut view = follow(rx, None, "gpu.nvidia.com".into());
+        assert_eq!(view.borrow_and_update().len(), 3);
+        let mut inv = inventory();
+        inv.set_health("GPU-1", Health::Unhealthy, Some("XID 79".into()));
+        tx.send_replace(Arc::new(inv));
+        tokio::time::timeout(Duration::from_secs(5), view.changed())
+            .await
+            .expect("in time")
+            .expect("changed");
+        assert_eq!(view.borrow()[1].health, HealthStatus::Unhealthy);
+    }
+}
