@@ -174,6 +174,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             api,
             monitored.handle.clone(),
             status.clone(),
+            metrics.clone(),
             &shutdown,
         )?),
         (Some(_), _, None, _) => bail!(
@@ -327,6 +328,7 @@ fn start_dra(
     api: &ApiAccess,
     monitor: monitor::MonitorHandle,
     status: tokio::sync::watch::Sender<gpu_device_plugin::dra::registration::DraStatus>,
+    metrics: Arc<Metrics>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
     let config = gpu_device_plugin::dra::DraConfig {
@@ -345,6 +347,7 @@ fn start_dra(
         Some(monitor),
         api.client_config(),
         status,
+        metrics,
         shutdown.clone(),
     )
     .context("cannot start the DRA side's thread")

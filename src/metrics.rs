@@ -280,7 +280,8 @@ impl Metrics {
         }
     }
 
-    /// An Allocate or PreStartContainer call ended with `code`.
+    /// An Allocate or PreStartContainer call, or a DRA claim prepared or unprepared (`PrepareClaim`,
+    /// `UnprepareClaim`), ended with `code`.
     pub fn call(&self, method: &str, code: tonic::Code) {
         let Some(m) = &self.0 else {
             return;
@@ -293,7 +294,7 @@ impl Metrics {
             .inc();
     }
 
-    /// A write to the Kubernetes API (`event` or `node_condition`) ended.
+    /// A write to the Kubernetes API (`event`, `node_condition` or `resource_slice`) ended.
     pub fn api_call(&self, request: &str, ok: bool) {
         let Some(m) = &self.0 else {
             return;

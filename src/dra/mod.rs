@@ -34,6 +34,7 @@ use crate::api::dra::{health_v1, health_v1alpha1, v1, v1beta1};
 use crate::devices::InventoryWatch;
 use crate::kubelet::KubeletError;
 use crate::kubelet::socket::PluginSocket;
+use crate::metrics::Metrics;
 use crate::monitor::MonitorHandle;
 
 use self::claims::ClaimReader;
@@ -116,6 +117,7 @@ pub fn spawn(
     monitor: Option<MonitorHandle>,
     api: kube::Config,
     status: watch::Sender<DraStatus>,
+    metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
     let (done, stopped) = tokio::sync::oneshot::channel();
@@ -130,11 +132,12 @@ pub fn spawn(
                         node: config.pool.clone(),
                     },
                     view.clone(),
+                    metrics.clone(),
                     shutdown.clone(),
                 );
                 let _publisher = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(publish));
                 let claims = Arc::new(claims::ApiClaims::new(client));
-                run(config, devices, view, claims, status, shutdown).await
+                run(config, devices, view, claims, status, metrics, shutdown).await
             }
             Err(e) => Err(DraError::Client(e.to_string())),
         };
@@ -218,6 +221,7 @@ pub async fn run(
     view: watch::Receiver<view::DraView>,
     claims: Arc<dyn ClaimReader>,
     status: watch::Sender<DraStatus>,
+    metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> Result<(), DraError> {
     let record_file = RecordFile::in_dir(&config.state_dir);
@@ -243,7 +247,8 @@ pub async fn run(
         record,
         record_file,
     )
-    .with_status(status.clone());
+    .with_status(status.clone())
+    .with_metrics(metrics);
     let health = HealthService::new(
         view,
         HealthConfig {

@@ -59,6 +59,7 @@ pub struct Preparer {
     record: Arc<Mutex<Record>>,
     file: Arc<RecordFile>,
     status: Option<tokio::sync::watch::Sender<super::registration::DraStatus>>,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Preparer {
@@ -77,7 +78,14 @@ impl Preparer {
             record: Arc::new(Mutex::new(record)),
             file: Arc::new(file),
             status: None,
+            metrics: crate::metrics::Metrics::off(),
         }
+    }
+
+    /// Counts each claim prepared and unprepared, and each refused, in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Says which claim holds each device in `status`, now and after every change.
@@ -147,6 +155,13 @@ impl Preparer {
             }
             answers.insert(claim.uid, answer);
         }
+        for answer in answers.values() {
+            let code = match answer {
+                Ok(_) => tonic::Code::Ok,
+                Err(_) => tonic::Code::FailedPrecondition,
+            };
+            self.metrics.call("PrepareClaim", code);
+        }
         if *record != before {
             if let Err(e) = self.save(&record).await {
                 // Nothing is handed out that the record does not hold: a restart must not forget a device's
@@ -186,6 +201,14 @@ impl Preparer {
                 ))
             }
         };
+        let code = if answer.is_ok() {
+            tonic::Code::Ok
+        } else {
+            tonic::Code::Unavailable
+        };
+        for _ in &claims {
+            self.metrics.call("UnprepareClaim", code);
+        }
         claims
             .into_iter()
             .map(|c| (c.uid, answer.clone()))

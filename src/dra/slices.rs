@@ -140,6 +140,7 @@ pub async fn publish(
     client: kube::Client,
     config: SliceConfig,
     mut view: watch::Receiver<DraView>,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
     shutdown: CancellationToken,
 ) {
     let api: Api<DynamicObject> = Api::all_with(client.clone(), &slice_resource());
@@ -195,7 +196,9 @@ pub async fn publish(
             Some((_, generation)) => generation + 1,
             None => first_generation(current, &devices),
         };
-        match write(&api, &config, owner.as_ref(), current, &devices, generation).await {
+        let written = write(&api, &config, owner.as_ref(), current, &devices, generation).await;
+        metrics.api_call("resource_slice", written.is_ok());
+        match written {
             Ok(dropped) => {
                 if dropped && !said_taints_dropped {
                     said_taints_dropped = true;
