@@ -352,8 +352,8 @@ fn the_fake_library_answers_nvml_calls_with_nvml_struct_layouts() -> TestResult 
 
     let lib = fake_nvml_lib();
     let nvml = Nvml::builder().lib_path(lib.as_os_str()).init()?;
-    assert_eq!(nvml.sys_driver_version()?, "550.163.01");
-    assert_eq!(nvml.sys_cuda_driver_version()?, 12040);
+    assert_eq!(nvml.sys_driver_version()?, "580.65.06");
+    assert_eq!(nvml.sys_cuda_driver_version()?, 13000);
     assert_eq!(nvml.device_count()?, 4);
 
     let device = nvml.device_by_index(1)?;
