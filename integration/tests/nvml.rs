@@ -844,3 +844,64 @@ async fn a_fault_in_the_same_write_as_its_own_gpus_loss_is_counted_once_it_answe
 -> TestResult {
     a_gpus_own_fault_before_its_loss(Order::LostFirst).await
 }
+
+/// The real NVML source in this process on the fake's default GPUs, with a sysfs root where GPU 1 is linked
+/// under a root complex: every fact a ResourceSlice publishes comes from the driver.
+#[test]
+fn the_nvml_source_reads_each_gpus_facts_from_the_driver() -> TestResult {
+    use gpu_device_plugin::devices::facts::DeviceFacts;
+    use gpu_device_plugin::sources::DeviceSource;
+    use gpu_device_plugin::sources::nvml::{NvmlGpus, NvmlOptions};
+
+    let sysfs = tempfile::tempdir()?;
+    let device = sysfs
+        .path()
+        .join("devices/pci0000:00/0000:00:03.0/0000:01:00.0");
+    std::fs::create_dir_all(&device)?;
+    std::fs::write(device.join("numa_node"), "1\n")?;
+    let links = sysfs.path().join("bus/pci/devices");
+    std::fs::create_dir_all(&links)?;
+    std::os::unix::fs::symlink(
+        "../../../devices/pci0000:00/0000:00:03.0/0000:01:00.0",
+        links.join("0000:01:00.0"),
+    )?;
+    let mut source = NvmlGpus::open(NvmlOptions {
+        library: fake_nvml_lib(),
+        sysfs_root: sysfs.path().to_path_buf(),
+        ..NvmlOptions::default()
+    })?;
+    let devices = source.discover()?;
+    assert_eq!(devices.len(), 4);
+    let gpu1 = &devices[1];
+    assert_eq!(
+        (gpu1.id.as_str(), gpu1.numa_node),
+        (gpu(1).as_str(), Some(1))
+    );
+    assert_eq!(
+        gpu1.facts.as_deref(),
+        Some(&DeviceFacts {
+            minor: Some(1),
+            product_name: Some("NVIDIA H100 80GB HBM3".into()),
+            brand: Some("Nvidia".into()),
+            architecture: Some("Hopper".into()),
+            cuda_compute_capability: Some((9, 0)),
+            memory_bytes: Some(81559 * 1024 * 1024),
+            pci_bus_id: Some("0000:01:00.0".into()),
+            pcie_root: Some("pci0000:00".into()),
+            driver_version: Some("580.65.06".into()),
+            cuda_driver_version: Some("13.0".into()),
+            mig: None,
+        })
+    );
+    // GPU 3 is not in this sysfs: no root complex, everything else as the driver says.
+    let gpu3 = devices[3].facts.as_deref().ok_or("GPU 3 without facts")?;
+    assert_eq!(
+        (
+            gpu3.minor,
+            gpu3.pci_bus_id.as_deref(),
+            gpu3.pcie_root.as_deref()
+        ),
+        (Some(3), Some("0000:03:00.0"), None)
+    );
+    Ok(())
+}
