@@ -905,3 +905,74 @@ fn the_nvml_source_reads_each_gpus_facts_from_the_driver() -> TestResult {
     );
     Ok(())
 }
+
+/// The report's facts of device `id`.
+fn reported_facts(
+    report: &gpu_device_plugin::http::status::Report,
+    id: &str,
+) -> Result<gpu_device_plugin::devices::facts::DeviceFacts, String> {
+    let device = report
+        .devices
+        .iter()
+        .find(|d| d.id == id)
+        .ok_or_else(|| format!("{id} missing from /status"))?;
+    device
+        .facts
+        .clone()
+        .ok_or_else(|| format!("{id} has no facts in /status"))
+}
+
+#[tokio::test]
+async fn facts_the_driver_cannot_give_are_left_out_and_the_gpu_is_still_served() -> TestResult {
+    // GPU 0 supports none of the fact queries; GPU 1 is an A100, to tell facts read from the driver from
+    // defaults.
+    let config = format!(
+        r#"{{"devices":[
+            {{"uuid":"{}","not_supported":["nvmlDeviceGetName","nvmlDeviceGetBrand","nvmlDeviceGetArchitecture",
+              "nvmlDeviceGetCudaComputeCapability","nvmlDeviceGetMemoryInfo","nvmlDeviceGetPciInfo_v3"]}},
+            {{"uuid":"{}","name":"NVIDIA A100-SXM4-80GB","architecture":"ampere","brand":"tesla",
+              "cuda_compute_capability":"8.0","memory_mib":81920,"pci_bus_id":"00000000:B1:00.0"}}]}}"#,
+        gpu(0),
+        gpu(1)
+    );
+    // A sysfs of its own (empty): nothing of the machine the test runs on.
+    let node = NvmlNode::start(Some(&config), &["--sysfs-root", "{dir}/sys"]).await?;
+    let list = node
+        .kubelet
+        .wait_list("both GPUs", WAIT, |l| l.devices.len() == 2)
+        .await?;
+    assert_eq!(list.allocatable(), 2, "a GPU without facts is served");
+    let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
+    let report = gpu_device_plugin::http::fetch_report(&addr).await?;
+    let bare = reported_facts(&report, &gpu(0))?;
+    assert_eq!(
+        bare,
+        gpu_device_plugin::devices::facts::DeviceFacts {
+            minor: Some(0),
+            driver_version: Some("580.65.06".into()),
+            cuda_driver_version: Some("13.0".into()),
+            ..Default::default()
+        }
+    );
+    let a100 = reported_facts(&report, &gpu(1))?;
+    assert_eq!(
+        (
+            a100.product_name.as_deref(),
+            a100.architecture.as_deref(),
+            a100.brand.as_deref(),
+            a100.cuda_compute_capability,
+            a100.memory_bytes,
+            a100.pci_bus_id.as_deref(),
+        ),
+        (
+            Some("NVIDIA A100-SXM4-80GB"),
+            Some("Ampere"),
+            Some("Tesla"),
+            Some((8, 0)),
+            Some(81920 * 1024 * 1024),
+            Some("0000:b1:00.0")
+        )
+    );
+    assert_eq!(a100.pcie_root, None, "not in this sysfs");
+    Ok(())
+}
