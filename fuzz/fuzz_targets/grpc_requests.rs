@@ -34,7 +34,7 @@ fn inventory() -> Inventory {
             numa_node: Some((i / 2) as i64),
             device_nodes: vec![format!("/dev/nvidia{i}").into()],
             index: Some(i.to_string()),
-            mig: None,
+            ..DeviceInfo::default()
         })
         .collect();
     devices.extend((0..2u32).map(|m| DeviceInfo {

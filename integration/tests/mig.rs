@@ -6,6 +6,8 @@ mod support;
 
 use std::ffi::OsStr;
 
+use gpu_device_plugin::devices::facts::{DeviceFacts, MigCapacities, MigPlacement};
+
 use support::{NvmlNode, PluginProcess, TestResult, WAIT, fake_nvml_gpu as gpu, fake_nvml_lib};
 
 /// MIG device `n` of fake GPU `g`, as the fake names them when the device list gives no UUID.
@@ -493,5 +495,112 @@ async fn every_resource_registers_again_after_a_kubelet_restart() -> TestResult 
         .collect();
     resources.sort();
     assert_eq!(resources, ["nvidia.com/gpu", MIG_1G, MIG_2G]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn mig_devices_carry_their_placement_engines_and_their_gpus_facts() -> TestResult {
+    // GPU 0: a 3g.40gb placed at memory slice 4 and a 1g.10gb that takes the lowest free one. GPU 1 cannot
+    // say its GPU instance profiles: its MIG device is served all the same, without engine counts.
+    let config = format!(
+        r#"{{"devices":[
+            {{"uuid":"{}","mig":[{{"profile":"3g.40gb","placement_start":4}},{{"profile":"1g.10gb"}}]}},
+            {{"uuid":"{}","pci_bus_id":"00000000:2A:00.0","minor":5,
+              "not_supported":["nvmlDeviceGetGpuInstanceProfileInfo"],"mig":[{{"profile":"1g.10gb"}}]}}]}}"#,
+        gpu(0),
+        gpu(1)
+    );
+    // A sysfs of its own (empty): nothing of the machine the test runs on.
+    let node = NvmlNode::start(
+        Some(&config),
+        &["--mig-strategy", "mixed", "--sysfs-root", "{dir}/sys"],
+    )
+    .await?;
+    node.kubelet.wait_registrations(2, WAIT).await?;
+    node.kubelet
+        .wait_list_of(MIG_1G, "both 1g.10gb listed", WAIT, |l| {
+            l.devices.len() == 2
+        })
+        .await?;
+    let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
+    let report = gpu_device_plugin::http::fetch_report(&addr).await?;
+    let facts = |id: &str| {
+        report
+            .devices
+            .iter()
+            .find(|d| d.id == id)
+            .and_then(|d| d.facts.clone())
+            .ok_or(format!("{id}: no facts in /status"))
+    };
+    let engines = |multiprocessors, n| MigCapacities {
+        multiprocessors,
+        copy_engines: n,
+        decoders: n,
+        encoders: 0,
+        jpeg_engines: n,
+        ofa_engines: 0,
+    };
+
+    let big = facts(&mig(0, 0))?;
+    assert_eq!(
+        big.mig,
+        Some(MigPlacement {
+            gi_profile_id: 9,
+            placement_start: 4,
+            placement_size: 4,
+            capacities: Some(engines(60, 3)),
+        })
+    );
+    assert_eq!(big.memory_bytes, Some(40448 * 1024 * 1024));
+    // The rest is its GPU's, as NVIDIA publishes a MIG device's attributes.
+    assert_eq!(
+        DeviceFacts {
+            mig: None,
+            memory_bytes: None,
+            ..big.clone()
+        },
+        DeviceFacts {
+            minor: Some(0),
+            product_name: Some("NVIDIA H100 80GB HBM3".into()),
+            brand: Some("Nvidia".into()),
+            architecture: Some("Hopper".into()),
+            cuda_compute_capability: Some((9, 0)),
+            pci_bus_id: Some("0000:00:00.0".into()),
+            driver_version: Some("580.65.06".into()),
+            cuda_driver_version: Some("13.0".into()),
+            ..DeviceFacts::default()
+        }
+    );
+    let small = facts(&mig(0, 1))?;
+    assert_eq!(
+        small.mig,
+        Some(MigPlacement {
+            gi_profile_id: 19,
+            placement_start: 0,
+            placement_size: 1,
+            capacities: Some(engines(16, 1)),
+        })
+    );
+
+    let blind = facts(&mig(1, 0))?;
+    assert_eq!(
+        (blind.minor, blind.pci_bus_id.as_deref()),
+        (Some(5), Some("0000:2a:00.0")),
+        "its GPU's minor and address"
+    );
+    assert_eq!(
+        blind.mig,
+        Some(MigPlacement {
+            gi_profile_id: 19,
+            placement_start: 0,
+            placement_size: 1,
+            capacities: None,
+        })
+    );
+    assert_eq!(
+        blind.memory_bytes,
+        Some(9984 * 1024 * 1024),
+        "the MIG device's own memory where the profile's is unknown"
+    );
     Ok(())
 }

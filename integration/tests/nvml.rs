@@ -352,8 +352,8 @@ fn the_fake_library_answers_nvml_calls_with_nvml_struct_layouts() -> TestResult 
 
     let lib = fake_nvml_lib();
     let nvml = Nvml::builder().lib_path(lib.as_os_str()).init()?;
-    assert_eq!(nvml.sys_driver_version()?, "550.163.01");
-    assert_eq!(nvml.sys_cuda_driver_version()?, 12040);
+    assert_eq!(nvml.sys_driver_version()?, "580.65.06");
+    assert_eq!(nvml.sys_cuda_driver_version()?, 13000);
     assert_eq!(nvml.device_count()?, 4);
 
     let device = nvml.device_by_index(1)?;
@@ -843,4 +843,136 @@ async fn a_fault_in_the_same_write_as_its_own_gpus_loss_is_counted_once() -> Tes
 async fn a_fault_in_the_same_write_as_its_own_gpus_loss_is_counted_once_it_answers_when_the_driver_tells_the_loss_first()
 -> TestResult {
     a_gpus_own_fault_before_its_loss(Order::LostFirst).await
+}
+
+/// The real NVML source in this process on the fake's default GPUs, with a sysfs root where GPU 1 is linked
+/// under a root complex: every fact a ResourceSlice publishes comes from the driver.
+#[test]
+fn the_nvml_source_reads_each_gpus_facts_from_the_driver() -> TestResult {
+    use gpu_device_plugin::devices::facts::DeviceFacts;
+    use gpu_device_plugin::sources::DeviceSource;
+    use gpu_device_plugin::sources::nvml::{NvmlGpus, NvmlOptions};
+
+    let sysfs = tempfile::tempdir()?;
+    let device = sysfs
+        .path()
+        .join("devices/pci0000:00/0000:00:03.0/0000:01:00.0");
+    std::fs::create_dir_all(&device)?;
+    std::fs::write(device.join("numa_node"), "1\n")?;
+    let links = sysfs.path().join("bus/pci/devices");
+    std::fs::create_dir_all(&links)?;
+    std::os::unix::fs::symlink(
+        "../../../devices/pci0000:00/0000:00:03.0/0000:01:00.0",
+        links.join("0000:01:00.0"),
+    )?;
+    let mut source = NvmlGpus::open(NvmlOptions {
+        library: fake_nvml_lib(),
+        sysfs_root: sysfs.path().to_path_buf(),
+        ..NvmlOptions::default()
+    })?;
+    let devices = source.discover()?;
+    assert_eq!(devices.len(), 4);
+    let gpu1 = &devices[1];
+    assert_eq!(
+        (gpu1.id.as_str(), gpu1.numa_node),
+        (gpu(1).as_str(), Some(1))
+    );
+    assert_eq!(
+        gpu1.facts.as_deref(),
+        Some(&DeviceFacts {
+            minor: Some(1),
+            product_name: Some("NVIDIA H100 80GB HBM3".into()),
+            brand: Some("Nvidia".into()),
+            architecture: Some("Hopper".into()),
+            cuda_compute_capability: Some((9, 0)),
+            memory_bytes: Some(81559 * 1024 * 1024),
+            pci_bus_id: Some("0000:01:00.0".into()),
+            pcie_root: Some("pci0000:00".into()),
+            driver_version: Some("580.65.06".into()),
+            cuda_driver_version: Some("13.0".into()),
+            mig: None,
+        })
+    );
+    // GPU 3 is not in this sysfs: no root complex, everything else as the driver says.
+    let gpu3 = devices[3].facts.as_deref().ok_or("GPU 3 without facts")?;
+    assert_eq!(
+        (
+            gpu3.minor,
+            gpu3.pci_bus_id.as_deref(),
+            gpu3.pcie_root.as_deref()
+        ),
+        (Some(3), Some("0000:03:00.0"), None)
+    );
+    Ok(())
+}
+
+/// The report's facts of device `id`.
+fn reported_facts(
+    report: &gpu_device_plugin::http::status::Report,
+    id: &str,
+) -> Result<gpu_device_plugin::devices::facts::DeviceFacts, String> {
+    let device = report
+        .devices
+        .iter()
+        .find(|d| d.id == id)
+        .ok_or_else(|| format!("{id} missing from /status"))?;
+    device
+        .facts
+        .clone()
+        .ok_or_else(|| format!("{id} has no facts in /status"))
+}
+
+#[tokio::test]
+async fn facts_the_driver_cannot_give_are_left_out_and_the_gpu_is_still_served() -> TestResult {
+    // GPU 0 supports none of the fact queries; GPU 1 is an A100, to tell facts read from the driver from
+    // defaults.
+    let config = format!(
+        r#"{{"devices":[
+            {{"uuid":"{}","not_supported":["nvmlDeviceGetName","nvmlDeviceGetBrand","nvmlDeviceGetArchitecture",
+              "nvmlDeviceGetCudaComputeCapability","nvmlDeviceGetMemoryInfo","nvmlDeviceGetPciInfo_v3"]}},
+            {{"uuid":"{}","name":"NVIDIA A100-SXM4-80GB","architecture":"ampere","brand":"tesla",
+              "cuda_compute_capability":"8.0","memory_mib":81920,"pci_bus_id":"00000000:B1:00.0"}}]}}"#,
+        gpu(0),
+        gpu(1)
+    );
+    // A sysfs of its own (empty): nothing of the machine the test runs on.
+    let node = NvmlNode::start(Some(&config), &["--sysfs-root", "{dir}/sys"]).await?;
+    let list = node
+        .kubelet
+        .wait_list("both GPUs", WAIT, |l| l.devices.len() == 2)
+        .await?;
+    assert_eq!(list.allocatable(), 2, "a GPU without facts is served");
+    let addr = node.plugin.http_addr().await.ok_or("no HTTP address")?;
+    let report = gpu_device_plugin::http::fetch_report(&addr).await?;
+    let bare = reported_facts(&report, &gpu(0))?;
+    assert_eq!(
+        bare,
+        gpu_device_plugin::devices::facts::DeviceFacts {
+            minor: Some(0),
+            driver_version: Some("580.65.06".into()),
+            cuda_driver_version: Some("13.0".into()),
+            ..Default::default()
+        }
+    );
+    let a100 = reported_facts(&report, &gpu(1))?;
+    assert_eq!(
+        (
+            a100.product_name.as_deref(),
+            a100.architecture.as_deref(),
+            a100.brand.as_deref(),
+            a100.cuda_compute_capability,
+            a100.memory_bytes,
+            a100.pci_bus_id.as_deref(),
+        ),
+        (
+            Some("NVIDIA A100-SXM4-80GB"),
+            Some("Ampere"),
+            Some("Tesla"),
+            Some((8, 0)),
+            Some(81920 * 1024 * 1024),
+            Some("0000:b1:00.0")
+        )
+    );
+    assert_eq!(a100.pcie_root, None, "not in this sysfs");
+    Ok(())
 }

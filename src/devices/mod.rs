@@ -1,12 +1,14 @@
 //! The device model every other module shares: the devices the plugin advertises and their health
 //! ([`Inventory`]), MIG devices, the IDs the kubelet sees ([`naming`]), which resources list which devices
-//! ([`resources`]) and the pure Allocate decisions ([`allocation`]).
+//! ([`resources`]), the pure Allocate decisions ([`allocation`]) and what the driver says about each device
+//! for a DRA ResourceSlice ([`facts`]).
 //!
 //! State flows one way: source (`crate::sources`) → `mpsc` of events → the health monitor (`crate::monitor`)
 //! → `watch` of [`Inventory`] → gRPC streams. A slow reader of the `watch` sees the latest inventory, never a
 //! backlog.
 
 pub mod allocation;
+pub mod facts;
 pub mod mig;
 pub mod naming;
 pub mod resources;
@@ -40,6 +42,10 @@ pub struct DeviceInfo {
     pub index: Option<String>,
     /// Set for a MIG device: its GPU and profile.
     pub mig: Option<mig::MigInfo>,
+    /// What the driver says about the device (product, memory, PCI address, versions, MIG placement), for the
+    /// ResourceSlice and the status report; `None` where the source knows nothing of it. Shared, because the
+    /// inventory is copied on every change and these facts never change.
+    pub facts: Option<Arc<facts::DeviceFacts>>,
 }
 
 impl DeviceInfo {

@@ -76,6 +76,10 @@ pub struct DeviceStatus {
     /// Set for a device served through DRA rather than the device plugin.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dra: Option<DraDevice>,
+    /// What the driver says about the device (product, memory, PCI address, versions, MIG placement): what a
+    /// DRA ResourceSlice publishes of it, for an operator to check against `nvidia-smi`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub facts: Option<crate::devices::facts::DeviceFacts>,
 }
 
 /// What a MIG device is part of.
@@ -133,6 +137,7 @@ impl DeviceStatus {
             conditions: device.conditions.iter().map(ConditionStatus::of).collect(),
             pods,
             dra: None,
+            facts: device.info.facts.as_deref().cloned(),
         }
     }
 }
@@ -396,6 +401,21 @@ mod tests {
                     id: "GPU-a".into(),
                     index: 0,
                     health: "Healthy".into(),
+                    facts: Some(crate::devices::facts::DeviceFacts {
+                        minor: Some(0),
+                        cuda_compute_capability: Some((9, 0)),
+                        pci_bus_id: Some("0000:17:00.0".into()),
+                        mig: Some(crate::devices::facts::MigPlacement {
+                            gi_profile_id: 19,
+                            placement_start: 3,
+                            placement_size: 1,
+                            capacities: Some(crate::devices::facts::MigCapacities {
+                                multiprocessors: 16,
+                                ..Default::default()
+                            }),
+                        }),
+                        ..Default::default()
+                    }),
                     ..DeviceStatus::default()
                 },
                 DeviceStatus {
@@ -566,6 +586,10 @@ mod tests {
         let report = report();
         let text = serde_json::to_string(&report)?;
         assert!(text.contains("\"streamsOpen\":1"), "{text}");
+        assert!(
+            text.contains("\"pciBusId\":\"0000:17:00.0\"") && text.contains("\"giProfileId\":19"),
+            "{text}"
+        );
         assert_eq!(serde_json::from_str::<Report>(&text)?, report);
         Ok(())
     }

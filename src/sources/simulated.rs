@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 
 use super::script::{self, Command, Line};
 use super::{DeviceEvent, DeviceSource, SourceError};
+use crate::devices::facts::DeviceFacts;
 use crate::devices::{DeviceInfo, Unserved};
 use crate::health::{Observation, ProbeResult};
 
@@ -33,7 +34,8 @@ pub struct SimulatedControl {
 }
 
 impl SimulatedGpus {
-    /// `count` GPUs: `GPU-…-000000000000` upwards, `/dev/nvidia<i>`, four to a NUMA node.
+    /// `count` GPUs: `GPU-…-000000000000` upwards, `/dev/nvidia<i>`, four to a NUMA node, each with the facts
+    /// of an H100 ([`simulated_facts`]).
     pub fn new(count: usize) -> (Self, SimulatedControl) {
         let devices = (0..count)
             .map(|i| DeviceInfo {
@@ -42,6 +44,7 @@ impl SimulatedGpus {
                 device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
                 index: Some(i.to_string()),
                 mig: None,
+                facts: Some(Arc::new(simulated_facts(i))),
             })
             .collect();
         let (tx, control) = mpsc::channel(64);
@@ -80,6 +83,27 @@ impl SimulatedGpus {
 /// UUID of simulated GPU `index`, in the shape NVML reports (`GPU-` and a version-4-looking UUID).
 pub fn simulated_uuid(index: usize) -> String {
     format!("GPU-5133a6b0-51e0-4c1d-9a7e-{index:012x}")
+}
+
+/// What simulated GPU `index` says about itself: an H100 80GB HBM3 on a 580 driver, minor number `index`,
+/// at PCI address `<index / 256>:<index % 256>:00.0` (distinct for every GPU), the four GPUs of a NUMA node
+/// under one root complex, named for the bus of the first of them.
+pub fn simulated_facts(index: usize) -> DeviceFacts {
+    let (domain, bus) = (index / 256, index % 256);
+    let root_bus = bus - bus % GPUS_PER_NUMA_NODE;
+    DeviceFacts {
+        minor: u32::try_from(index).ok(),
+        product_name: Some("NVIDIA H100 80GB HBM3".into()),
+        brand: Some("Nvidia".into()),
+        architecture: Some("Hopper".into()),
+        cuda_compute_capability: Some((9, 0)),
+        memory_bytes: Some(81559 * 1024 * 1024),
+        pci_bus_id: Some(format!("{domain:04x}:{bus:02x}:00.0")),
+        pcie_root: Some(format!("pci{domain:04x}:{root_bus:02x}")),
+        driver_version: Some("580.65.06".into()),
+        cuda_driver_version: Some("13.0".into()),
+        mig: None,
+    }
 }
 
 /// What a simulated GPU reports for a fault command. `restore` has no event of its own: a GPU that answers
@@ -250,6 +274,37 @@ mod tests {
         assert_eq!(devices[3].numa_node, Some(0));
         assert_eq!(devices[4].numa_node, Some(1));
         assert_eq!(devices[5].device_nodes, vec![PathBuf::from("/dev/nvidia5")]);
+    }
+
+    #[test]
+    fn simulated_gpus_have_an_h100s_facts_their_minor_and_a_pci_address_each() {
+        let (mut gpus, _control) = SimulatedGpus::new(300);
+        let devices = gpus.discover().unwrap_or_default();
+        let facts: Vec<&DeviceFacts> = devices.iter().filter_map(|d| d.facts.as_deref()).collect();
+        assert_eq!(facts.len(), 300, "every simulated GPU has facts");
+        for (i, f) in facts.iter().enumerate() {
+            assert_eq!(f.minor, u32::try_from(i).ok());
+            assert_eq!(f.product_name.as_deref(), Some("NVIDIA H100 80GB HBM3"));
+            assert_eq!(
+                (f.architecture.as_deref(), f.cuda_compute_capability),
+                (Some("Hopper"), Some((9, 0)))
+            );
+            // In the form the standard attribute takes, so a slice built from it is valid.
+            let bus_id = f.pci_bus_id.as_deref().unwrap_or_default();
+            assert_eq!(
+                crate::devices::facts::pci_bus_id(bus_id).as_deref(),
+                Some(bus_id)
+            );
+        }
+        let bus_ids: HashSet<_> = facts.iter().map(|f| f.pci_bus_id.clone()).collect();
+        assert_eq!(bus_ids.len(), 300, "distinct PCI addresses");
+        assert_eq!(facts[257].pci_bus_id.as_deref(), Some("0001:01:00.0"));
+        assert_eq!(
+            (facts[4].pcie_root.as_deref(), facts[7].pcie_root.as_deref()),
+            (Some("pci0000:04"), Some("pci0000:04")),
+            "a NUMA node's GPUs share a root"
+        );
+        assert_ne!(facts[3].pcie_root, facts[4].pcie_root);
     }
 
     #[tokio::test]

@@ -53,10 +53,10 @@ pub mod event_type {
 pub const FIELD_RECOVERY_ACTION: c_uint = 230;
 /// `NVML_VALUE_TYPE_UNSIGNED_INT`.
 const VALUE_TYPE_UNSIGNED_INT: c_uint = 1;
-/// Driver version reported; before 580.82, so clients use NVML 12 field numbering.
-const DRIVER_VERSION: &CStr = c"550.163.01";
-/// CUDA driver version reported (12.4).
-const CUDA_VERSION: c_int = 12040;
+/// Driver version reported: a 580 driver (CUDA 13.0), before 580.82, so clients use NVML 12 field numbering.
+const DRIVER_VERSION: &CStr = c"580.65.06";
+/// CUDA driver version reported (13.0).
+const CUDA_VERSION: c_int = 13000;
 
 /// `nvmlPciInfo_t` (v3).
 #[repr(C)]
@@ -288,6 +288,7 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     length: c_uint,
 ) -> nvmlReturn_t {
     with_handle(device, |h| match h {
+        _ if !h.gpu().spec.supports("nvmlDeviceGetName") => code::NOT_SUPPORTED,
         Handle::Gpu(d) => unsafe { put_str(name, length, &d.spec.name) },
         Handle::Mig(d, m) => unsafe {
             put_str(
@@ -312,7 +313,12 @@ pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(
     device: nvmlDevice_t,
     minor: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_device(device, |d| unsafe { put(minor, d.spec.minor) })
+    with_device(device, |d| {
+        if !d.spec.supports("nvmlDeviceGetMinorNumber") {
+            return code::NOT_SUPPORTED;
+        }
+        unsafe { put(minor, d.spec.minor) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -321,6 +327,9 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
     pci: *mut nvmlPciInfo_t,
 ) -> nvmlReturn_t {
     with_device(device, |d| {
+        if !d.spec.supports("nvmlDeviceGetPciInfo_v3") {
+            return code::NOT_SUPPORTED;
+        }
         let (domain, bus, dev) = config::parse_bus_id(&d.spec.pci_bus_id);
         let mut info = nvmlPciInfo_t {
             busIdLegacy: [0; 16],
@@ -353,6 +362,9 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     memory: *mut nvmlMemory_t,
 ) -> nvmlReturn_t {
     with_handle(device, |h| {
+        if !h.gpu().spec.supports("nvmlDeviceGetMemoryInfo") {
+            return code::NOT_SUPPORTED;
+        }
         let total = memory_bytes(h);
         unsafe {
             put(
@@ -373,6 +385,9 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     memory: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
     with_handle(device, |h| {
+        if !h.gpu().spec.supports("nvmlDeviceGetMemoryInfo") {
+            return code::NOT_SUPPORTED;
+        }
         let total = memory_bytes(h);
         let version = if memory.is_null() {
             0
@@ -400,29 +415,33 @@ pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
     major: *mut c_int,
     minor: *mut c_int,
 ) -> nvmlReturn_t {
-    with_device(device, |_| {
+    with_device(device, |d| {
+        if !d.spec.supports("nvmlDeviceGetCudaComputeCapability") {
+            return code::NOT_SUPPORTED;
+        }
         if major.is_null() || minor.is_null() {
             return code::INVALID_ARGUMENT;
         }
+        let (cc_major, cc_minor) = d.spec.cuda_compute_capability;
         unsafe {
-            major.write(9);
-            minor.write(0);
+            major.write(cc_major);
+            minor.write(cc_minor);
         }
         code::SUCCESS
     })
 }
-
-/// `NVML_DEVICE_ARCH_HOPPER`.
-const ARCH_HOPPER: c_uint = 9;
-/// `NVML_BRAND_NVIDIA`.
-const BRAND_NVIDIA: c_uint = 14;
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetArchitecture(
     device: nvmlDevice_t,
     arch: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_device(device, |_| unsafe { put(arch, ARCH_HOPPER) })
+    with_device(device, |d| {
+        if !d.spec.supports("nvmlDeviceGetArchitecture") {
+            return code::NOT_SUPPORTED;
+        }
+        unsafe { put(arch, d.spec.architecture) }
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -430,7 +449,12 @@ pub unsafe extern "C" fn nvmlDeviceGetBrand(
     device: nvmlDevice_t,
     brand: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_device(device, |_| unsafe { put(brand, BRAND_NVIDIA) })
+    with_device(device, |d| {
+        if !d.spec.supports("nvmlDeviceGetBrand") {
+            return code::NOT_SUPPORTED;
+        }
+        unsafe { put(brand, d.spec.brand) }
+    })
 }
 
 /// `NVML_DEVICE_MIG_ENABLE`.
@@ -608,8 +632,12 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
     profile: c_uint,
     info: *mut nvmlGpuInstanceProfileInfo_t,
 ) -> nvmlReturn_t {
-    with_device(device, |_| {
-        let Some(p) = config::PROFILES.iter().find(|p| p.id == profile) else {
+    with_device(device, |d| {
+        if !d.spec.supports("nvmlDeviceGetGpuInstanceProfileInfo") {
+            return code::NOT_SUPPORTED;
+        }
+        // Looked up by index (`NVML_GPU_INSTANCE_PROFILE_*`); the info carries the profile's ID.
+        let Some(p) = config::PROFILES.iter().find(|p| p.index == profile) else {
             // Profiles this GPU does not have, as on the real one.
             return code::NOT_SUPPORTED;
         };
@@ -620,13 +648,13 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
                     id: p.id,
                     isP2pSupported: 0,
                     sliceCount: p.slices,
-                    instanceCount: 7 / p.slices,
-                    multiprocessorCount: p.slices * SMS_PER_SLICE,
-                    copyEngineCount: p.slices,
-                    decoderCount: p.slices,
+                    instanceCount: p.placements.len() as c_uint,
+                    multiprocessorCount: p.multiprocessors,
+                    copyEngineCount: p.copy_engines,
+                    decoderCount: p.decoders,
                     encoderCount: 0,
-                    jpegCount: p.slices,
-                    ofaCount: 0,
+                    jpegCount: p.jpeg_engines,
+                    ofaCount: p.ofa_engines,
                     memorySizeMB: p.memory_mb,
                 },
             )
@@ -699,8 +727,8 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(
                 id,
                 profileId: m.spec.profile.id,
                 placement: nvmlGpuInstancePlacement_t {
-                    start: 0,
-                    size: m.spec.profile.slices,
+                    start: m.spec.placement_start,
+                    size: m.spec.profile.memory_slices,
                 },
             },
         )

@@ -20,6 +20,7 @@
 //! the GPU (an unattributed XID, XID 79, a double-bit ECC error, the GPU lost, its recovery action) every MIG
 //! device of it.
 
+mod facts;
 mod raw;
 
 use std::collections::{HashMap, HashSet};
@@ -235,6 +236,7 @@ impl DeviceSource for NvmlGpus {
             MigStrategy::None => HashMap::new(),
             _ => mig::read_mig_minors(&self.options.proc_root),
         };
+        let system = facts::system(&self.nvml);
         let mut found = Vec::new();
         let mut layout = Vec::new();
         let mut unreadable = Vec::new();
@@ -253,7 +255,14 @@ impl DeviceSource for NvmlGpus {
                     continue;
                 }
             };
-            let info = describe(&device, uuid.clone(), &self.options.sysfs_root, index);
+            let info = describe(
+                &self.nvml,
+                &device,
+                uuid.clone(),
+                &self.options.sysfs_root,
+                index,
+                &system,
+            );
             let mig_enabled = strategy != MigStrategy::None
                 && device.mig_mode().is_ok_and(|m| m.current == MIG_ENABLED);
             if !mig_enabled {
@@ -473,12 +482,24 @@ fn mig_devices(
                 continue;
             }
         };
-        // The GPU instance's profile index names attributes such as media extensions (`+me`).
-        let gi_profile = raw::gpu_instance_profile_id(nvml, gpu, gpu_instance)
-            .ok()
-            .and_then(|id| {
-                (0..GPU_INSTANCE_PROFILES).find(|&i| gpu.profile_info(i).is_ok_and(|p| p.id == id))
-            });
+        // The GPU instance's profile and placement: its profile index names attributes such as media
+        // extensions (`+me`); the profile's ID and the placement name the device in a ResourceSlice.
+        let instance = raw::gpu_instance_info(nvml, gpu, gpu_instance).ok();
+        let found_profile = instance.and_then(|gi| {
+            (0..GPU_INSTANCE_PROFILES).find_map(|i| {
+                let info = gpu.profile_info(i).ok()?;
+                (info.id == gi.profile_id).then_some((i, info))
+            })
+        });
+        let gi_profile = found_profile.as_ref().map(|(i, _)| *i);
+        let device_facts = gpu_info.facts.as_deref().map(|gpu_facts| {
+            Arc::new(facts::mig(
+                gpu_facts,
+                instance,
+                found_profile.as_ref().map(|(_, info)| info),
+                attributes.memory_size_mb,
+            ))
+        });
         let profile = mig::profile_name(&ProfileFacts {
             gi_profile,
             gpu_slices: attributes.gpu_instance_slice_count,
@@ -505,6 +526,7 @@ fn mig_devices(
                 device_nodes,
                 index: Some(format!("{index}:{slot}")),
                 mig: Some(mig.clone()),
+                facts: device_facts,
             },
             MigAttributes {
                 multiprocessors: attributes.multiprocessor_count,
@@ -517,23 +539,40 @@ fn mig_devices(
     found
 }
 
-fn describe(device: &Device<'_>, uuid: String, sysfs_root: &Path, index: u32) -> DeviceInfo {
-    let minor = device.minor_number();
-    let numa_node = device
-        .pci_info()
-        .ok()
-        .and_then(|pci| numa_node(sysfs_root, &pci.bus_id));
-    let name = device.name().unwrap_or_default();
+/// A whole GPU as the plugin serves it, with its facts.
+fn describe(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    uuid: String,
+    sysfs_root: &Path,
+    index: u32,
+    system: &facts::SystemFacts,
+) -> DeviceInfo {
+    let bus_id = device.pci_info().ok().map(|pci| pci.bus_id);
+    let numa_node = bus_id
+        .as_deref()
+        .and_then(|bus_id| numa_node(sysfs_root, bus_id));
+    let facts = facts::gpu(nvml, device, bus_id.as_deref(), sysfs_root, system);
     // A value the driver does not give is left out of the line (`Option` fields record nothing when `None`).
-    tracing::info!(device = %uuid, name = %name, index, minor = minor.as_ref().ok().copied(), numa = numa_node, "found GPU");
+    tracing::info!(
+        device = %uuid,
+        name = facts.product_name.as_deref(),
+        index,
+        minor = facts.minor,
+        numa = numa_node,
+        pci = facts.pci_bus_id.as_deref(),
+        "found GPU"
+    );
     DeviceInfo {
         id: uuid,
         numa_node,
-        device_nodes: minor
+        device_nodes: facts
+            .minor
             .map(|m| vec![PathBuf::from(format!("/dev/nvidia{m}"))])
             .unwrap_or_default(),
         index: Some(index.to_string()),
         mig: None,
+        facts: Some(Arc::new(facts)),
     }
 }
 
@@ -1022,6 +1061,7 @@ fn driver_gpus(options: &NvmlOptions) -> Vec<DeviceInfo> {
     };
     let mut entries: Vec<_> = entries.flatten().map(|e| e.path()).collect();
     entries.sort();
+    let driver_version = facts::procfs_driver_version(&options.proc_root);
     let mut devices = Vec::new();
     for entry in entries {
         let file = entry.join("information");
@@ -1041,6 +1081,19 @@ fn driver_gpus(options: &NvmlOptions) -> Vec<DeviceInfo> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         info.numa_node = numa_node(&options.sysfs_root, &bus_id);
+        if let Some(found) = info.facts.as_mut() {
+            let found = Arc::make_mut(found);
+            // The directory is named for the GPU's address where the file does not say it.
+            found.pci_bus_id = found
+                .pci_bus_id
+                .take()
+                .or_else(|| crate::devices::facts::pci_bus_id(&bus_id));
+            found.pcie_root = found
+                .pci_bus_id
+                .as_deref()
+                .and_then(|id| facts::pcie_root(&options.sysfs_root, id));
+            found.driver_version.clone_from(&driver_version);
+        }
         devices.push(info);
     }
     devices
@@ -1068,7 +1121,8 @@ fn name_unreadable(
         .collect()
 }
 
-/// The UUID and minor number from a driver `information` file (`GPU UUID:`, `Device Minor:` lines).
+/// The UUID, minor number, model and bus location from a driver `information` file (`GPU UUID:`, `Device
+/// Minor:`, `Model:`, `Bus Location:` lines).
 fn parse_information(text: &str) -> Option<DeviceInfo> {
     let field = |name: &str| {
         text.lines().find_map(|l| {
@@ -1079,12 +1133,21 @@ fn parse_information(text: &str) -> Option<DeviceInfo> {
     // A GPU the driver has not initialised shows question marks where its UUID would be.
     let uuid = field("GPU UUID").filter(|u| !u.is_empty() && !u.contains('?'))?;
     let minor = field("Device Minor").and_then(|m| m.parse::<u32>().ok());
+    let facts = crate::devices::facts::DeviceFacts {
+        minor,
+        product_name: field("Model").filter(|m| !m.is_empty()),
+        pci_bus_id: field("Bus Location")
+            .as_deref()
+            .and_then(crate::devices::facts::pci_bus_id),
+        ..Default::default()
+    };
     Some(DeviceInfo {
         id: uuid,
         numa_node: None,
         device_nodes: minor
             .map(|m| vec![PathBuf::from(format!("/dev/nvidia{m}"))])
             .unwrap_or_default(),
+        facts: Some(Arc::new(facts)),
         ..DeviceInfo::default()
     })
 }
@@ -1205,9 +1268,14 @@ mod tests {
 
     #[test]
     fn driver_information_file_gives_uuid_and_device_node() {
-        let text = "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 42\nGPU UUID: \t GPU-1234\nDevice Minor: \t 3\n";
+        let text = "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 42\nGPU UUID: \t GPU-1234\nBus Location: \t 0000:AB:00.0\nDevice Minor: \t 3\n";
         let info = parse_information(text);
         assert_eq!(info.as_ref().map(|i| i.id.as_str()), Some("GPU-1234"));
+        let facts = info.as_ref().and_then(|i| i.facts.as_deref());
+        assert_eq!(
+            facts.map(|f| (f.minor, f.product_name.as_deref(), f.pci_bus_id.as_deref())),
+            Some((Some(3), Some("NVIDIA H100 80GB HBM3"), Some("0000:ab:00.0")))
+        );
         assert_eq!(
             info.map(|i| i.device_nodes),
             Some(vec![PathBuf::from("/dev/nvidia3")])
@@ -1216,6 +1284,64 @@ mod tests {
             "GPU UUID: \t GPU-????????-????-????-????-????????????\nDevice Minor: \t 3\n";
         assert!(parse_information(uninitialised).is_none());
         assert!(parse_information("GPU UUID: \t \n").is_none());
+    }
+
+    #[test]
+    fn gpus_the_driver_lists_carry_its_facts_and_sysfs_placement()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let root = tempfile::tempdir()?;
+        let options = NvmlOptions {
+            proc_root: root.path().join("proc"),
+            sysfs_root: root.path().join("sys"),
+            ..NvmlOptions::default()
+        };
+        let gpus = options.proc_root.join("driver/nvidia/gpus");
+        // The second GPU's file has no bus location: its directory names it.
+        for (dir, text) in [
+            (
+                "0000:17:00.0",
+                "Model: \t NVIDIA H100 80GB HBM3\nGPU UUID: \t GPU-a\nBus Location: \t 0000:17:00.0\nDevice Minor: \t 0\n",
+            ),
+            ("0000:2a:00.0", "GPU UUID: \t GPU-b\nDevice Minor: \t 1\n"),
+        ] {
+            std::fs::create_dir_all(gpus.join(dir))?;
+            std::fs::write(gpus.join(dir).join("information"), text)?;
+        }
+        std::fs::write(
+            options.proc_root.join("driver/nvidia/version"),
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 06:54:38 UTC 2025\n",
+        )?;
+        let links = options.sysfs_root.join("bus/pci/devices");
+        std::fs::create_dir_all(&links)?;
+        std::os::unix::fs::symlink(
+            "../../../devices/pci0000:16/0000:16:01.0/0000:17:00.0",
+            links.join("0000:17:00.0"),
+        )?;
+        let found = driver_gpus(&options);
+        let facts: Vec<_> = found
+            .iter()
+            .map(|d| d.facts.as_deref().cloned().unwrap_or_default())
+            .collect();
+        assert_eq!(
+            facts,
+            [
+                crate::devices::facts::DeviceFacts {
+                    minor: Some(0),
+                    product_name: Some("NVIDIA H100 80GB HBM3".into()),
+                    pci_bus_id: Some("0000:17:00.0".into()),
+                    pcie_root: Some("pci0000:16".into()),
+                    driver_version: Some("580.65.06".into()),
+                    ..Default::default()
+                },
+                crate::devices::facts::DeviceFacts {
+                    minor: Some(1),
+                    pci_bus_id: Some("0000:2a:00.0".into()),
+                    driver_version: Some("580.65.06".into()),
+                    ..Default::default()
+                },
+            ]
+        );
+        Ok(())
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The NVML calls nvml-wrapper does not wrap, made through its raw library handle: a MIG device's GPU and
-//! compute instance IDs, its GPU instance's profile, and the event wait with the instance IDs an event is
-//! attributed to (nvml-wrapper's `EventData` drops them).
+//! compute instance IDs, its GPU instance's profile and placement, and the event wait with the instance IDs
+//! an event is attributed to (nvml-wrapper's `EventData` drops them); and a GPU's brand and architecture as
+//! NVML's numbers, which nvml-wrapper refuses for values newer than itself (a Rubin GPU's architecture).
 //!
 //! The only unsafe code in the plugin. Each call passes NVML a handle nvml-wrapper got from NVML and
 //! still owns (alive for the borrow), and pointers to locals of the right `nvml.h` type; symbols are looked
@@ -31,12 +32,23 @@ pub fn compute_instance_id(nvml: &Nvml, device: &Device<'_>) -> Result<u32, Nvml
     Ok(id)
 }
 
-/// The profile ID of GPU instance `gpu_instance` of `gpu` (a GPU, not a MIG device).
-pub fn gpu_instance_profile_id(
+/// What NVML says of one GPU instance (`nvmlGpuInstanceInfo_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuInstanceInfo {
+    /// Its GPU instance profile's ID.
+    pub profile_id: u32,
+    /// First memory slice it occupies.
+    pub placement_start: u32,
+    /// Memory slices it occupies.
+    pub placement_size: u32,
+}
+
+/// Profile and placement of GPU instance `gpu_instance` of `gpu` (a GPU, not a MIG device).
+pub fn gpu_instance_info(
     nvml: &Nvml,
     gpu: &Device<'_>,
     gpu_instance: u32,
-) -> Result<u32, NvmlError> {
+) -> Result<GpuInstanceInfo, NvmlError> {
     let by_id = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceById.as_ref())?;
     let get_info = nvml_sym(nvml.lib().nvmlGpuInstanceGetInfo.as_ref())?;
     let mut instance: nvmlGpuInstance_t = std::ptr::null_mut();
@@ -50,7 +62,29 @@ pub fn gpu_instance_profile_id(
     };
     // SAFETY: the instance handle NVML just returned and a pointer to a local info struct.
     nvml_try(unsafe { get_info(instance, &mut info) })?;
-    Ok(info.profileId)
+    Ok(GpuInstanceInfo {
+        profile_id: info.profileId,
+        placement_start: info.placement.start,
+        placement_size: info.placement.size,
+    })
+}
+
+/// A GPU's `NVML_DEVICE_ARCH_*` value.
+pub fn architecture(nvml: &Nvml, device: &Device<'_>) -> Result<u32, NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlDeviceGetArchitecture.as_ref())?;
+    let mut architecture = 0u32;
+    // SAFETY: a live device handle and a pointer to a local c_uint (`nvmlDeviceArchitecture_t`).
+    nvml_try(unsafe { sym(device.handle(), &mut architecture) })?;
+    Ok(architecture)
+}
+
+/// A GPU's `NVML_BRAND_*` value.
+pub fn brand(nvml: &Nvml, device: &Device<'_>) -> Result<u32, NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlDeviceGetBrand.as_ref())?;
+    let mut brand = 0u32;
+    // SAFETY: a live device handle and a pointer to a local c_uint (`nvmlBrandType_t`).
+    nvml_try(unsafe { sym(device.handle(), &mut brand) })?;
+    Ok(brand)
 }
 
 /// One event, with what nvml-wrapper's `EventData` leaves out. Not which GPU it came on: each set holds one
