@@ -19,11 +19,20 @@ pub fn device_name(info: &DeviceInfo) -> String {
             None => format!("gpu-{}", label(&info.id)),
         },
     };
-    let name = match &info.mig {
-        None => gpu,
-        Some(mig) => format!(
+    let placement = info.facts.as_ref().and_then(|f| f.mig.as_ref());
+    let name = match (&info.mig, placement) {
+        (None, _) => gpu,
+        // NVIDIA's: the profile, the GPU instance profile's ID and where the instance starts on the GPU.
+        (Some(mig), Some(placement)) => format!(
             "{gpu}-mig-{}-{}-{}",
-            label(&mig.profile),
+            profile_label(&mig.profile),
+            placement.gi_profile_id,
+            placement.placement_start
+        ),
+        // A source that does not know the placement: the instance IDs, unique on the GPU too.
+        (Some(mig), None) => format!(
+            "{gpu}-mig-{}-{}-{}",
+            profile_label(&mig.profile),
             mig.gpu_instance,
             mig.compute_instance
         ),
@@ -41,15 +50,35 @@ pub fn find<'a>(inventory: &'a Inventory, name: &str) -> Option<&'a DeviceState>
         .find(|d| device_name(&d.info) == name)
 }
 
-/// The minor of the GPU `info` is or is part of: from its `/dev/nvidia<N>` device node.
+/// The minor of the GPU `info` is or is part of: as the source read it, else from its `/dev/nvidia<N>`.
 fn gpu_minor(info: &DeviceInfo) -> Option<u32> {
-    info.device_nodes.iter().find_map(|node| {
-        node.file_name()?
-            .to_str()?
-            .strip_prefix("nvidia")?
-            .parse()
-            .ok()
+    info.facts.as_ref().and_then(|f| f.minor).or_else(|| {
+        info.device_nodes.iter().find_map(|node| {
+            node.file_name()?
+                .to_str()?
+                .strip_prefix("nvidia")?
+                .parse()
+                .ok()
+        })
     })
+}
+
+/// A MIG profile as NVIDIA's device names carry it: dots removed, lower case, anything else outside
+/// `[a-z0-9-]` made `-`, trimmed (`1g.10gb+me` → `1g10gb-me`).
+fn profile_label(profile: &str) -> String {
+    let label: String = profile
+        .chars()
+        .filter(|c| *c != '.')
+        .map(|c| {
+            let c = c.to_ascii_lowercase();
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    label.trim_matches('-').to_string()
 }
 
 /// `text` as DNS-label characters: lower case, every other character dropped (`1g.10gb+me` → `1g10gbme`).
@@ -63,6 +92,7 @@ fn label(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::facts::{DeviceFacts, MigPlacement};
     use crate::devices::mig::MigInfo;
     use std::path::PathBuf;
 
@@ -85,7 +115,7 @@ mod tests {
     }
 
     #[test]
-    fn a_mig_device_is_named_after_its_gpu_and_its_place_as_a_dns_label() {
+    fn a_mig_device_is_named_as_nvidia_names_it_by_profile_and_placement() {
         let mut info = gpu("MIG-x", "1:0", Some("/dev/nvidia1"));
         info.device_nodes
             .push(PathBuf::from("/dev/nvidia-caps/nvidia-cap21"));
@@ -95,7 +125,19 @@ mod tests {
             gpu_instance: 9,
             compute_instance: 0,
         });
-        assert_eq!(device_name(&info), "gpu-1-mig-1g10gbme-9-0");
+        // Without the placement (a source that cannot read it): the instance IDs.
+        assert_eq!(device_name(&info), "gpu-1-mig-1g10gb-me-9-0");
+        info.facts = Some(std::sync::Arc::new(DeviceFacts {
+            minor: Some(4),
+            mig: Some(MigPlacement {
+                gi_profile_id: 19,
+                placement_start: 3,
+                placement_size: 1,
+                capacities: None,
+            }),
+            ..DeviceFacts::default()
+        }));
+        assert_eq!(device_name(&info), "gpu-4-mig-1g10gb-me-19-3");
     }
 
     #[test]

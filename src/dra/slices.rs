@@ -59,34 +59,87 @@ impl SliceConfig {
     }
 }
 
-/// One device as published: its name, attributes and taints (`None`-effect ones only where `none_effect`:
-/// API servers before 1.35 refuse them).
+/// One device as published: its name, attributes, capacity and taints (`None`-effect ones only where
+/// `none_effect`: API servers before 1.35 refuse them). Attributes and capacities are NVIDIA's DRA driver's
+/// (see `crate::devices::facts`), each left out where the source does not know it; `index` (as `nvidia-smi`
+/// numbers the GPU) is ours.
 pub fn device(device: &DraDevice, none_effect: bool) -> Value {
     let info = &device.info;
+    let facts = info.facts.as_deref().cloned().unwrap_or_default();
     let mut attributes = serde_json::Map::new();
-    let mut string = |name: &str, value: &str| {
-        let value = crate::util::text::cut_bytes(value, MAX_STRING);
-        attributes.insert(name.to_string(), json!({ "string": value }));
+    let mut put = |name: &str, value: Value| {
+        attributes.insert(name.to_string(), value);
     };
+    let string = |value: &str| json!({ "string": crate::util::text::cut_bytes(value, MAX_STRING) });
     match &info.mig {
-        None => string("type", "gpu"),
+        None => put("type", string("gpu")),
         Some(mig) => {
-            string("type", "mig");
-            string("parentUUID", &mig.parent);
-            string("profile", &mig.profile);
+            put("type", string("mig"));
+            put("parentUUID", string(&mig.parent));
+            put("profile", string(&mig.profile));
         }
     }
-    string("uuid", &info.id);
-    if let Some(index) = info.gpu_index() {
-        attributes.insert("index".into(), json!({ "int": index }));
+    put("uuid", string(&info.id));
+    let strings = [
+        ("productName", &facts.product_name),
+        ("brand", &facts.brand),
+        ("architecture", &facts.architecture),
+        ("resource.kubernetes.io/pciBusID", &facts.pci_bus_id),
+        ("resource.kubernetes.io/pcieRoot", &facts.pcie_root),
+    ];
+    for (name, value) in strings {
+        if let Some(value) = value {
+            put(name, string(value));
+        }
     }
-    if let Some(numa) = info.numa_node {
-        attributes.insert("numaNode".into(), json!({ "int": numa }));
+    let capability = facts
+        .cuda_compute_capability
+        .map(|(major, minor)| format!("{major}.{minor}"));
+    let versions = [
+        ("cudaComputeCapability", capability.as_deref()),
+        ("driverVersion", facts.driver_version.as_deref()),
+        ("cudaDriverVersion", facts.cuda_driver_version.as_deref()),
+    ];
+    for (name, value) in versions {
+        if let Some(version) = value.and_then(semver) {
+            put(name, json!({ "version": version }));
+        }
+    }
+    if let Some(numa) = info.numa_node.filter(|n| *n >= 0) {
+        put("resource.kubernetes.io/numaNode", json!({ "int": numa }));
+    }
+    if let Some(index) = info.gpu_index() {
+        put("index", json!({ "int": index }));
+    }
+    let mut capacity = serde_json::Map::new();
+    if let Some(memory) = facts.memory_bytes {
+        capacity.insert("memory".into(), json!({ "value": memory.to_string() }));
+    }
+    if let Some(placement) = &facts.mig {
+        if let Some(c) = &placement.capacities {
+            let engines = [
+                ("multiprocessors", c.multiprocessors),
+                ("copyEngines", c.copy_engines),
+                ("decoders", c.decoders),
+                ("encoders", c.encoders),
+                ("jpegEngines", c.jpeg_engines),
+                ("ofaEngines", c.ofa_engines),
+            ];
+            for (name, count) in engines {
+                capacity.insert(name.into(), json!({ "value": count.to_string() }));
+            }
+        }
+        for slice in placement.memory_slices() {
+            capacity.insert(format!("memorySlice{slice}"), json!({ "value": "1" }));
+        }
     }
     let mut published = json!({
         "name": device.name,
         "attributes": attributes,
     });
+    if !capacity.is_empty() {
+        published["capacity"] = Value::Object(capacity);
+    }
     let taints: Vec<Value> = device
         .taints
         .iter()
@@ -103,6 +156,21 @@ pub fn device(device: &DraDevice, none_effect: bool) -> Value {
         published["taints"] = Value::Array(taints);
     }
     published
+}
+
+/// A dotted version as semantic versioning spells it, as NVIDIA's driver publishes it: missing parts are
+/// zero and leading zeros go (`580.65.06` → `580.65.6`, `13.0` → `13.0.0`); `None` for anything else.
+pub fn semver(version: &str) -> Option<String> {
+    let parts: Vec<u64> = version
+        .trim()
+        .split('.')
+        .map(|p| p.parse().ok())
+        .collect::<Option<_>>()?;
+    if parts.is_empty() || parts.len() > 3 {
+        return None;
+    }
+    let part = |i: usize| parts.get(i).copied().unwrap_or(0);
+    Some(format!("{}.{}.{}", part(0), part(1), part(2)))
 }
 
 /// The devices of `view`, in slices.
@@ -417,12 +485,68 @@ mod tests {
         assert_eq!(gpu0["name"], "gpu-0");
         assert_eq!(gpu0["attributes"]["type"]["string"], "gpu");
         assert_eq!(gpu0["attributes"]["uuid"]["string"], "GPU-0");
-        assert_eq!(gpu0["attributes"]["numaNode"]["int"], 0);
+        assert_eq!(
+            gpu0["attributes"]["resource.kubernetes.io/numaNode"]["int"],
+            0
+        );
         assert!(gpu0.get("taints").is_none());
         assert_eq!(
             slices[0][1]["taints"],
             json!([{"key": "gpu.nvidia.com/unhealthy", "effect": "NoSchedule"}])
         );
+    }
+
+    #[test]
+    fn a_gpus_facts_are_published_as_nvidias_attributes_and_capacity() {
+        let mut inv = Inventory::default();
+        inv.add(DeviceInfo {
+            id: "GPU-0".into(),
+            index: Some("0".into()),
+            numa_node: Some(1),
+            facts: Some(std::sync::Arc::new(crate::devices::facts::DeviceFacts {
+                minor: Some(2),
+                product_name: Some("NVIDIA H100 80GB HBM3".into()),
+                brand: Some("Nvidia".into()),
+                architecture: Some("Hopper".into()),
+                cuda_compute_capability: Some((9, 0)),
+                memory_bytes: Some(85_520_809_984),
+                pci_bus_id: Some("0000:17:00.0".into()),
+                pcie_root: Some("pci0000:16".into()),
+                driver_version: Some("580.65.06".into()),
+                cuda_driver_version: Some("13.0".into()),
+                mig: None,
+            })),
+            ..DeviceInfo::default()
+        });
+        let published = &devices(&view(&inv), true)[0][0];
+        assert_eq!(published["name"], "gpu-2");
+        let attributes = &published["attributes"];
+        assert_eq!(attributes["productName"]["string"], "NVIDIA H100 80GB HBM3");
+        assert_eq!(attributes["brand"]["string"], "Nvidia");
+        assert_eq!(attributes["architecture"]["string"], "Hopper");
+        assert_eq!(attributes["cudaComputeCapability"]["version"], "9.0.0");
+        assert_eq!(attributes["driverVersion"]["version"], "580.65.6");
+        assert_eq!(attributes["cudaDriverVersion"]["version"], "13.0.0");
+        assert_eq!(
+            attributes["resource.kubernetes.io/pciBusID"]["string"],
+            "0000:17:00.0"
+        );
+        assert_eq!(
+            attributes["resource.kubernetes.io/pcieRoot"]["string"],
+            "pci0000:16"
+        );
+        assert_eq!(attributes["resource.kubernetes.io/numaNode"]["int"], 1);
+        assert_eq!(published["capacity"]["memory"]["value"], "85520809984");
+        assert!(attributes.as_object().expect("map").len() <= 32);
+    }
+
+    #[test]
+    fn versions_are_spelled_as_semver_or_left_out() {
+        assert_eq!(semver("580.65.06").as_deref(), Some("580.65.6"));
+        assert_eq!(semver("13.0").as_deref(), Some("13.0.0"));
+        assert_eq!(semver("9").as_deref(), Some("9.0.0"));
+        assert_eq!(semver("580.65.06.1"), None);
+        assert_eq!(semver("r580"), None);
     }
 
     #[test]
