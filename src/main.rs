@@ -167,16 +167,19 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         })
     });
     let dra = match (&settings.dra, &roads.dra, &api, &dra_status) {
-        (Some(dra), Some(devices), Some(api), Some(status)) => Some(start_dra(
-            &settings,
-            dra,
-            devices.clone(),
-            api,
-            monitored.handle.clone(),
-            status.clone(),
-            metrics.clone(),
-            &shutdown,
-        )?),
+        // On a thread of its own; resolves when it stops.
+        (Some(dra), Some(devices), Some(api), Some(status)) => Some(
+            gpu_device_plugin::dra::spawn(
+                dra_config(&settings, dra, api),
+                devices.clone(),
+                Some(monitored.handle.clone()),
+                api.client_config(),
+                status.clone(),
+                metrics.clone(),
+                shutdown.clone(),
+            )
+            .context("cannot start the DRA side's thread")?,
+        ),
         (Some(_), _, None, _) => bail!(
             "--dra needs the Kubernetes API (claims are read from it): run in a pod with a service account, \
              or give --kubeconfig"
@@ -320,18 +323,14 @@ impl Roads {
     }
 }
 
-/// Starts the DRA side on its own thread; resolves when it stops.
-fn start_dra(
+/// The DRA side's settings: the node's pool, the CDI kind Allocate uses, the state directory and boot id the
+/// health checkpoint uses.
+fn dra_config(
     settings: &Settings,
     dra: &config::DraSettings,
-    devices: devices::InventoryWatch,
     api: &ApiAccess,
-    monitor: monitor::MonitorHandle,
-    status: tokio::sync::watch::Sender<gpu_device_plugin::dra::registration::DraStatus>,
-    metrics: Arc<Metrics>,
-    shutdown: &CancellationToken,
-) -> anyhow::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
-    let config = gpu_device_plugin::dra::DraConfig {
+) -> gpu_device_plugin::dra::DraConfig {
+    gpu_device_plugin::dra::DraConfig {
         driver: dra.driver.clone(),
         registry_dir: dra.registry_dir.clone(),
         plugins_dir: dra.plugins_dir.clone(),
@@ -340,17 +339,7 @@ fn start_dra(
         state_dir: settings.state_dir.clone(),
         boot_id: monitor::checkpoint::read_boot_id(&settings.monitor.boot_id_path),
         heartbeat: gpu_device_plugin::dra::health::HEARTBEAT,
-    };
-    gpu_device_plugin::dra::spawn(
-        config,
-        devices,
-        Some(monitor),
-        api.client_config(),
-        status,
-        metrics,
-        shutdown.clone(),
-    )
-    .context("cannot start the DRA side's thread")
+    }
 }
 
 /// One registration per resource: whole GPUs, under migStrategy mixed each MIG profile, and each name shared
