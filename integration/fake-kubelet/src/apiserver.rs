@@ -530,7 +530,8 @@ impl FakeApiServer {
         self.with_state(|s| s.resource.classes())
     }
 
-    /// A handle through which a fake kubelet acts on this server as the real kubelet does on its API server.
+    /// A handle through which a fake kubelet acts on this server as the real kubelet does on its API server
+    /// (see [`crate::dra::DraOptions::api_server`]).
     pub fn link(&self) -> ApiServerLink {
         ApiServerLink {
             state: self.state.clone(),
