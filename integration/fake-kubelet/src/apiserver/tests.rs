@@ -546,3 +546,36 @@ async fn the_kubelets_wipe_is_recorded_as_its_delete_collection() -> TestResult 
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn resource_requests_are_refused_while_forbidden_or_failing_as_any_other() -> TestResult {
+    let server = FakeApiServer::start().await?;
+    let api = slices(&server)?;
+    server.forbid(true);
+    let (code, _) = api_error(
+        api.create(&PostParams::default(), &slice("s", "node-a", vec![]))
+            .await,
+    );
+    assert_eq!(code, 403);
+    let listed = api.list(&ListParams::default()).await;
+    assert!(
+        matches!(&listed, Err(kube::Error::Api(s)) if s.code == 403),
+        "{listed:?}"
+    );
+    server.forbid(false);
+    // kube-rs tries a 503 again by itself: the server answered 503, then the missing slice's 404.
+    server.fail_next(1);
+    let (code, _) = api_error(api.get("s").await);
+    assert_eq!(code, 404);
+    let statuses: Vec<u16> = server
+        .requests()
+        .iter()
+        .filter(|r| r.path.ends_with("/resourceslices/s"))
+        .map(|r| r.status)
+        .collect();
+    assert_eq!(statuses, vec![503, 404]);
+    api.create(&PostParams::default(), &slice("s", "node-a", vec![]))
+        .await?;
+    assert_eq!(server.slices().len(), 1);
+    Ok(())
+}
