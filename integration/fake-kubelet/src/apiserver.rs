@@ -9,7 +9,17 @@
 //!   stream sends `MODIFIED` with the whole Node on every change of it (a status patch,
 //!   [`FakeApiServer::set_annotation`]) until the client goes;
 //! - `GET /api/v1/namespaces/{ns}/pods/{name}` (metadata only when asked for `as=PartialObjectMetadata`);
-//! - `POST /apis/events.k8s.io/v1/namespaces/{ns}/events`, `PATCH .../events/{name}` (JSON merge patch).
+//! - `POST /apis/events.k8s.io/v1/namespaces/{ns}/events`, `PATCH .../events/{name}` (JSON merge patch);
+//! - resource.k8s.io/v1:
+//!   - `GET /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}`, the claims made by
+//!     [`FakeApiServer::add_claim`];
+//!   - ResourceSlices (cluster-scoped): `POST` (with `generateName`), `GET`, `PUT` and merge `PATCH` (a stale
+//!     `metadata.resourceVersion` is 409 Conflict), `DELETE` (one, or the collection a selector picks), list
+//!     and `watch=true` with `fieldSelector` `spec.nodeName`/`spec.driver`/`metadata.name` and equality
+//!     `labelSelector`. Writes are validated as the API server validates a v1 slice (422 Invalid naming the
+//!     field); a watch resumes from any resource version still in its history (410 Gone before it, as after
+//!     a compaction), and `sendInitialEvents=true` ends its initial events with the bookmark kube-rs expects;
+//!   - DeviceClasses: `POST`, `GET`, list, `DELETE`, kept as sent.
 //!
 //! Anything else is 404. [`FakeApiServer::forbid`] answers every request 403 (a service account without the
 //! RBAC), [`FakeApiServer::fail_next`] answers the next requests 503.
@@ -32,6 +42,12 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_stream::StreamExt as _;
 
+mod resource;
+#[cfg(test)]
+mod tests;
+
+use resource::Reply;
+
 /// One request as it arrived, with the answer's status.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recorded {
@@ -51,6 +67,90 @@ pub struct Recorded {
     pub at: Instant,
 }
 
+/// One device a ResourceClaim is allocated, for [`FakeApiServer::add_claim`]: an entry of
+/// `status.allocation.devices.results`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocationResult {
+    /// The request it satisfies (`<request>/<subrequest>` for a `firstAvailable` alternative).
+    pub request: String,
+    /// The DRA driver that owns the device.
+    pub driver: String,
+    /// Its pool.
+    pub pool: String,
+    /// Its name in the pool.
+    pub device: String,
+}
+
+impl AllocationResult {
+    /// A result for `request`: device `device` of pool `pool` of `driver`.
+    pub fn new(request: &str, driver: &str, pool: &str, device: &str) -> Self {
+        AllocationResult {
+            request: request.into(),
+            driver: driver.into(),
+            pool: pool.into(),
+            device: device.into(),
+        }
+    }
+}
+
+/// What a fake kubelet holds of a [`FakeApiServer`] to act on it as the kubelet acts on its API server: read
+/// claims, delete a node's slices. It bypasses HTTP (no [`FakeApiServer::forbid`] or
+/// [`FakeApiServer::fail_next`]: the kubelet has its own credentials); its deletions are recorded as the
+/// `DELETE` of a collection the kubelet sends, its reads are not recorded.
+#[derive(Clone)]
+pub struct ApiServerLink {
+    state: Arc<Mutex<State>>,
+    requests: Arc<watch::Sender<Vec<Recorded>>>,
+}
+
+impl std::fmt::Debug for ApiServerLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiServerLink")
+    }
+}
+
+impl ApiServerLink {
+    /// ResourceClaim `namespace/name` as stored.
+    pub fn claim(&self, namespace: &str, name: &str) -> Option<Value> {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state
+            .resource
+            .claims
+            .get(&(namespace.into(), name.into()))
+            .cloned()
+    }
+
+    /// Deletes the ResourceSlices of `node` (of `driver` only, if given), as the kubelet's DeleteCollection
+    /// does; returns how many.
+    pub fn wipe_slices(&self, node: &str, driver: Option<&str>) -> usize {
+        let mut selector = format!("spec.nodeName={node}");
+        if let Some(driver) = driver {
+            selector.push_str(&format!(",spec.driver={driver}"));
+        }
+        let deleted = {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            state.version += 1;
+            let version = state.version;
+            state.resource.wipe(version, node, driver)
+        };
+        self.requests.send_modify(|r| {
+            r.push(Recorded {
+                method: "DELETE".into(),
+                path: "/apis/resource.k8s.io/v1/resourceslices".into(),
+                query: format!(
+                    "fieldSelector={}",
+                    selector.replace('=', "%3D").replace(',', "%2C")
+                ),
+                content_type: None,
+                body: Value::Null,
+                status: 200,
+                at: Instant::now(),
+            })
+        });
+        deleted
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     nodes: BTreeMap<String, Value>,
@@ -63,6 +163,8 @@ struct State {
     version: u64,
     /// Open watches on one node each: the node's name and where its changes go.
     watches: Vec<(String, tokio::sync::mpsc::UnboundedSender<Value>)>,
+    /// resource.k8s.io/v1: claims, slices, device classes.
+    resource: resource::ResourceState,
 }
 
 impl State {
@@ -271,6 +373,172 @@ impl FakeApiServer {
         self.with_state(|s| s.events.values().cloned().collect())
     }
 
+    /// Creates an allocated ResourceClaim `namespace/name` as the scheduler leaves it: `spec.devices.requests`
+    /// names each request of `results` (a `<request>/<subrequest>` as a `firstAvailable` entry), and
+    /// `status.allocation.devices.results` holds the results as given. Replaces a claim of that name (with a
+    /// new UID, as a claim deleted and made again). Returns the UID.
+    pub fn add_claim(&self, namespace: &str, name: &str, results: Vec<AllocationResult>) -> String {
+        let uid = resource::new_uid();
+        let mut requests: Vec<(String, Vec<String>, String)> = Vec::new();
+        for result in &results {
+            let (request, sub) = match result.request.split_once('/') {
+                Some((request, sub)) => (request.to_string(), Some(sub.to_string())),
+                None => (result.request.clone(), None),
+            };
+            match requests.iter_mut().find(|(r, _, _)| *r == request) {
+                Some((_, subs, _)) => subs.extend(sub),
+                None => requests.push((request, sub.into_iter().collect(), result.driver.clone())),
+            }
+        }
+        let count = |request: &str| {
+            results
+                .iter()
+                .filter(|r| r.request == request || r.request.starts_with(&format!("{request}/")))
+                .count()
+        };
+        let requests: Vec<Value> = requests
+            .iter()
+            .map(|(request, subs, driver)| {
+                if subs.is_empty() {
+                    json!({"name": request, "exactly": {
+                        "deviceClassName": driver, "allocationMode": "ExactCount", "count": count(request),
+                    }})
+                } else {
+                    json!({"name": request, "firstAvailable": subs.iter().map(|sub| json!({
+                        "name": sub, "deviceClassName": driver, "allocationMode": "ExactCount",
+                        "count": count(request),
+                    })).collect::<Vec<_>>()})
+                }
+            })
+            .collect();
+        let results: Vec<Value> = results
+            .iter()
+            .map(|r| json!({"request": r.request, "driver": r.driver, "pool": r.pool, "device": r.device}))
+            .collect();
+        self.with_state(|s| {
+            s.version += 1;
+            let claim = json!({
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {
+                    "name": name, "namespace": namespace, "uid": uid,
+                    "resourceVersion": s.version.to_string(), "creationTimestamp": "2026-01-01T00:00:00Z",
+                },
+                "spec": {"devices": {"requests": requests}},
+                "status": {"allocation": {"devices": {"results": results}}},
+            });
+            s.resource
+                .claims
+                .insert((namespace.into(), name.into()), claim);
+        });
+        uid
+    }
+
+    /// The stored ResourceClaim `namespace/name`.
+    pub fn claim(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.with_state(|s| {
+            s.resource
+                .claims
+                .get(&(namespace.into(), name.into()))
+                .cloned()
+        })
+    }
+
+    /// Deletes ResourceClaim `namespace/name`; returns whether it was there.
+    pub fn delete_claim(&self, namespace: &str, name: &str) -> bool {
+        self.with_state(|s| {
+            s.resource
+                .claims
+                .remove(&(namespace.into(), name.into()))
+                .is_some()
+        })
+    }
+
+    /// Takes the allocation off ResourceClaim `namespace/name` (as when it was deallocated); returns whether
+    /// the claim is there.
+    pub fn deallocate_claim(&self, namespace: &str, name: &str) -> bool {
+        self.with_state(|s| {
+            s.version += 1;
+            let version = s.version.to_string();
+            let Some(claim) = s.resource.claims.get_mut(&(namespace.into(), name.into())) else {
+                return false;
+            };
+            if let Some(status) = claim["status"].as_object_mut() {
+                status.remove("allocation");
+            }
+            claim["metadata"]["resourceVersion"] = Value::String(version);
+            true
+        })
+    }
+
+    /// Every ResourceSlice as stored, by name.
+    pub fn slices(&self) -> Vec<Value> {
+        self.with_state(|s| s.resource.slices())
+    }
+
+    /// Deletes every ResourceSlice of node `node`, as the kubelet does when it starts (watches see them
+    /// DELETED); returns how many. Not recorded as a request (see [`ApiServerLink`] for the kubelet's own).
+    pub fn wipe_slices(&self, node: &str) -> usize {
+        self.with_state(|s| {
+            s.version += 1;
+            let version = s.version;
+            s.resource.wipe(version, node, None)
+        })
+    }
+
+    /// Waits until the stored slices satisfy `pred`; returns them.
+    pub async fn wait_for_slices(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut pred: impl FnMut(&[Value]) -> bool,
+    ) -> Result<Vec<Value>, String> {
+        let mut rx = self.with_state(|s| s.resource.snapshot.subscribe());
+        match tokio::time::timeout(timeout, rx.wait_for(|slices| pred(slices))).await {
+            Ok(Ok(slices)) => Ok(slices.clone()),
+            _ => Err(format!(
+                "timed out after {timeout:?} waiting for {what}; slices: {:#?}",
+                self.slices()
+            )),
+        }
+    }
+
+    /// With `true`, behaves as an API server with the `DRADeviceTaints` feature gate off: every device's
+    /// `taints` are dropped from a ResourceSlice on write, silently (the answer and the stored object lack
+    /// them; the 64-device limit of tainted slices no longer applies).
+    pub fn drop_device_taints(&self, drop: bool) {
+        self.with_state(|s| s.resource.drop_device_taints = drop);
+    }
+
+    /// Forgets the ResourceSlice change history, as an etcd compaction does: a watch that resumes from a
+    /// resource version before now gets `410 Gone` (kube-rs's `watcher` then lists again).
+    pub fn compact_slice_history(&self) {
+        self.with_state(|s| {
+            s.version += 1;
+            let version = s.version;
+            s.resource.compact(version);
+        });
+    }
+
+    /// Number of open watches on ResourceSlices.
+    pub fn slice_watches(&self) -> usize {
+        self.with_state(|s| s.resource.watching())
+    }
+
+    /// Every stored DeviceClass, by name.
+    pub fn device_classes(&self) -> Vec<Value> {
+        self.with_state(|s| s.resource.classes())
+    }
+
+    /// A handle through which a fake kubelet acts on this server as the real kubelet does on its API server
+    /// (see [`crate::dra::DraOptions::api_server`]).
+    pub fn link(&self) -> ApiServerLink {
+        ApiServerLink {
+            state: self.state.clone(),
+            requests: self.requests.clone(),
+        }
+    }
+
     fn with_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
         let mut state = self
             .state
@@ -353,9 +621,27 @@ async fn handle(
             }
         }
     };
-    if method == Method::GET && path.trim_end_matches('/') == "/api/v1/nodes" {
+    let special = if method == Method::GET && path.trim_end_matches('/') == "/api/v1/nodes" {
         let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
-        let (status, reply) = nodes(&mut state, &query);
+        Some(nodes(&mut state, &query))
+    } else if let Some(rest) = path.strip_prefix(RESOURCE_PREFIX) {
+        let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+        Some(route_resource(
+            &mut state,
+            &method,
+            rest,
+            &query,
+            content_type.as_deref(),
+            &body,
+        ))
+    } else {
+        None
+    };
+    if let Some(reply) = special {
+        let status = match &reply {
+            Reply::Whole(status, _) => *status,
+            Reply::Watch(..) => StatusCode::OK,
+        };
         let recorded = Recorded {
             method: method.to_string(),
             path,
@@ -366,18 +652,10 @@ async fn handle(
             at,
         };
         return match reply {
-            NodesReply::Whole(value) => answer(requests, recorded, (status, value)),
-            NodesReply::Watch(changes) => {
+            Reply::Whole(status, value) => answer(requests, recorded, (status, value)),
+            Reply::Watch(events, timeout) => {
                 requests.send_modify(|r| r.push(recorded));
-                let frames =
-                    tokio_stream::wrappers::UnboundedReceiverStream::new(changes).map(|v| {
-                        Ok::<_, Infallible>(hyper::body::Frame::data(Bytes::from(format!("{v}\n"))))
-                    });
-                Response::builder()
-                    .status(StatusCode::OK)
-                    .header("content-type", "application/json")
-                    .body(http_body_util::StreamBody::new(frames).boxed())
-                    .unwrap_or_default()
+                stream(events, timeout)
             }
         };
     }
@@ -418,22 +696,88 @@ async fn handle(
     answer(requests, recorded, (status, reply))
 }
 
-/// A list of nodes, or a watch's stream of changes.
-enum NodesReply {
-    Whole(Value),
-    Watch(tokio::sync::mpsc::UnboundedReceiver<Value>),
+/// A watch's answer: its events, one JSON object a line, until the client goes, the server stops, or
+/// `timeout` (the request's `timeoutSeconds`) has passed, as the API server ends a watch.
+fn stream(events: resource::Events, timeout: Option<Duration>) -> Response<Body> {
+    let until: std::pin::Pin<Box<dyn Future<Output = ()> + Send + Sync>> = match timeout {
+        Some(timeout) => Box::pin(tokio::time::sleep(timeout)),
+        None => Box::pin(std::future::pending()),
+    };
+    let frames = futures_util::StreamExt::take_until(
+        tokio_stream::wrappers::UnboundedReceiverStream::new(events),
+        until,
+    )
+    .map(|v| Ok::<_, Infallible>(hyper::body::Frame::data(Bytes::from(format!("{v}\n")))));
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .body(http_body_util::StreamBody::new(frames).boxed())
+        .unwrap_or_default()
+}
+
+/// Where resource.k8s.io/v1 lives.
+const RESOURCE_PREFIX: &str = "/apis/resource.k8s.io/v1/";
+
+/// A request under [`RESOURCE_PREFIX`] (`rest` is the path after it): refused as any request is while
+/// forbidden or failing, else served by [`resource::route`].
+fn route_resource(
+    state: &mut State,
+    method: &Method,
+    rest: &str,
+    query: &str,
+    content_type: Option<&str>,
+    body: &Value,
+) -> Reply {
+    if let Some(refusal) = refuse(state, method, &format!("{RESOURCE_PREFIX}{rest}")) {
+        return refusal.into();
+    }
+    state.version += 1;
+    let parts: Vec<&str> = rest.trim_matches('/').split('/').collect();
+    resource::route(
+        &mut state.resource,
+        state.version,
+        method,
+        &parts,
+        query,
+        content_type,
+        body,
+    )
+}
+
+/// The answer to every request while the server is forbidden ([`FakeApiServer::forbid`]) or failing
+/// ([`FakeApiServer::fail_next`]), if it is.
+fn refuse(state: &mut State, method: &Method, path: &str) -> Option<(StatusCode, Value)> {
+    if state.forbidden {
+        return Some(failure(
+            StatusCode::FORBIDDEN,
+            "Forbidden",
+            &format!(
+                "{path} is forbidden: User \"system:serviceaccount:kube-system:gpu-device-plugin\" cannot {} it",
+                method.as_str().to_lowercase()
+            ),
+        ));
+    }
+    if state.fail_next > 0 {
+        state.fail_next -= 1;
+        return Some(failure(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            "the server is currently unable to handle the request",
+        ));
+    }
+    None
 }
 
 /// `GET /api/v1/nodes`, with a `metadata.name` field selector (the only one the plugin uses): the list, or
 /// with `watch=true` a watch on that node.
-fn nodes(state: &mut State, query: &str) -> (StatusCode, NodesReply) {
-    let whole = |(status, value): (StatusCode, Value)| (status, NodesReply::Whole(value));
+fn nodes(state: &mut State, query: &str) -> Reply {
     if state.forbidden {
-        return whole(failure(
+        return failure(
             StatusCode::FORBIDDEN,
             "Forbidden",
             "nodes is forbidden: User \"system:serviceaccount:kube-system:gpu-device-plugin\" cannot list or watch it",
-        ));
+        )
+        .into();
     }
     let params: BTreeMap<&str, String> = query
         .split('&')
@@ -445,17 +789,15 @@ fn nodes(state: &mut State, query: &str) -> (StatusCode, NodesReply) {
         .and_then(|f| f.strip_prefix("metadata.name="))
         .map(str::to_string)
     else {
-        return whole(invalid(
-            "this fake serves nodes by fieldSelector=metadata.name=<name> only",
-        ));
+        return invalid("this fake serves nodes by fieldSelector=metadata.name=<name> only").into();
     };
     if params.get("watch").is_some_and(|w| w == "true" || w == "1") {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         state.watches.push((name, tx));
-        return (StatusCode::OK, NodesReply::Watch(rx));
+        return Reply::Watch(rx, None);
     }
     let items: Vec<Value> = state.nodes.get(&name).cloned().into_iter().collect();
-    whole((
+    Reply::Whole(
         StatusCode::OK,
         json!({
             "apiVersion": "v1",
@@ -463,7 +805,7 @@ fn nodes(state: &mut State, query: &str) -> (StatusCode, NodesReply) {
             "metadata": {"resourceVersion": state.version.to_string()},
             "items": items,
         }),
-    ))
+    )
 }
 
 fn answer(
@@ -496,23 +838,8 @@ fn route(
     content_type: Option<&str>,
     body: &Value,
 ) -> (StatusCode, Value) {
-    if state.forbidden {
-        return failure(
-            StatusCode::FORBIDDEN,
-            "Forbidden",
-            &format!(
-                "{path} is forbidden: User \"system:serviceaccount:kube-system:gpu-device-plugin\" cannot {} it",
-                method.as_str().to_lowercase()
-            ),
-        );
-    }
-    if state.fail_next > 0 {
-        state.fail_next -= 1;
-        return failure(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "ServiceUnavailable",
-            "the server is currently unable to handle the request",
-        );
+    if let Some(refusal) = refuse(state, method, path) {
+        return refusal;
     }
     state.version += 1;
     let version = state.version.to_string();

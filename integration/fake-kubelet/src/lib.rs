@@ -20,6 +20,7 @@
 
 pub mod apiserver;
 mod authority;
+pub mod dra;
 mod pod_resources;
 
 use std::collections::HashMap;
@@ -47,6 +48,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
+
+pub use dra::{DraKubelet, DraOptions};
 
 /// The kubelet gives a plugin this long to answer its dial-back during `Register`.
 const DIAL_BACK_TIMEOUT: Duration = Duration::from_secs(10);
