@@ -522,6 +522,10 @@ fn log_start(settings: &Settings, driver: Option<String>) {
         dp_disable_healthchecks = policy.dp_disable_healthchecks.as_deref(),
         dp_enable_healthchecks = policy.dp_enable_healthchecks.as_deref(),
         quiet_period = %policy.quiet_period,
+        dra = %settings
+            .dra
+            .as_ref()
+            .map_or("off".to_string(), |d| format!("{} as {}", d.gpus, d.driver)),
         "gpu-device-plugin starting"
     );
 }

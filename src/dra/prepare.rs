@@ -155,10 +155,13 @@ impl Preparer {
             }
             answers.insert(claim.uid, answer);
         }
-        for answer in answers.values() {
+        for (uid, answer) in &answers {
             let code = match answer {
                 Ok(_) => tonic::Code::Ok,
-                Err(_) => tonic::Code::FailedPrecondition,
+                Err(why) => {
+                    tracing::warn!(claim = %uid, reason = %crate::util::text::printable(why), "claim not prepared");
+                    tonic::Code::FailedPrecondition
+                }
             };
             self.metrics.call("PrepareClaim", code);
         }

@@ -1,0 +1,420 @@
+//! GPUs served through DRA: the real binary on simulated GPUs against the fake kubelet's DRA side and the
+//! fake API server (claims, ResourceSlices), over real Unix sockets and HTTP.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+
+use fake_kubelet::apiserver::{AllocationResult, FakeApiServer};
+use fake_kubelet::dra::{Pod, PodClaim};
+use fake_kubelet::{DraKubelet, DraOptions};
+use gpu_device_plugin::sources::simulated::simulated_uuid;
+use serde_json::Value;
+use support::{PluginProcess, TestResult, WAIT, append};
+
+const NODE: &str = "gpu-node-1";
+const DRIVER: &str = "gpu.nvidia.com";
+
+/// A node with the plugin serving its simulated GPUs through DRA.
+struct DraNode {
+    api: FakeApiServer,
+    kubelet: DraKubelet,
+    plugin: PluginProcess,
+    root: tempfile::TempDir,
+    faults: PathBuf,
+    state: PathBuf,
+    args: Vec<String>,
+}
+
+impl DraNode {
+    async fn start(gpus: usize, dra: &str) -> Result<DraNode, Box<dyn std::error::Error>> {
+        let root = tempfile::tempdir()?;
+        for dir in ["plugins_registry", "plugins", "device-plugins"] {
+            std::fs::create_dir_all(root.path().join(dir))?;
+        }
+        let api = FakeApiServer::start().await?;
+        api.add_node(NODE);
+        let kubeconfig = root.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig)?;
+        let kubelet = DraKubelet::start_with(
+            root.path(),
+            DraOptions::default()
+                .api_server(&api, NODE)
+                .first_backoff(std::time::Duration::from_millis(50)),
+        )?;
+        let faults = root.path().join("faults");
+        std::fs::write(&faults, "")?;
+        let state = root.path().join("state");
+        let path = |p: &Path| p.to_string_lossy().into_owned();
+        let args = vec![
+            "--simulate".to_string(),
+            gpus.to_string(),
+            "--simulate-events".into(),
+            path(&faults),
+            "--dra".into(),
+            dra.into(),
+            "--kubeconfig".into(),
+            path(&kubeconfig),
+            "--node-name".into(),
+            NODE.into(),
+            "--kubelet-registrar-directory-path".into(),
+            path(&root.path().join("plugins_registry")),
+            "--kubelet-plugins-directory-path".into(),
+            path(&root.path().join("plugins")),
+            "--state-dir".into(),
+            path(&state),
+        ];
+        let plugin = spawn(root.path(), &args);
+        let node = DraNode {
+            api,
+            kubelet,
+            plugin,
+            root,
+            faults,
+            state,
+            args,
+        };
+        node.kubelet
+            .wait_registered(DRIVER, WAIT)
+            .await
+            .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+        Ok(node)
+    }
+
+    fn inject(&self, line: String) {
+        append(&self.faults, &[line]);
+    }
+
+    /// Stops the plugin (SIGTERM) and starts it again on the same state directory.
+    async fn restart_plugin(&mut self) -> TestResult {
+        self.plugin.signal(nix::sys::signal::Signal::SIGTERM);
+        self.plugin
+            .wait_exit(WAIT)
+            .await
+            .ok_or("the plugin did not stop")?;
+        self.plugin = spawn(self.root.path(), &self.args);
+        Ok(())
+    }
+
+    /// The devices of the node's slices, by name.
+    async fn slice_devices(
+        &self,
+        what: &str,
+        pred: impl Fn(&[Value]) -> bool,
+    ) -> Result<Vec<Value>, String> {
+        let devices_of = |slices: &[Value]| -> Vec<Value> {
+            slices
+                .iter()
+                .filter(|s| s["spec"]["nodeName"] == NODE && s["spec"]["driver"] == DRIVER)
+                .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+                .collect()
+        };
+        let slices = self
+            .api
+            .wait_for_slices(what, WAIT, |slices| pred(&devices_of(slices)))
+            .await
+            .map_err(|e| format!("{e}\n{}", self.plugin.log()))?;
+        Ok(devices_of(&slices))
+    }
+}
+
+fn spawn(root: &Path, args: &[String]) -> PluginProcess {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    PluginProcess::spawn(&root.join("device-plugins"), &args)
+}
+
+fn device<'a>(devices: &'a [Value], name: &str) -> Option<&'a Value> {
+    devices.iter().find(|d| d["name"] == name)
+}
+
+/// The taint with `key` of device `name`, if it has one.
+fn taint<'a>(devices: &'a [Value], name: &str, key: &str) -> Option<&'a Value> {
+    device(devices, name)?["taints"]
+        .as_array()?
+        .iter()
+        .find(|t| t["key"] == key)
+}
+
+/// The one resource of the pod's status for container `main`.
+fn pod_resource(status: &Value) -> Option<&Value> {
+    status.as_array()?.iter().find(|c| c["name"] == "main")?["allocatedResourcesStatus"]
+        .as_array()?
+        .first()?["resources"]
+        .as_array()?
+        .first()
+}
+
+fn training_pod(claim_uid: &str) -> Pod {
+    Pod::new("ml", "train-0").claim(
+        PodClaim::new("gpu", claim_uid)
+            .resource_claim("train-gpu")
+            .used_by("main", "gpu"),
+    )
+}
+
+#[tokio::test]
+async fn a_fault_on_a_claimed_gpu_reaches_the_pods_status_its_slice_taint_and_both_clear_on_recovery()
+-> TestResult {
+    let node = DraNode::start(4, "all").await?;
+    let devices = node
+        .slice_devices("every GPU published", |d| d.len() == 4)
+        .await?;
+    let gpu1 = device(&devices, "gpu-1").ok_or("gpu-1 published")?;
+    assert_eq!(gpu1["attributes"]["type"]["string"], "gpu");
+    assert_eq!(gpu1["attributes"]["uuid"]["string"], simulated_uuid(1));
+    assert_eq!(
+        gpu1["attributes"]["productName"]["string"],
+        "NVIDIA H100 80GB HBM3"
+    );
+    assert!(
+        gpu1.get("taints").is_none(),
+        "a Healthy GPU carries no taint"
+    );
+
+    let uid = node.api.add_claim(
+        "ml",
+        "train-gpu",
+        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-1")],
+    );
+    let pod = training_pod(&uid);
+    node.kubelet
+        .prepare_pod(&pod)
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    let cdi = node.kubelet.cdi_devices(&pod, "main");
+    assert_eq!(cdi, vec![format!("nvidia.com/gpu={}", simulated_uuid(1))]);
+    let healthy = node
+        .kubelet
+        .wait_allocated_resources_status(&pod, "the claimed GPU Healthy", WAIT, |s| {
+            pod_resource(s).is_some_and(|r| r["health"] == "Healthy")
+        })
+        .await?;
+    assert_eq!(
+        pod_resource(&healthy).map(|r| r["resourceID"].clone()),
+        Some(Value::String(format!(
+            "nvidia.com/gpu={}",
+            simulated_uuid(1)
+        ))),
+        "the pod status names the GPU by its UUID"
+    );
+
+    node.inject(format!("xid {} 79", simulated_uuid(1)));
+    let faulted = node
+        .kubelet
+        .wait_allocated_resources_status(&pod, "the fault in the pod's status", WAIT, |s| {
+            pod_resource(s).is_some_and(|r| r["health"] == "Unhealthy")
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    let message = pod_resource(&faulted)
+        .and_then(|r| r["message"].as_str())
+        .ok_or("a message")?
+        .to_string();
+    assert!(message.contains("XID 79"), "{message}");
+    assert!(message.chars().count() <= 1024, "{message}");
+
+    let tainted = node
+        .slice_devices("gpu-1 tainted", |d| {
+            taint(d, "gpu-1", "gpu.nvidia.com/xid").is_some()
+        })
+        .await?;
+    let xid = taint(&tainted, "gpu-1", "gpu.nvidia.com/xid").ok_or("taint")?;
+    assert_eq!(
+        (xid["value"].as_str(), xid["effect"].as_str()),
+        (Some("79"), Some("NoSchedule"))
+    );
+    assert!(
+        taint(&tainted, "gpu-0", "gpu.nvidia.com/xid").is_none(),
+        "only the GPU at fault"
+    );
+
+    // Another claim given the faulted GPU now is refused with the reason.
+    let late = node.api.add_claim(
+        "ml",
+        "late-gpu",
+        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-1")],
+    );
+    let late_pod = Pod::new("ml", "late-0").claim(
+        PodClaim::new("gpu", &late)
+            .resource_claim("late-gpu")
+            .used_by("main", "gpu"),
+    );
+    let refused = node
+        .kubelet
+        .prepare_pod(&late_pod)
+        .await
+        .err()
+        .ok_or("refused")?;
+    assert!(refused.to_string().contains("Unhealthy"), "{refused}");
+
+    // The driver resets the GPU: recovery reaches the pod status and the taint goes.
+    node.inject(format!("action {} 1", simulated_uuid(1)));
+    node.inject(format!("action {} 0", simulated_uuid(1)));
+    node.kubelet
+        .wait_allocated_resources_status(&pod, "recovery in the pod's status", WAIT, |s| {
+            pod_resource(s).is_some_and(|r| r["health"] == "Healthy")
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    node.slice_devices("gpu-1's taint removed", |d| {
+        device(d, "gpu-1").is_some_and(|g| g.get("taints").is_none())
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_restarted_plugin_keeps_its_claims_and_health_and_a_kubelet_restart_gets_slices_and_stream_again()
+-> TestResult {
+    let mut node = DraNode::start(2, "all").await?;
+    node.slice_devices("both GPUs published", |d| d.len() == 2)
+        .await?;
+    let uid = node.api.add_claim(
+        "ml",
+        "train-gpu",
+        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
+    );
+    let pod = training_pod(&uid);
+    node.kubelet.prepare_pod(&pod).await?;
+    node.inject(format!("xid {} 79", simulated_uuid(0)));
+    node.kubelet
+        .wait_allocated_resources_status(&pod, "the fault", WAIT, |s| {
+            pod_resource(s).is_some_and(|r| r["health"] == "Unhealthy")
+        })
+        .await?;
+    assert!(node.state.join("dra-prepared-claims.json").is_file());
+
+    // The plugin restarts: it registers again, the fault is still there (the checkpoint), and the claim it
+    // prepared before still holds its GPU.
+    node.restart_plugin().await?;
+    node.kubelet
+        .wait_attempts("a second registration", WAIT, |a| {
+            a.iter()
+                .filter(|a| matches!(a.outcome, fake_kubelet::dra::Outcome::Registered(_)))
+                .count()
+                >= 2
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    node.kubelet
+        .wait_allocated_resources_status(&pod, "the fault kept across the restart", WAIT, |s| {
+            pod_resource(s).is_some_and(|r| {
+                r["health"] == "Unhealthy"
+                    && r["message"].as_str().is_some_and(|m| m.contains("XID 79"))
+            })
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    node.inject(format!("action {} 1", simulated_uuid(0)));
+    node.inject(format!("action {} 0", simulated_uuid(0)));
+    node.kubelet
+        .wait_allocated_resources_status(&pod, "recovered", WAIT, |s| {
+            pod_resource(s).is_some_and(|r| r["health"] == "Healthy")
+        })
+        .await?;
+    let other = node.api.add_claim(
+        "ml",
+        "other-gpu",
+        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
+    );
+    let other_pod = Pod::new("ml", "other-0").claim(
+        PodClaim::new("gpu", &other)
+            .resource_claim("other-gpu")
+            .used_by("main", "gpu"),
+    );
+    let held = node
+        .kubelet
+        .prepare_pod(&other_pod)
+        .await
+        .err()
+        .ok_or("refused")?;
+    assert!(
+        held.to_string().contains("ml/train-gpu"),
+        "names the holder: {held}"
+    );
+
+    // The pod ends: unprepare works on the restarted plugin, and the GPU is free for the other claim.
+    let errors = node.kubelet.end_pod(&pod).await?;
+    assert!(errors.is_empty(), "{errors:?}");
+    node.kubelet.prepare_pod(&other_pod).await?;
+
+    // The kubelet restarts: it wipes the node's slices; the plugin writes them again, and the health stream
+    // is open again.
+    let streams_before = node.kubelet.health_streams().len();
+    node.kubelet.restart();
+    node.kubelet
+        .wait_wipes("the kubelet's wipe at start", WAIT, |w| !w.is_empty())
+        .await?;
+    node.slice_devices("slices written again after the wipe", |d| d.len() == 2)
+        .await?;
+    node.kubelet
+        .wait_health_streams("the health stream opened again", WAIT, |events| {
+            events.len() > streams_before
+                && events[streams_before..]
+                    .iter()
+                    .any(|e| matches!(e.event, fake_kubelet::dra::StreamEvent::Report(_)))
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn split_by_gpu_no_gpu_is_served_by_both_roads() -> TestResult {
+    let node = DraNode::start(3, "1").await?;
+    let dp = fake_kubelet::FakeKubelet::start(&node.root.path().join("device-plugins")).await?;
+    let list = dp
+        .wait_list("the device plugin's list", WAIT, |l| l.devices.len() == 2)
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    let listed: Vec<String> = list.devices.iter().map(|d| d.id.clone()).collect();
+    assert_eq!(listed, vec![simulated_uuid(0), simulated_uuid(2)]);
+    let devices = node
+        .slice_devices("GPU 1 published", |d| !d.is_empty())
+        .await?;
+    let names: Vec<&str> = devices.iter().filter_map(|d| d["name"].as_str()).collect();
+    assert_eq!(names, vec!["gpu-1"], "only GPU 1 through DRA");
+
+    // A fault on the DRA GPU reaches DRA and leaves the device plugin's list as it is.
+    node.inject(format!("xid {} 79", simulated_uuid(1)));
+    node.kubelet
+        .wait_device_health((DRIVER, NODE, "gpu-1"), WAIT, |h| {
+            h.health == fake_kubelet::dra::Health::Unhealthy
+        })
+        .await?;
+    let after = dp.list();
+    assert_eq!(
+        after.allocatable(),
+        2,
+        "the device plugin's GPUs stay Healthy"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_dra_setting_naming_a_gpu_the_node_lacks_stops_the_start_with_the_reason() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let api = FakeApiServer::start().await?;
+    api.add_node(NODE);
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+    let kubeconfig = kubeconfig.to_string_lossy().into_owned();
+    let mut plugin = PluginProcess::spawn(
+        dir.path(),
+        &[
+            "--simulate",
+            "2",
+            "--dra",
+            "0,7",
+            "--kubeconfig",
+            &kubeconfig,
+            "--node-name",
+            NODE,
+        ],
+    );
+    let status = plugin.wait_exit(WAIT).await.ok_or("exits")?;
+    assert!(!status.success());
+    let log = plugin.log();
+    assert!(log.contains("GPU 7") && log.contains("0 (GPU-"), "{log}");
+    Ok(())
+}
