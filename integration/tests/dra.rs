@@ -6,10 +6,12 @@ mod support;
 use std::path::{Path, PathBuf};
 
 use fake_kubelet::apiserver::{AllocationResult, FakeApiServer};
-use fake_kubelet::dra::{Pod, PodClaim};
+use fake_kubelet::dra::{Health, KubeletVersion, Pod, PodClaim};
 use fake_kubelet::{DraKubelet, DraOptions};
 use gpu_device_plugin::sources::simulated::simulated_uuid;
 use serde_json::Value;
+use gpu_device_plugin::http;
+use hyper::StatusCode;
 use support::{PluginProcess, TestResult, WAIT, append};
 
 const NODE: &str = "gpu-node-1";
@@ -28,19 +30,33 @@ struct DraNode {
 
 impl DraNode {
     async fn start(gpus: usize, dra: &str) -> Result<DraNode, Box<dyn std::error::Error>> {
+        Self::start_with(gpus, dra, |o| o, |_| {}).await
+    }
+
+    /// As [`DraNode::start`], with the fake kubelet's options changed by `options` and the API server set
+    /// up by `api_setup` before the plugin starts.
+    async fn start_with(
+        gpus: usize,
+        dra: &str,
+        options: impl FnOnce(DraOptions) -> DraOptions,
+        api_setup: impl FnOnce(&FakeApiServer),
+    ) -> Result<DraNode, Box<dyn std::error::Error>> {
         let root = tempfile::tempdir()?;
         for dir in ["plugins_registry", "plugins", "device-plugins"] {
             std::fs::create_dir_all(root.path().join(dir))?;
         }
         let api = FakeApiServer::start().await?;
         api.add_node(NODE);
+        api_setup(&api);
         let kubeconfig = root.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig)?;
         let kubelet = DraKubelet::start_with(
             root.path(),
-            DraOptions::default()
-                .api_server(&api, NODE)
-                .first_backoff(std::time::Duration::from_millis(50)),
+            options(
+                DraOptions::default()
+                    .api_server(&api, NODE)
+                    .first_backoff(std::time::Duration::from_millis(50)),
+            ),
         )?;
         let faults = root.path().join("faults");
         std::fs::write(&faults, "")?;
@@ -416,5 +432,158 @@ async fn a_dra_setting_naming_a_gpu_the_node_lacks_stops_the_start_with_the_reas
     assert!(!status.success());
     let log = plugin.log();
     assert!(log.contains("GPU 7") && log.contains("0 (GPU-"), "{log}");
+    Ok(())
+}
+
+/// `gpu-device-plugin <args>` with the node's state directory.
+fn command(node: &DraNode, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+        .args(args)
+        .arg("--state-dir")
+        .arg(&node.state)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run gpu-device-plugin")
+}
+
+#[tokio::test]
+async fn status_shows_dra_devices_and_their_claims_and_a_fence_taints_the_gpu_until_released()
+-> TestResult {
+    let node = DraNode::start(2, "all").await?;
+    node.slice_devices("both GPUs published", |d| d.len() == 2).await?;
+    let uid = node.api.add_claim(
+        "ml",
+        "train-gpu",
+        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
+    );
+    node.kubelet.prepare_pod(&training_pod(&uid)).await?;
+
+    let addr = node.plugin.http_addr().await.ok_or("HTTP address")?;
+    let (ready, why) = http::get(&addr, "/readyz").await?;
+    assert_eq!(ready, StatusCode::OK, "{}", String::from_utf8_lossy(&why));
+    let (code, body) = http::get(&addr, "/status").await?;
+    assert_eq!(code, StatusCode::OK);
+    let status: Value = serde_json::from_slice(&body)?;
+    let gpu0 = &status["devices"][0];
+    assert_eq!(gpu0["dra"]["device"], "gpu-0");
+    assert_eq!(gpu0["dra"]["driver"], DRIVER);
+    assert_eq!(gpu0["dra"]["claim"], "ml/train-gpu");
+    assert!(status["devices"][1]["dra"].get("claim").is_none());
+    assert_eq!(status["dra"]["registered"], true);
+    let table = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+        .args(["status", "--addr", &addr])
+        .output()?;
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("claim ml/train-gpu"), "{table}");
+    assert!(table.contains("DRA: registered as gpu.nvidia.com"), "{table}");
+
+    // An operator fences GPU 1: the health stream says so with the reason, and the slice keeps new claims
+    // off it; released, both clear.
+    let fenced = command(&node, &["fence", &simulated_uuid(1), "--reason", "burn-in failed"]);
+    assert!(fenced.status.success(), "{}", String::from_utf8_lossy(&fenced.stderr));
+    let health = node
+        .kubelet
+        .wait_device_health((DRIVER, NODE, "gpu-1"), WAIT, |h| h.health == Health::Unhealthy)
+        .await?;
+    assert!(health.message.contains("burn-in failed"), "{}", health.message);
+    let devices = node
+        .slice_devices("gpu-1 fenced in the slice", |d| {
+            taint(d, "gpu-1", "gpu.nvidia.com/fenced").is_some()
+        })
+        .await?;
+    let fence = taint(&devices, "gpu-1", "gpu.nvidia.com/fenced").ok_or("taint")?;
+    assert_eq!(fence["effect"], "NoSchedule");
+    let released = command(&node, &["release", &simulated_uuid(1)]);
+    assert!(released.status.success(), "{}", String::from_utf8_lossy(&released.stderr));
+    node.kubelet
+        .wait_device_health((DRIVER, NODE, "gpu-1"), WAIT, |h| h.health == Health::Healthy)
+        .await?;
+    node.slice_devices("gpu-1's fence taint removed", |d| {
+        device(d, "gpu-1").is_some_and(|g| g.get("taints").is_none())
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn each_kubelet_version_gets_the_services_it_knows_and_the_fault() -> TestResult {
+    let versions = [
+        (KubeletVersion::V1_34, "v1alpha1"),
+        (KubeletVersion::V1_36, "v1alpha1"),
+        (KubeletVersion::V1_37, "v1"),
+    ];
+    for (version, health_service) in versions {
+        let node = DraNode::start_with(
+            1,
+            "all",
+            |o| o.version(version).resource_health_status(true),
+            |_| {},
+        )
+        .await?;
+        let registration = node.kubelet.wait_registered(DRIVER, WAIT).await?;
+        assert_eq!(registration.service.advertised_name(), "v1.DRAPlugin", "{version:?}");
+        let watched = registration.health.map(|h| h.advertised_name()).unwrap_or_default();
+        assert!(watched.starts_with(health_service), "{version:?}: {watched}");
+        node.inject(format!("xid {} 79", simulated_uuid(0)));
+        node.kubelet
+            .wait_device_health((DRIVER, NODE, "gpu-0"), WAIT, |h| h.health == Health::Unhealthy)
+            .await
+            .map_err(|e| format!("{version:?}: {e}\n{}", node.plugin.log()))?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_api_server_that_drops_device_taints_is_said_once() -> TestResult {
+    let node = DraNode::start_with(2, "all", |o| o, |api| api.drop_device_taints(true)).await?;
+    node.slice_devices("both GPUs published", |d| d.len() == 2).await?;
+    let said = "dropped the device taints";
+    for gpu in 0..2 {
+        node.inject(format!("xid {} 79", simulated_uuid(gpu)));
+        node.kubelet
+            .wait_device_health((DRIVER, NODE, &format!("gpu-{gpu}")), WAIT, |h| {
+                h.health == Health::Unhealthy
+            })
+            .await?;
+    }
+    node.plugin
+        .wait_log(WAIT, |log| log.contains(said))
+        .await
+        .ok_or("the dropped taints said")?;
+    // Both faults sent (the API server keeps neither taint).
+    node.api
+        .wait_for("the faults written", WAIT, |requests| {
+            requests.iter().any(|r| {
+                r.method == "PUT"
+                    && r.body["spec"]["devices"][0].get("taints").is_some()
+                    && r.body["spec"]["devices"][1].get("taints").is_some()
+            })
+        })
+        .await?;
+    // What the API server made of a write is not taken for a change to write again: a recovery is the next
+    // write, not one of a stream of rewrites of the taints it drops.
+    node.inject(format!("action {} 1", simulated_uuid(0)));
+    node.inject(format!("action {} 0", simulated_uuid(0)));
+    node.kubelet
+        .wait_device_health((DRIVER, NODE, "gpu-0"), WAIT, |h| h.health == Health::Healthy)
+        .await?;
+    let puts = |requests: &[fake_kubelet::apiserver::Recorded]| {
+        requests
+            .iter()
+            .filter(|r| r.path.contains("resourceslices") && r.method == "PUT")
+            .count()
+    };
+    let requests = node
+        .api
+        .wait_for("the recovery written", WAIT, |requests| {
+            requests.iter().any(|r| {
+                r.method == "PUT"
+                    && r.body["spec"]["devices"][0].get("taints").is_none()
+                    && r.body["spec"]["devices"][1].get("taints").is_some()
+            })
+        })
+        .await?;
+    assert!(puts(&requests) <= 3, "{} slice writes for 3 changes", puts(&requests));
+    assert_eq!(node.plugin.log().matches(said).count(), 1, "{}", node.plugin.log());
     Ok(())
 }

@@ -224,6 +224,7 @@ pub async fn publish(
     let mut retry = FIRST_RETRY;
     let mut dirty = true;
     let mut said_taints_dropped = false;
+    let mut ours: BTreeMap<String, Written> = BTreeMap::new();
     // Taints with effect None need a 1.35 API server; an older one refuses the slice, and they are left out.
     let mut none_effect = true;
     loop {
@@ -264,7 +265,16 @@ pub async fn publish(
             Some((_, generation)) => generation + 1,
             None => first_generation(current, &devices),
         };
-        let written = write(&api, &config, owner.as_ref(), current, &devices, generation).await;
+        let written = write(
+            &api,
+            &config,
+            owner.as_ref(),
+            current,
+            &mut ours,
+            &devices,
+            generation,
+        )
+        .await;
         metrics.api_call("resource_slice", written.is_ok());
         match written {
             Ok(dropped) => {
@@ -383,6 +393,7 @@ async fn write(
     config: &SliceConfig,
     owner: Option<&Value>,
     current: &BTreeMap<String, DynamicObject>,
+    written: &mut BTreeMap<String, Written>,
     devices: &[Vec<Value>],
     generation: i64,
 ) -> Result<bool, Failed> {
@@ -391,7 +402,15 @@ async fn write(
     let names: Vec<String> = (0..specs.len()).map(|n| config.slice_name(n)).collect();
     for (name, spec) in names.iter().zip(specs) {
         let existing = current.get(name);
-        if existing.is_some_and(|o| o.data["spec"] == spec) {
+        let ours = written.get(name);
+        // Unchanged: as we wrote it (the API server may have added defaults), or as we want it.
+        let unchanged = existing.is_some_and(|o| {
+            o.data["spec"] == spec
+                || ours.is_some_and(|w| {
+                    w.spec == spec && o.metadata.resource_version.as_ref() == Some(&w.version)
+                })
+        });
+        if unchanged {
             continue;
         }
         let mut object = json!({
@@ -406,24 +425,45 @@ async fn write(
         let object: DynamicObject =
             serde_json::from_value(object).map_err(|e| Failed::Other(e.to_string()))?;
         let sent_taints = has_taints(&object.data);
-        let written = match existing {
+        let result = match existing {
             Some(before) => {
                 let mut object = object;
-                object.metadata.resource_version = before.metadata.resource_version.clone();
+                // Our own last write's version where the watch has not caught up with it yet.
+                object.metadata.resource_version = ours
+                    .map(|w| Some(w.version.clone()))
+                    .unwrap_or_else(|| before.metadata.resource_version.clone());
                 api.replace(name, &PostParams::default(), &object).await
             }
             None => api.create(&PostParams::default(), &object).await,
-        }
-        .map_err(|e| match &e {
-            kube::Error::Api(status) if status.code == 422 => {
-                Failed::Refused(status.message.clone())
+        };
+        let done = match result {
+            Ok(done) => done,
+            Err(e) => {
+                // Whatever we knew of it is stale now: the next try starts from what the watch says.
+                written.remove(name);
+                return Err(match &e {
+                    kube::Error::Api(status) if status.code == 422 => {
+                        Failed::Refused(status.message.clone())
+                    }
+                    _ => Failed::Other(crate::cluster::explain(
+                        &e,
+                        "create and update on resourceslices",
+                    )),
+                });
             }
-            _ => Failed::Other(crate::cluster::explain(
-                &e,
-                "create and update on resourceslices",
-            )),
-        })?;
-        dropped |= sent_taints && !has_taints(&written.data);
+        };
+        dropped |= sent_taints && !has_taints(&done.data);
+        if let Some(version) = done.metadata.resource_version {
+            written.insert(
+                name.clone(),
+                Written {
+                    version,
+                    // What was sent, which the next wanted spec is compared with, whatever defaults the API
+                    // server added to it.
+                    spec: spec.clone(),
+                },
+            );
+        }
     }
     for name in current.keys().filter(|n| !names.contains(n)) {
         match api.delete(name, &DeleteParams::default()).await {
@@ -438,6 +478,12 @@ async fn write(
         }
     }
     Ok(dropped)
+}
+
+/// A slice as this plugin last wrote it: the version the API server gave the write, and the spec sent.
+struct Written {
+    version: String,
+    spec: Value,
 }
 
 fn has_taints(data: &Value) -> bool {
