@@ -1,6 +1,8 @@
 //! GPUs served through DRA: the real binary on simulated GPUs against the fake kubelet's DRA side and the
 //! fake API server (claims, ResourceSlices), over real Unix sockets and HTTP.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, missing_docs)]
+
 mod support;
 
 use std::path::{Path, PathBuf};
