@@ -274,3 +274,73 @@ async fn two_requests_on_one_device_list_the_device_once_with_both() {
     assert_eq!(devices.len(), 2);
     assert_eq!(devices[0].requests, vec!["a".to_string(), "b".to_string()]);
 }
+
+#[tokio::test]
+async fn both_api_versions_answer_every_claim_by_uid_with_its_devices_or_its_error() {
+    use crate::api::dra::v1::dra_plugin_server::DraPlugin as _;
+    use crate::api::dra::v1beta1::dra_plugin_server::DraPlugin as _;
+    let s = setup();
+    s.claims
+        .allocate("train", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    let preparer = s.preparer();
+    let claims = vec![
+        v1beta1::Claim {
+            namespace: "ns".into(),
+            uid: "u-1".into(),
+            name: "train".into(),
+        },
+        v1beta1::Claim {
+            namespace: "ns".into(),
+            uid: "u-2".into(),
+            name: "missing".into(),
+        },
+    ];
+    let answer = v1beta1::dra_plugin_server::DraPlugin::node_prepare_resources(
+        &preparer,
+        Request::new(v1beta1::NodePrepareResourcesRequest {
+            claims: claims.clone(),
+        }),
+    )
+    .await
+    .expect("answered")
+    .into_inner();
+    let prepared = &answer.claims["u-1"];
+    assert_eq!(prepared.error, "");
+    assert_eq!(prepared.devices[0].device_name, "gpu-0");
+    assert_eq!(prepared.devices[0].pool_name, "node-a");
+    assert_eq!(
+        prepared.devices[0].cdi_device_ids,
+        vec!["nvidia.com/gpu=GPU-0".to_string()]
+    );
+    assert!(answer.claims["u-2"].error.contains("not in the API server"));
+
+    // v1 answers the same from the record, and unprepares by UID.
+    let v1_claims: Vec<v1::Claim> = claims
+        .iter()
+        .map(|c| v1::Claim {
+            namespace: c.namespace.clone(),
+            uid: c.uid.clone(),
+            name: c.name.clone(),
+        })
+        .collect();
+    let again = v1::dra_plugin_server::DraPlugin::node_prepare_resources(
+        &preparer,
+        Request::new(v1::NodePrepareResourcesRequest {
+            claims: v1_claims.clone(),
+        }),
+    )
+    .await
+    .expect("answered")
+    .into_inner();
+    assert_eq!(again.claims["u-1"].devices[0].device_name, "gpu-0");
+    assert_eq!(again.claims["u-1"].devices[0].share_id, None);
+    let gone = v1::dra_plugin_server::DraPlugin::node_unprepare_resources(
+        &preparer,
+        Request::new(v1::NodeUnprepareResourcesRequest { claims: v1_claims }),
+    )
+    .await
+    .expect("answered")
+    .into_inner();
+    assert_eq!(gone.claims.len(), 2);
+    assert!(gone.claims.values().all(|c| c.error.is_empty()));
+}
