@@ -277,8 +277,6 @@ async fn two_requests_on_one_device_list_the_device_once_with_both() {
 
 #[tokio::test]
 async fn both_api_versions_answer_every_claim_by_uid_with_its_devices_or_its_error() {
-    use crate::api::dra::v1::dra_plugin_server::DraPlugin as _;
-    use crate::api::dra::v1beta1::dra_plugin_server::DraPlugin as _;
     let s = setup();
     s.claims
         .allocate("train", "u-1", &[("gpu", "node-a", "gpu-0")]);
