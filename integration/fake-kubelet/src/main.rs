@@ -3,6 +3,12 @@
 //! stdout: `registered <n> <resource> <endpoint>`, then `list <n> <healthy>/<devices>` whenever the
 //! resource's device list changes, and `disconnected <n>` when the device manager drops the client in use.
 //! SIGTERM or SIGINT stops it.
+//!
+//! With `--dra-node NAME` it is the kubelet's DRA side instead, with a fake API server beside it: `--dir` is
+//! the kubelet's root (it watches `plugins_registry` there), the API server's kubeconfig is written to
+//! `<dir>/kubeconfig`, and it prints `registered <driver> <service> <health service>`, `slice <device>
+//! <attributes> <taints>` when a published device changes, and `health <device> <health> <message>` when
+//! the health stream changes what the kubelet knows of a device (read every 100 ms).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -29,11 +35,23 @@ struct Args {
     /// Which device manager to behave as
     #[arg(long, value_enum, default_value = "legacy")]
     device_manager: Manager,
+    /// Be the kubelet's DRA side for node NAME, with a fake API server (see above)
+    #[arg(long, value_name = "NAME")]
+    dra_node: Option<String>,
 }
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(node) = &args.dra_node {
+        return match dra(&args.dir, node).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("fake-kubelet: error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let manager = match args.device_manager {
         Manager::Legacy => DeviceManager::Legacy,
         Manager::MultiClient => DeviceManager::MultiClient,
@@ -86,4 +104,67 @@ async fn main() -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+/// The DRA side and a fake API server, printing what a driver does, until SIGTERM or SIGINT.
+async fn dra(dir: &std::path::Path, node: &str) -> Result<(), Box<dyn std::error::Error>> {
+    use fake_kubelet::apiserver::FakeApiServer;
+    use fake_kubelet::{DraKubelet, DraOptions};
+    let api = FakeApiServer::start().await?;
+    api.add_node(node);
+    let kubeconfig = dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+    std::fs::create_dir_all(dir.join("plugins_registry"))?;
+    std::fs::create_dir_all(dir.join("plugins"))?;
+    let kubelet = DraKubelet::start_with(dir, DraOptions::default().api_server(&api, node))?;
+    println!("api {} kubeconfig {}", api.url(), kubeconfig.display());
+    let (mut term, mut int) = (
+        signal(SignalKind::terminate())?,
+        signal(SignalKind::interrupt())?,
+    );
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
+    let mut printed = std::collections::BTreeMap::<String, String>::new();
+    let mut registrations = 0;
+    loop {
+        tokio::select! {
+            _ = term.recv() => return Ok(()),
+            _ = int.recv() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        let regs = kubelet.registrations();
+        for reg in regs.iter().skip(registrations) {
+            println!(
+                "registered {} {} {}",
+                reg.driver,
+                reg.service.advertised_name(),
+                reg.health.map_or("none", |h| h.advertised_name())
+            );
+        }
+        registrations = regs.len();
+        for slice in api.slices() {
+            let driver = slice["spec"]["driver"].as_str().unwrap_or_default().to_string();
+            let pool = slice["spec"]["pool"]["name"].as_str().unwrap_or_default().to_string();
+            for device in slice["spec"]["devices"].as_array().cloned().unwrap_or_default() {
+                let name = device["name"].as_str().unwrap_or_default().to_string();
+                let line = format!(
+                    "slice {name} {} taints={}",
+                    device["attributes"],
+                    device.get("taints").cloned().unwrap_or_default()
+                );
+                let health = kubelet.device_health(&driver, &pool, &name);
+                let health_line = format!(
+                    "health {name} {} {}",
+                    health.health.as_str(),
+                    health.message
+                );
+                for line in [line, health_line] {
+                    let key = line.split_whitespace().take(2).collect::<Vec<_>>().join(" ");
+                    if printed.get(&key) != Some(&line) {
+                        println!("{line}");
+                        printed.insert(key, line);
+                    }
+                }
+            }
+        }
+    }
 }
