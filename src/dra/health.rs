@@ -24,6 +24,8 @@ use super::view::{DraDevice, DraView};
 
 /// How often the stream is sent while nothing changes.
 pub const HEARTBEAT: Duration = Duration::from_secs(10);
+/// Health streams open at once, at most.
+pub const MAX_STREAMS: usize = 8;
 /// How long the kubelet is told to trust a report: three heartbeats, so one late one is no gap.
 pub const REPORT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -78,6 +80,7 @@ pub struct HealthService {
     devices: watch::Receiver<DraView>,
     config: Arc<HealthConfig>,
     shutdown: CancellationToken,
+    open: Arc<tokio::sync::Semaphore>,
 }
 
 impl HealthService {
@@ -91,6 +94,7 @@ impl HealthService {
             devices,
             config: Arc::new(config),
             shutdown,
+            open: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS)),
         }
     }
 
@@ -125,12 +129,24 @@ impl HealthService {
         rx
     }
 
+    /// One stream, while fewer than [`MAX_STREAMS`] are open: the kubelet holds one (two across its
+    /// restart); more is someone else's, and refused rather than given a task each.
     fn stream<T: Send + 'static>(
         &self,
         into: fn(Vec<DeviceReport>) -> T,
-    ) -> Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>> {
-        // Ends at shutdown: the task behind it returns then.
-        Box::pin(ReceiverStream::new(self.reports()).map(move |list| Ok(into(list))))
+    ) -> Result<Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>, Status> {
+        let Ok(open) = self.open.clone().try_acquire_owned() else {
+            return Err(Status::resource_exhausted(format!(
+                "{MAX_STREAMS} health streams are open already"
+            )));
+        };
+        // Ends at shutdown: the task behind it returns then; the place is given back when tonic drops it.
+        Ok(Box::pin(ReceiverStream::new(self.reports()).map(
+            move |list| {
+                let _open = &open;
+                Ok(into(list))
+            },
+        )))
     }
 }
 
@@ -184,7 +200,7 @@ impl health_v1::dra_resource_health_server::DraResourceHealth for HealthService 
         _request: Request<health_v1::NodeWatchResourcesRequest>,
     ) -> Result<Response<V1Stream>, Status> {
         tracing::debug!("the kubelet opened the DRA health stream (v1)");
-        Ok(Response::new(self.stream(v1_message)))
+        self.stream(v1_message).map(Response::new)
     }
 }
 
@@ -197,7 +213,7 @@ impl health_v1alpha1::dra_resource_health_server::DraResourceHealth for HealthSe
         _request: Request<health_v1alpha1::NodeWatchResourcesRequest>,
     ) -> Result<Response<V1alpha1Stream>, Status> {
         tracing::debug!("the kubelet opened the DRA health stream (v1alpha1)");
-        Ok(Response::new(self.stream(v1alpha1_message)))
+        self.stream(v1alpha1_message).map(Response::new)
     }
 }
 
@@ -285,6 +301,22 @@ mod tests {
         assert!(
             reports.recv().await.is_none(),
             "the stream ends at shutdown"
+        );
+    }
+
+    #[tokio::test]
+    async fn streams_past_the_cap_are_refused_and_a_closed_one_gives_its_place_back() {
+        let (_tx, rx) = watch::channel(view(&inventory()));
+        let service = HealthService::new(rx, config(HEARTBEAT), CancellationToken::new());
+        let mut open: Vec<_> = (0..MAX_STREAMS)
+            .map(|_| service.stream(v1_message).expect("under the cap"))
+            .collect();
+        let refused = service.stream(v1_message).err().expect("over the cap");
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+        drop(open.pop());
+        assert!(
+            service.stream(v1_message).is_ok(),
+            "a closed stream's place is free again"
         );
     }
 

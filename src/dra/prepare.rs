@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use futures_util::future::join_all;
+use futures_util::StreamExt as _;
 use tokio::sync::Mutex;
 use tonic::{Request, Response, Status};
 
@@ -21,6 +21,9 @@ use crate::devices::{Health, InventoryWatch};
 use super::claims::{Claim, ClaimReader};
 use super::names;
 use super::record::{PreparedClaim, PreparedDevice, Record, RecordFile};
+
+/// Claims read from the API server at once, at most.
+const MAX_READS: usize = 8;
 
 /// A claim as the kubelet names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -113,13 +116,25 @@ impl Preparer {
                 .map(|c| record.claims.contains_key(&c.uid))
                 .collect()
         };
-        let reads = claims.iter().zip(&known).map(|(c, known)| async move {
-            if *known {
-                return Ok(None);
-            }
-            self.claims.get(&c.namespace, &c.name).await.map(Some)
-        });
-        let read = join_all(reads).await;
+        let reads: Vec<_> = claims
+            .iter()
+            .zip(known)
+            .map(|(c, known)| {
+                let (reader, namespace, name) =
+                    (self.claims.clone(), c.namespace.clone(), c.name.clone());
+                async move {
+                    if known {
+                        return Ok(None);
+                    }
+                    reader.get(&namespace, &name).await.map(Some)
+                }
+            })
+            .collect();
+        // A few at a time: a pod with many claims must not become a burst of requests to the API server.
+        let read: Vec<_> = futures_util::stream::iter(reads)
+            .buffered(MAX_READS)
+            .collect()
+            .await;
 
         let mut record = self.record.lock().await;
         let before = record.clone();

@@ -142,9 +142,19 @@ async fn dra(dir: &std::path::Path, node: &str) -> Result<(), Box<dyn std::error
         }
         registrations = regs.len();
         for slice in api.slices() {
-            let driver = slice["spec"]["driver"].as_str().unwrap_or_default().to_string();
-            let pool = slice["spec"]["pool"]["name"].as_str().unwrap_or_default().to_string();
-            for device in slice["spec"]["devices"].as_array().cloned().unwrap_or_default() {
+            let driver = slice["spec"]["driver"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let pool = slice["spec"]["pool"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            for device in slice["spec"]["devices"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+            {
                 let name = device["name"].as_str().unwrap_or_default().to_string();
                 let line = format!(
                     "slice {name} {} taints={}",
@@ -158,7 +168,11 @@ async fn dra(dir: &std::path::Path, node: &str) -> Result<(), Box<dyn std::error
                     health.message
                 );
                 for line in [line, health_line] {
-                    let key = line.split_whitespace().take(2).collect::<Vec<_>>().join(" ");
+                    let key = line
+                        .split_whitespace()
+                        .take(2)
+                        .collect::<Vec<_>>()
+                        .join(" ");
                     if printed.get(&key) != Some(&line) {
                         println!("{line}");
                         printed.insert(key, line);
