@@ -113,7 +113,10 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let stopped = dra::spawn(
         config,
         monitored.inventory.clone(),
-        Some(monitored.handle.clone()),
+        Some(dra::view::Conditions {
+            monitor: monitored.handle.clone(),
+            changes: monitored.changes.clone(),
+        }),
         kube,
         tokio::sync::watch::Sender::new(DraStatus::default()),
         Metrics::off(),

@@ -172,7 +172,10 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             gpu_device_plugin::dra::spawn(
                 dra_config(&settings, dra, api),
                 devices.clone(),
-                Some(monitored.handle.clone()),
+                Some(gpu_device_plugin::dra::view::Conditions {
+                    monitor: monitored.handle.clone(),
+                    changes: monitored.changes.clone(),
+                }),
                 api.client_config(),
                 status.clone(),
                 metrics.clone(),

@@ -644,3 +644,35 @@ async fn an_api_server_that_drops_device_taints_is_said_once() -> TestResult {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn a_fault_that_leaves_the_gpu_healthy_still_reaches_the_health_stream_and_the_slice()
+-> TestResult {
+    let node = DraNode::start(2, "all").await?;
+    node.slice_devices("both GPUs published", |d| d.len() == 2)
+        .await?;
+    // XID 31 (an application's memory fault) is recorded without taking the GPU out of service: nothing
+    // changes in the device list, and the note must still reach the pod status and the slice.
+    node.inject(format!("xid {} 31", simulated_uuid(0)));
+    // Sooner than the view's 10 s refresh: on the change itself.
+    let sooner = std::time::Duration::from_secs(5);
+    let health = node
+        .kubelet
+        .wait_device_health((DRIVER, NODE, "gpu-0"), sooner, |h| {
+            h.message.contains("XID 31")
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    assert_eq!(health.health, Health::Healthy);
+    let devices = node
+        .slice_devices("gpu-0's None taint", |d| {
+            taint(d, "gpu-0", "gpu.nvidia.com/xid").is_some()
+        })
+        .await?;
+    let xid = taint(&devices, "gpu-0", "gpu.nvidia.com/xid").ok_or("taint")?;
+    assert_eq!(
+        (xid["value"].as_str(), xid["effect"].as_str()),
+        (Some("31"), Some("None"))
+    );
+    Ok(())
+}

@@ -134,7 +134,7 @@ impl HealthService {
     fn stream<T: Send + 'static>(
         &self,
         into: fn(Vec<DeviceReport>) -> T,
-    ) -> Result<Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>, Status> {
+    ) -> Result<ReportStream<T>, Status> {
         let Ok(open) = self.open.clone().try_acquire_owned() else {
             return Err(Status::resource_exhausted(format!(
                 "{MAX_STREAMS} health streams are open already"
@@ -186,10 +186,10 @@ fn v1alpha1_message(list: Vec<DeviceReport>) -> health_v1alpha1::NodeWatchResour
     }
 }
 
-type V1Stream =
-    Pin<Box<dyn Stream<Item = Result<health_v1::NodeWatchResourcesResponse, Status>> + Send>>;
-type V1alpha1Stream =
-    Pin<Box<dyn Stream<Item = Result<health_v1alpha1::NodeWatchResourcesResponse, Status>> + Send>>;
+/// A health stream of either version's messages.
+type ReportStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+type V1Stream = ReportStream<health_v1::NodeWatchResourcesResponse>;
+type V1alpha1Stream = ReportStream<health_v1alpha1::NodeWatchResourcesResponse>;
 
 #[tonic::async_trait]
 impl health_v1::dra_resource_health_server::DraResourceHealth for HealthService {

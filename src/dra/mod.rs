@@ -35,7 +35,6 @@ use crate::devices::InventoryWatch;
 use crate::kubelet::KubeletError;
 use crate::kubelet::socket::PluginSocket;
 use crate::metrics::Metrics;
-use crate::monitor::MonitorHandle;
 
 use self::claims::ClaimReader;
 use self::health::{HealthConfig, HealthService};
@@ -114,7 +113,7 @@ pub enum DraError {
 pub fn spawn(
     config: DraConfig,
     devices: InventoryWatch,
-    monitor: Option<MonitorHandle>,
+    conditions: Option<view::Conditions>,
     api: kube::Config,
     status: watch::Sender<DraStatus>,
     metrics: Arc<Metrics>,
@@ -124,7 +123,12 @@ pub fn spawn(
     crate::util::runtime::spawn_on_own_thread("dra", async move {
         let result = match kube::Client::try_from(api) {
             Ok(client) => {
-                let view = view::follow(devices.clone(), monitor, config.driver.clone());
+                let view = view::follow(
+                    devices.clone(),
+                    conditions,
+                    config.driver.clone(),
+                    config.heartbeat,
+                );
                 let publish = slices::publish(
                     client.clone(),
                     slices::SliceConfig {

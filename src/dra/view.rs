@@ -112,18 +112,38 @@ pub fn build(
         .collect()
 }
 
-/// Keeps a [`DraView`] of `devices` current, asking `monitor` for conditions on every change, until
-/// `devices`' sender is gone. Must be called inside a tokio runtime.
+/// The monitor, for the devices' conditions: asked on every change of the inventory or of `changes`.
+#[derive(Debug, Clone)]
+pub struct Conditions {
+    /// Where the snapshots come from.
+    pub monitor: MonitorHandle,
+    /// Changes whenever a device's conditions do (`crate::monitor::Monitored::changes`).
+    pub changes: watch::Receiver<u64>,
+}
+
+/// Keeps a [`DraView`] of `devices` current until `devices`' sender is gone: rebuilt on every change of the
+/// inventory and of the conditions, and every `refresh` (a message's count and times move on without a
+/// change of conditions). Must be called inside a tokio runtime.
 pub fn follow(
     mut devices: InventoryWatch,
-    monitor: Option<MonitorHandle>,
+    conditions: Option<Conditions>,
     driver: String,
+    refresh: Duration,
 ) -> watch::Receiver<DraView> {
     let first = Arc::new(build(&devices.borrow_and_update(), None, &driver));
     let (tx, rx) = watch::channel(first);
     tokio::spawn(async move {
+        let (monitor, mut changes) = match conditions {
+            Some(c) => (Some(c.monitor), Some(c.changes)),
+            None => (None, None),
+        };
+        let mut tick = tokio::time::interval(refresh);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let inventory = devices.borrow_and_update().clone();
+            if let Some(changes) = &mut changes {
+                changes.borrow_and_update();
+            }
             let snapshots = match &monitor {
                 Some(monitor) => tokio::time::timeout(MONITOR_ANSWER, monitor.devices())
                     .await
@@ -139,8 +159,24 @@ pub fn follow(
                 *current = Arc::new(view);
                 true
             });
-            if devices.changed().await.is_err() || tx.is_closed() {
-                return;
+            let conditions_changed = async {
+                let gone = match &mut changes {
+                    Some(changes) => changes.changed().await.is_err(),
+                    None => true,
+                };
+                if gone {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                changed = devices.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+                () = conditions_changed => {}
+                _ = tick.tick() => {}
+                () = tx.closed() => return,
             }
         }
     });
@@ -255,7 +291,7 @@ mod tests {
     #[tokio::test]
     async fn the_view_follows_the_inventory() {
         let (tx, rx) = watch::channel(Arc::new(inventory()));
-        let mut view = follow(rx, None, "gpu.nvidia.com".into());
+        let mut view = follow(rx, None, "gpu.nvidia.com".into(), Duration::from_secs(10));
         assert_eq!(view.borrow_and_update().len(), 3);
         let mut inv = inventory();
         inv.set_health("GPU-1", Health::Unhealthy, Some("XID 79".into()));

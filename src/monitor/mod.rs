@@ -187,6 +187,9 @@ pub struct Monitored {
     pub inventory: InventoryWatch,
     /// The way in for devices, fences and the shutdown flush.
     pub handle: MonitorHandle,
+    /// Changes whenever a device's conditions change, whether its health does or not: for readers of the
+    /// conditions ([`MonitorHandle::devices`]) that the inventory's changes would not wake.
+    pub changes: watch::Receiver<u64>,
     /// The heartbeats of the source's event threads, where it has them.
     pub heartbeat: Option<Heartbeat>,
     /// Devices the source found but does not serve, with why (for the status report).
@@ -283,12 +286,15 @@ pub fn spawn_monitored(
         carried,
         boot_id,
         metrics: config.metrics.clone(),
+        changes: watch::Sender::new(0),
     };
+    let changes = monitor.changes.subscribe();
     let (query_tx, query_rx) = mpsc::channel(16);
     tokio::spawn(monitor.run(event_rx, query_rx));
     Ok(Monitored {
         inventory: rx,
         handle: MonitorHandle(query_tx),
+        changes,
         heartbeat,
         unserved,
     })
@@ -418,6 +424,8 @@ struct Monitor {
     carried: BTreeMap<String, DeviceRecord>,
     boot_id: Option<String>,
     metrics: Arc<Metrics>,
+    /// Bumped whenever a device's conditions change, health or not.
+    changes: watch::Sender<u64>,
 }
 
 impl Monitor {
@@ -697,6 +705,9 @@ impl Monitor {
                     }
                 }
                 if outcome.is_transition() || outcome.conditions_changed {
+                    // A condition that changes no health (an XID recorded only) still changes what the
+                    // conditions' readers show.
+                    self.changes.send_modify(|n| *n = n.wrapping_add(1));
                     return Some(Recorded {
                         id,
                         observation,
