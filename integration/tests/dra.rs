@@ -676,3 +676,48 @@ async fn a_fault_that_leaves_the_gpu_healthy_still_reaches_the_health_stream_and
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn slices_that_cannot_be_watched_are_said_once_retried_with_a_backoff_and_written_when_allowed()
+-> TestResult {
+    let node = DraNode::start_with(2, "all", |o| o, |api| api.forbid(true)).await?;
+    let said = "cannot watch this node's ResourceSlices";
+    let lists = |requests: &[fake_kubelet::apiserver::Recorded]| {
+        requests
+            .iter()
+            .filter(|r| r.path.ends_with("/resourceslices") && r.method == "GET")
+            .count()
+    };
+    let requests = node
+        .api
+        .wait_for("the watch tried three times", WAIT, |r| lists(r) >= 3)
+        .await?;
+    // A backoff, not a loop: three tries take more than the first wait (0.8 s) and fewer than a hundred
+    // requests were made meanwhile.
+    let tries: Vec<_> = requests
+        .iter()
+        .filter(|r| r.path.ends_with("/resourceslices") && r.method == "GET")
+        .map(|r| r.at)
+        .collect();
+    assert!(tries[2].duration_since(tries[0]) >= std::time::Duration::from_millis(500));
+    assert!(requests.len() < 100, "{} requests", requests.len());
+    node.plugin
+        .wait_log(WAIT, |log| log.contains(said))
+        .await
+        .ok_or("said")?;
+    assert_eq!(
+        node.plugin.log().matches(said).count(),
+        1,
+        "{}",
+        node.plugin.log()
+    );
+    assert!(
+        node.plugin.log().contains("resourceslices"),
+        "names what is missing"
+    );
+
+    node.api.forbid(false);
+    node.slice_devices("written once allowed", |d| d.len() == 2)
+        .await?;
+    Ok(())
+}

@@ -13,7 +13,7 @@ use std::time::Duration;
 use futures_util::StreamExt as _;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, PostParams};
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt as _, watcher};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -216,7 +216,12 @@ pub async fn publish(
         "spec.nodeName={},spec.driver={}",
         config.node, config.driver
     );
-    let mut events = watcher(api.clone(), watcher::Config::default().fields(&selector)).boxed();
+    // With a backoff: a watch that keeps failing (no RBAC, an API server without resource.k8s.io/v1) is
+    // tried again after a growing wait, not at once in a loop.
+    let mut events = watcher(api.clone(), watcher::Config::default().fields(&selector))
+        .default_backoff()
+        .boxed();
+    let mut said_watch_error: Option<String> = None;
     let mut owner: Option<Value> = None;
     let mut seen: BTreeMap<String, DynamicObject> = BTreeMap::new();
     let mut listed: Option<BTreeMap<String, DynamicObject>> = None;
@@ -245,10 +250,21 @@ pub async fn publish(
             event = events.next() => {
                 match event {
                     Some(Ok(event)) => {
+                        // A watch that works again (a list begun is not yet one that worked).
+                        if !matches!(event, watcher::Event::Init) {
+                            said_watch_error = None;
+                        }
                         follow(event, &mut seen, &mut listed);
                         dirty = true;
                     }
-                    Some(Err(e)) => tracing::debug!(error = %e, "watch of the ResourceSlices ended; watching again"),
+                    Some(Err(e)) => {
+                        // Said once per kind of failure: the watch is tried again with a backoff.
+                        let why = watch_error(&e);
+                        if said_watch_error.as_ref() != Some(&why) {
+                            tracing::warn!(error = %why, "cannot watch this node's ResourceSlices: they are not written until it can (retrying)");
+                            said_watch_error = Some(why);
+                        }
+                    }
                     None => return,
                 }
                 continue;
@@ -316,6 +332,19 @@ enum Failed {
     Refused(String),
     /// Anything else.
     Other(String),
+}
+
+/// A failed watch in words an operator can act on.
+fn watch_error(e: &watcher::Error) -> String {
+    match e {
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => crate::cluster::explain(
+            e,
+            "list and watch on resourceslices (resource.k8s.io/v1, Kubernetes 1.34+)",
+        ),
+        other => other.to_string(),
+    }
 }
 
 async fn sleep_for(wait: Duration) {
