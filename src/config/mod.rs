@@ -133,7 +133,7 @@ pub struct Args {
     #[arg(long, env = "GPU_DEVICE_PLUGIN_FAIL_ON_INIT_ERROR", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", value_parser = parse_go_bool, help_heading = "GPUs and health")]
     pub fail_on_init_error: Option<bool>,
 
-    /// Root of sysfs, where GPU NUMA nodes are read [default: /sys]
+    /// Root of sysfs, where GPU NUMA nodes and PCIe roots are read [default: /sys]
     #[arg(
         long,
         env = "GPU_DEVICE_PLUGIN_SYSFS_ROOT",
@@ -1934,6 +1934,34 @@ mod tests {
             ],
             "absolute",
         );
+    }
+
+    #[test]
+    fn dra_comes_from_the_config_file_too_and_check_config_says_it()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("c.yaml");
+        std::fs::write(
+            &file,
+            "dra: \"1,GPU-abc\"\ndraDriverName: gpu.example.com\nkubeletRegistrarDirectoryPath: /reg\n",
+        )?;
+        let file = file.to_string_lossy().into_owned();
+        let s = settings(&["--config", &file, "--node-name", "n"])?;
+        let dra = s.dra.clone().ok_or("DRA on")?;
+        assert_eq!(
+            dra.gpus,
+            crate::dra::selection::DraSelection::Gpus(vec!["1".into(), "GPU-abc".into()])
+        );
+        assert_eq!(dra.driver, "gpu.example.com");
+        assert_eq!(dra.registry_dir, PathBuf::from("/reg"));
+        assert!(
+            s.describe().contains(
+                "DRA: GPUs 1, GPU-abc as driver gpu.example.com (registration in /reg, sockets in /var/lib/kubelet/plugins)"
+            ),
+            "{}",
+            s.describe()
+        );
+        Ok(())
     }
 
     #[test]
