@@ -150,41 +150,31 @@ impl HealthService {
     }
 }
 
-fn v1_message(list: Vec<DeviceReport>) -> health_v1::NodeWatchResourcesResponse {
-    health_v1::NodeWatchResourcesResponse {
-        devices: list
-            .into_iter()
-            .map(|d| health_v1::DeviceHealth {
-                device: Some(health_v1::DeviceIdentifier {
-                    pool_name: d.pool,
-                    device_name: d.device,
-                }),
-                health: d.health,
-                last_updated_time: d.at,
-                health_check_timeout_seconds: d.timeout_seconds,
-                message: d.message,
-            })
-            .collect(),
-    }
+/// A report as API version `$version`'s message (the versions are the same but for the package).
+macro_rules! message {
+    ($name:ident, $version:ident) => {
+        fn $name(list: Vec<DeviceReport>) -> $version::NodeWatchResourcesResponse {
+            $version::NodeWatchResourcesResponse {
+                devices: list
+                    .into_iter()
+                    .map(|d| $version::DeviceHealth {
+                        device: Some($version::DeviceIdentifier {
+                            pool_name: d.pool,
+                            device_name: d.device,
+                        }),
+                        health: d.health,
+                        last_updated_time: d.at,
+                        health_check_timeout_seconds: d.timeout_seconds,
+                        message: d.message,
+                    })
+                    .collect(),
+            }
+        }
+    };
 }
 
-fn v1alpha1_message(list: Vec<DeviceReport>) -> health_v1alpha1::NodeWatchResourcesResponse {
-    health_v1alpha1::NodeWatchResourcesResponse {
-        devices: list
-            .into_iter()
-            .map(|d| health_v1alpha1::DeviceHealth {
-                device: Some(health_v1alpha1::DeviceIdentifier {
-                    pool_name: d.pool,
-                    device_name: d.device,
-                }),
-                health: d.health,
-                last_updated_time: d.at,
-                health_check_timeout_seconds: d.timeout_seconds,
-                message: d.message,
-            })
-            .collect(),
-    }
-}
+message!(v1_message, health_v1);
+message!(v1alpha1_message, health_v1alpha1);
 
 /// A health stream of either version's messages.
 type ReportStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;

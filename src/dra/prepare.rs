@@ -330,6 +330,7 @@ fn show(status: &tokio::sync::watch::Sender<super::registration::DraStatus>, rec
     status.send_modify(|s| s.prepared = prepared);
 }
 
+/// The kubelet's claims of either version, as [`ClaimRef`]s.
 fn refs<'a>(claims: impl Iterator<Item = (&'a str, &'a str, &'a str)>) -> Vec<ClaimRef> {
     claims
         .map(|(namespace, uid, name)| ClaimRef {
@@ -340,142 +341,76 @@ fn refs<'a>(claims: impl Iterator<Item = (&'a str, &'a str, &'a str)>) -> Vec<Cl
         .collect()
 }
 
-#[tonic::async_trait]
-impl v1::dra_plugin_server::DraPlugin for Preparer {
-    async fn node_prepare_resources(
-        &self,
-        request: Request<v1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
-        let request = request.into_inner();
-        let claims = refs(
-            request
-                .claims
-                .iter()
-                .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
-        );
-        let claims = self
-            .prepare(claims)
-            .await
-            .into_iter()
-            .map(|(uid, answer)| {
-                let response = match answer {
-                    Ok(devices) => v1::NodePrepareResourceResponse {
-                        devices: devices
+/// `DRAPlugin` of API version `$version` on [`Preparer`]: the versions' messages are the same but for fields
+/// only the newer has (`$extra`, set to `$value`).
+macro_rules! serve_version {
+    ($version:ident $(, $extra:ident: $value:expr)?) => {
+        #[tonic::async_trait]
+        impl $version::dra_plugin_server::DraPlugin for Preparer {
+            async fn node_prepare_resources(
+                &self,
+                request: Request<$version::NodePrepareResourcesRequest>,
+            ) -> Result<Response<$version::NodePrepareResourcesResponse>, Status> {
+                let request = request.into_inner();
+                let claims = refs(
+                    request
+                        .claims
+                        .iter()
+                        .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
+                );
+                let claims = self
+                    .prepare(claims)
+                    .await
+                    .into_iter()
+                    .map(|(uid, answer)| {
+                        let (devices, error) = match answer {
+                            Ok(devices) => (devices, String::new()),
+                            Err(error) => (Vec::new(), error),
+                        };
+                        let devices = devices
                             .into_iter()
-                            .map(|d| v1::Device {
+                            .map(|d| $version::Device {
                                 request_names: d.requests,
                                 pool_name: d.pool,
                                 device_name: d.device,
                                 cdi_device_ids: d.cdi_device_ids,
-                                share_id: None,
+                                $($extra: $value,)?
                             })
-                            .collect(),
-                        error: String::new(),
-                    },
-                    Err(error) => v1::NodePrepareResourceResponse {
-                        devices: Vec::new(),
-                        error,
-                    },
-                };
-                (uid, response)
-            })
-            .collect();
-        Ok(Response::new(v1::NodePrepareResourcesResponse { claims }))
-    }
+                            .collect();
+                        (uid, $version::NodePrepareResourceResponse { devices, error })
+                    })
+                    .collect();
+                Ok(Response::new($version::NodePrepareResourcesResponse { claims }))
+            }
 
-    async fn node_unprepare_resources(
-        &self,
-        request: Request<v1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
-        let request = request.into_inner();
-        let claims = refs(
-            request
-                .claims
-                .iter()
-                .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
-        );
-        let claims = self
-            .unprepare(claims)
-            .await
-            .into_iter()
-            .map(|(uid, answer)| {
-                let error = answer.err().unwrap_or_default();
-                (uid, v1::NodeUnprepareResourceResponse { error })
-            })
-            .collect();
-        Ok(Response::new(v1::NodeUnprepareResourcesResponse { claims }))
-    }
+            async fn node_unprepare_resources(
+                &self,
+                request: Request<$version::NodeUnprepareResourcesRequest>,
+            ) -> Result<Response<$version::NodeUnprepareResourcesResponse>, Status> {
+                let request = request.into_inner();
+                let claims = refs(
+                    request
+                        .claims
+                        .iter()
+                        .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
+                );
+                let claims = self
+                    .unprepare(claims)
+                    .await
+                    .into_iter()
+                    .map(|(uid, answer)| {
+                        let error = answer.err().unwrap_or_default();
+                        (uid, $version::NodeUnprepareResourceResponse { error })
+                    })
+                    .collect();
+                Ok(Response::new($version::NodeUnprepareResourcesResponse { claims }))
+            }
+        }
+    };
 }
 
-#[tonic::async_trait]
-impl v1beta1::dra_plugin_server::DraPlugin for Preparer {
-    async fn node_prepare_resources(
-        &self,
-        request: Request<v1beta1::NodePrepareResourcesRequest>,
-    ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
-        let request = request.into_inner();
-        let claims = refs(
-            request
-                .claims
-                .iter()
-                .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
-        );
-        let claims = self
-            .prepare(claims)
-            .await
-            .into_iter()
-            .map(|(uid, answer)| {
-                let response = match answer {
-                    Ok(devices) => v1beta1::NodePrepareResourceResponse {
-                        devices: devices
-                            .into_iter()
-                            .map(|d| v1beta1::Device {
-                                request_names: d.requests,
-                                pool_name: d.pool,
-                                device_name: d.device,
-                                cdi_device_ids: d.cdi_device_ids,
-                            })
-                            .collect(),
-                        error: String::new(),
-                    },
-                    Err(error) => v1beta1::NodePrepareResourceResponse {
-                        devices: Vec::new(),
-                        error,
-                    },
-                };
-                (uid, response)
-            })
-            .collect();
-        Ok(Response::new(v1beta1::NodePrepareResourcesResponse {
-            claims,
-        }))
-    }
-
-    async fn node_unprepare_resources(
-        &self,
-        request: Request<v1beta1::NodeUnprepareResourcesRequest>,
-    ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        let request = request.into_inner();
-        let claims = refs(
-            request
-                .claims
-                .iter()
-                .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
-        );
-        let claims = self
-            .unprepare(claims)
-            .await
-            .into_iter()
-            .map(|(uid, answer)| {
-                let error = answer.err().unwrap_or_default();
-                (uid, v1beta1::NodeUnprepareResourceResponse { error })
-            })
-            .collect();
-        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse {
-            claims,
-        }))
-    }
-}
+serve_version!(v1, share_id: None);
+serve_version!(v1beta1);
 
 #[cfg(test)]
 mod tests;
