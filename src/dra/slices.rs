@@ -229,6 +229,7 @@ pub async fn publish(
     let mut retry = FIRST_RETRY;
     let mut dirty = true;
     let mut said_taints_dropped = false;
+    let mut said_no_owner = false;
     let mut ours: BTreeMap<String, Written> = BTreeMap::new();
     // Taints with effect None need a 1.35 API server; an older one refuses the slice, and they are left out.
     let mut none_effect = true;
@@ -273,7 +274,7 @@ pub async fn publish(
         }
         let Some(current) = &listed else { continue };
         if owner.is_none() {
-            owner = node_owner(&client, &config.node).await;
+            owner = node_owner(&client, &config.node, &mut said_no_owner).await;
         }
         let devices = devices(&view.borrow_and_update(), none_effect);
         let generation = match &published {
@@ -403,14 +404,17 @@ fn first_generation(current: &BTreeMap<String, DynamicObject>, devices: &[Vec<Va
 
 /// The Node as the slices' owner, so that they are deleted with it; `None` (and a warning) if it cannot
 /// be read: the slices are written without.
-async fn node_owner(client: &kube::Client, node: &str) -> Option<Value> {
+/// Said once (`said`), tried again at each write.
+async fn node_owner(client: &kube::Client, node: &str, said: &mut bool) -> Option<Value> {
     let nodes: Api<Node> = Api::all(client.clone());
     match nodes.get(node).await {
         Ok(n) => n.metadata.uid.map(|uid| {
             json!({"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid, "controller": true})
         }),
         Err(e) => {
-            tracing::warn!(error = %crate::cluster::explain(&e, "get on nodes"), "cannot read the Node: the ResourceSlices are written without an owner");
+            if !std::mem::replace(said, true) {
+                tracing::warn!(error = %crate::cluster::explain(&e, "get on nodes"), "cannot read the Node: the ResourceSlices are written without an owner until it can be read");
+            }
             None
         }
     }
