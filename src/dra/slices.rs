@@ -438,10 +438,16 @@ async fn write(
         let ours = written.get(name);
         // Unchanged: as we wrote it (the API server may have added defaults), or as we want it.
         let unchanged = existing.is_some_and(|o| {
-            o.data["spec"] == spec
-                || ours.is_some_and(|w| {
-                    w.spec == spec && o.metadata.resource_version.as_ref() == Some(&w.version)
-                })
+            let owned = owner.is_none()
+                || o.metadata
+                    .owner_references
+                    .as_ref()
+                    .is_some_and(|r| !r.is_empty());
+            owned
+                && (o.data["spec"] == spec
+                    || ours.is_some_and(|w| {
+                        w.spec == spec && o.metadata.resource_version.as_ref() == Some(&w.version)
+                    }))
         });
         if unchanged {
             continue;
