@@ -719,5 +719,12 @@ async fn slices_that_cannot_be_watched_are_said_once_retried_with_a_backoff_and_
     node.api.forbid(false);
     node.slice_devices("written once allowed", |d| d.len() == 2)
         .await?;
+    let owners: Vec<Value> = node
+        .api
+        .slices()
+        .iter()
+        .map(|s| s["metadata"]["ownerReferences"][0]["kind"].clone())
+        .collect();
+    assert_eq!(owners, vec![Value::from("Node")], "owned by the Node");
     Ok(())
 }
