@@ -864,9 +864,35 @@ fn plan_on_gpus(settings: &Settings) -> anyhow::Result<String> {
         Some(count) => Box::new(SimulatedGpus::new(count).0),
         None => Box::new(NvmlGpus::open(settings.nvml.clone())?),
     };
-    let inventory = devices::Inventory::new(source.discover()?);
+    let found = devices::Inventory::new(source.discover()?);
+    let mut out = format!("devices found: {}\n", found.len());
+    // One road per GPU: the device plugin plans what DRA does not serve.
+    let inventory = match &settings.dra {
+        Some(dra) => {
+            dra.gpus
+                .check(&found)
+                .map_err(|why| anyhow::anyhow!("{why}"))?;
+            let through_dra = found.subset(|i| dra.gpus.serves(i), None);
+            let names: Vec<String> = through_dra
+                .devices()
+                .iter()
+                .map(|d| gpu_device_plugin::dra::names::device_name(&d.info))
+                .collect();
+            out.push_str(&format!(
+                "serves through DRA as {}: {} devices ({})\n",
+                dra.driver,
+                names.len(),
+                names.join(", ")
+            ));
+            found.subset(|i| !dra.gpus.serves(i), None)
+        }
+        None => found,
+    };
+    if settings.dra.is_some() && inventory.is_empty() {
+        out.push_str("the device plugin does not register: every GPU is served through DRA\n");
+        return Ok(out);
+    }
     let (plan, warnings) = plan_resources(settings, &inventory)?;
-    let mut out = format!("devices found: {}\n", inventory.len());
     for (position, served) in plan.resources().iter().enumerate() {
         let subset = inventory.subset(|info| plan.serves(position, info), None);
         let devices = subset.len();

@@ -428,3 +428,72 @@ fn help_groups_the_flags_by_role_and_names_every_subcommand() {
         );
     }
 }
+
+#[test]
+fn check_config_says_which_gpus_go_through_dra_and_which_through_the_device_plugin() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let state = state.to_str().unwrap();
+    let split = run(
+        &[
+            "check-config",
+            "--simulate",
+            "3",
+            "--dra",
+            "1",
+            "--node-name",
+            "n",
+            "--state-dir",
+            state,
+        ],
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&split.stdout);
+    assert!(
+        split.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&split.stderr)
+    );
+    for line in [
+        "DRA: GPU 1 as driver gpu.nvidia.com",
+        "serves through DRA as gpu.nvidia.com: 1 devices (gpu-1)",
+        "serves nvidia.com/gpu: 2 devices, 2 listed to the kubelet",
+    ] {
+        assert!(stdout.contains(line), "{line:?} not in:\n{stdout}");
+    }
+    let all = run(
+        &[
+            "check-config",
+            "--simulate",
+            "3",
+            "--dra",
+            "all",
+            "--node-name",
+            "n",
+            "--state-dir",
+            state,
+        ],
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&all.stdout);
+    assert!(
+        stdout.contains("the device plugin does not register"),
+        "{stdout}"
+    );
+    let missing = run(
+        &[
+            "check-config",
+            "--simulate",
+            "3",
+            "--dra",
+            "5",
+            "--node-name",
+            "n",
+            "--state-dir",
+            state,
+        ],
+        &[],
+    );
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("GPU 5"));
+}

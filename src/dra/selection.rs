@@ -91,6 +91,7 @@ impl std::fmt::Display for DraSelection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             DraSelection::All => f.write_str("all GPUs"),
+            DraSelection::Gpus(gpus) if gpus.len() == 1 => write!(f, "GPU {}", gpus[0]),
             DraSelection::Gpus(gpus) => write!(f, "GPUs {}", gpus.join(", ")),
         }
     }
