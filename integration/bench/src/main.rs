@@ -4,11 +4,12 @@
 //!
 //! Measures: the machine's own thread wake-up latency (the floor under the rest), fault → kubelet, kubelet
 //! restart → Register, start-up, idle footprint, event storm, Allocate latency, and footprint across many
-//! kubelet restarts; for this workspace's plugin also the side surfaces, time-slicing, MIG and abused operator
-//! inputs. Prints a Markdown table and writes JSON.
+//! kubelet restarts; for this workspace's plugin also the side surfaces, time-slicing, MIG, abused operator
+//! inputs and DRA. Prints a Markdown table and writes JSON.
 //! See BENCHMARKS.md.
 
 mod abuse;
+mod dra;
 mod measure;
 mod report;
 mod rig;
@@ -106,6 +107,11 @@ pub(crate) enum Measure {
     /// an oversized config), interleaved; idle CPU with every input on; memory before, at the peak of and
     /// after the abuse. This workspace's plugin only.
     Abuse,
+    /// Every GPU served through DRA (`--dra all`) against the fake kubelet's DRA side and the fake API server:
+    /// fault → the health stream's Unhealthy report, fault → the ResourceSlice's taint, and prepare,
+    /// repeated prepare and unprepare round trips; beside the device plugin's fault → kubelet, instance by
+    /// instance in turn. This workspace's plugin only.
+    Dra,
 }
 
 impl Args {
@@ -138,6 +144,8 @@ pub(crate) struct Counts {
     pub(crate) abuse_idle: Duration,
     /// Added to the abuse threads' nice value.
     pub(crate) abuse_nice: i32,
+    /// DRA claims prepared (each also prepared again and unprepared).
+    pub(crate) dra_prepares: usize,
 }
 
 impl Counts {
@@ -160,6 +168,7 @@ impl Counts {
                 abuse_config_bytes: 2 << 20,
                 abuse_idle: Duration::from_secs(3),
                 abuse_nice: 0,
+                dra_prepares: 20,
             }
         } else {
             Counts {
@@ -178,6 +187,7 @@ impl Counts {
                 abuse_config_bytes: 10_000_000,
                 abuse_idle: Duration::from_secs(30),
                 abuse_nice: 0,
+                dra_prepares: 1_000,
             }
         }
     }

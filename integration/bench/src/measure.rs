@@ -110,6 +110,9 @@ pub(crate) async fn all(
     if args.runs(Measure::Abuse) && rig.is_ours() {
         crate::abuse::abuse(rig, devices, &counts, report).await?;
     }
+    if args.runs(Measure::Dra) && rig.is_ours() {
+        crate::dra::dra(rig, devices, &counts, report).await?;
+    }
     Ok(())
 }
 
@@ -896,26 +899,41 @@ async fn fault_latency(
     // Each GPU faults once per plugin instance (a plugin need not recover), so a run needs a fresh instance
     // every `devices` faults.
     while samples.len() + missed < count {
-        let n = rig.next_registration().await;
-        let plugin = rig.spawn(devices)?;
-        rig.wait_registered(n, &plugin).await?;
-        wait_all_healthy(rig, n, devices, &plugin).await?;
-        {
-            let kubelet = rig.kubelet.lock().await;
-            for i in 0..devices.min(count - samples.len() - missed) {
-                let id = uuid(i);
-                match one_fault(rig, &kubelet, n, &id).await? {
-                    Some(took) => samples.push(took),
-                    None => missed += 1,
-                }
-            }
-        }
-        plugin.stop().await;
+        let want = devices.min(count - samples.len() - missed);
+        missed += faults_on_one_instance(rig, devices, want, &mut samples).await?;
         if samples.is_empty() && missed > 0 {
             bail!("the plugin reported none of the faults");
         }
     }
     Ok((samples, missed))
+}
+
+/// One fresh plugin instance on `devices` GPUs, registered and listing them all Healthy, then XID 79 on
+/// each of the first `want` GPUs in turn, timed as [`one_fault`] times it into `samples`; returns how many
+/// were not seen.
+pub(crate) async fn faults_on_one_instance(
+    rig: &Rig,
+    devices: usize,
+    want: usize,
+    samples: &mut Vec<Duration>,
+) -> anyhow::Result<usize> {
+    let mut missed = 0;
+    let n = rig.next_registration().await;
+    let plugin = rig.spawn(devices)?;
+    rig.wait_registered(n, &plugin).await?;
+    wait_all_healthy(rig, n, devices, &plugin).await?;
+    {
+        let kubelet = rig.kubelet.lock().await;
+        for i in 0..devices.min(want) {
+            let id = uuid(i);
+            match one_fault(rig, &kubelet, n, &id).await? {
+                Some(took) => samples.push(took),
+                None => missed += 1,
+            }
+        }
+    }
+    plugin.stop().await;
+    Ok(missed)
 }
 
 /// What procfs says about a process.

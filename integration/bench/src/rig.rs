@@ -105,7 +105,15 @@ fn build(with_plugin: bool) -> anyhow::Result<PathBuf> {
     let mut build = std::process::Command::new(cargo);
     build.args(["build", "--quiet", "-p", "fake-nvml"]);
     if with_plugin {
-        build.args(["-p", "gpu-device-plugin", "--bin", "gpu-device-plugin"]);
+        // Target filters apply to every package named: without `--lib`, `--bin` alone would leave the fake
+        // library out (it is built only when something else, `cargo test`, built it before).
+        build.args([
+            "-p",
+            "gpu-device-plugin",
+            "--lib",
+            "--bin",
+            "gpu-device-plugin",
+        ]);
     }
     if dir.ends_with("release") {
         build.arg("--release");

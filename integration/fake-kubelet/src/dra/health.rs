@@ -80,7 +80,18 @@ struct Entry {
     health: Health,
     message: String,
     received: Instant,
+    /// When the first report of the run that says `health` was received: a repeat (a heartbeat, a new
+    /// message) keeps it, a change of health or a report after the entry went stale moves it. What a
+    /// benchmark times a change by, whatever reports came after it.
+    since: Instant,
     timeout: Duration,
+}
+
+impl Entry {
+    /// Whether it still holds at `now` (not older than its timeout).
+    fn fresh(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.received) <= self.timeout
+    }
 }
 
 /// Health by driver, then by (pool, device).
@@ -110,12 +121,18 @@ impl HealthCache {
             } else {
                 String::new()
             };
+            let key = (report.pool, report.device);
+            let since = devices
+                .get(&key)
+                .filter(|e| e.health == report.health && e.fresh(now))
+                .map_or(now, |e| e.since);
             devices.insert(
-                (report.pool, report.device),
+                key,
                 Entry {
                     health: report.health,
                     message,
                     received: now,
+                    since,
                     timeout,
                 },
             );
@@ -127,15 +144,18 @@ impl HealthCache {
         self.drivers.remove(driver);
     }
 
+    /// The entry of `driver`'s device `pool/device` unless it is stale at `now`.
+    fn entry(&self, driver: &str, pool: &str, device: &str, now: Instant) -> Option<&Entry> {
+        self.drivers
+            .get(driver)
+            .and_then(|devices| devices.get(&(pool.to_string(), device.to_string())))
+            .filter(|e| e.fresh(now))
+    }
+
     /// The health of `driver`'s device `pool/device` as read at `now`: Unknown without an entry or once the
     /// entry is older than its timeout.
     pub(crate) fn get(&self, driver: &str, pool: &str, device: &str, now: Instant) -> DeviceHealth {
-        let entry = self
-            .drivers
-            .get(driver)
-            .and_then(|devices| devices.get(&(pool.to_string(), device.to_string())))
-            .filter(|e| now.saturating_duration_since(e.received) <= e.timeout);
-        match entry {
+        match self.entry(driver, pool, device, now) {
             Some(e) => DeviceHealth {
                 health: e.health,
                 message: e.message.clone(),
@@ -145,6 +165,18 @@ impl HealthCache {
                 message: String::new(),
             },
         }
+    }
+
+    /// When the kubelet first received the health that `driver`'s device `pool/device` has at `now` (see
+    /// `Entry::since`); `None` while that is Unknown for want of a fresh report.
+    pub(crate) fn since(
+        &self,
+        driver: &str,
+        pool: &str,
+        device: &str,
+        now: Instant,
+    ) -> Option<Instant> {
+        self.entry(driver, pool, device, now).map(|e| e.since)
     }
 
     /// The first time after `now` at which an entry turns stale, if any will.
@@ -302,6 +334,60 @@ mod tests {
         assert_eq!(read("gpu-1", at(5)).health, Health::Healthy);
         assert_eq!(read("gpu-1", at(6)).health, Health::Unknown);
         assert_eq!(cache.next_expiry(at(1)), Some(at(5)));
+    }
+
+    #[test]
+    fn a_device_keeps_the_time_its_health_was_first_reported_until_the_health_changes() {
+        let mut cache = HealthCache::default();
+        let t0 = Instant::now();
+        let at = |secs| t0 + Duration::from_secs(secs);
+        let since = |cache: &HealthCache, now| cache.since("d", "node-a", "gpu-0", now);
+        cache.update(
+            "d",
+            vec![report("gpu-0", Health::Healthy, 0, "")],
+            at(0),
+            ALL,
+        );
+        cache.update(
+            "d",
+            vec![report("gpu-0", Health::Healthy, 0, "")],
+            at(10),
+            ALL,
+        );
+        assert_eq!(since(&cache, at(10)), Some(at(0)), "a heartbeat keeps it");
+        cache.update(
+            "d",
+            vec![report("gpu-0", Health::Unhealthy, 0, "XID 79")],
+            at(12),
+            ALL,
+        );
+        cache.update(
+            "d",
+            vec![report("gpu-0", Health::Unhealthy, 0, "XID 79, then 48")],
+            at(13),
+            ALL,
+        );
+        assert_eq!(
+            since(&cache, at(13)),
+            Some(at(12)),
+            "a new message keeps it"
+        );
+        assert_eq!(
+            since(&cache, at(44)),
+            None,
+            "stale: Unknown for want of a report"
+        );
+        cache.update(
+            "d",
+            vec![report("gpu-0", Health::Unhealthy, 0, "XID 79")],
+            at(50),
+            ALL,
+        );
+        assert_eq!(
+            since(&cache, at(50)),
+            Some(at(50)),
+            "a report after a gap starts a new run"
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpu_device_plugin::api::dra::{health_v1, health_v1alpha1, registration as reg, v1, v1beta1};
 use serde_json::json;
@@ -797,6 +797,42 @@ async fn reports_fill_the_health_cache_and_go_stale_when_the_clock_moves() -> Te
         Health::Healthy,
         "its own 60 s timeout holds"
     );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_health_change_is_timed_by_the_report_that_made_it_not_by_later_repeats() -> TestResult {
+    let root = tempfile::tempdir()?;
+    let kubelet = DraKubelet::start_with(root.path(), options())?;
+    let plugin = TestPlugin::start(root.path(), Config::new(DRIVER))?;
+    kubelet.wait_registered(DRIVER, WAIT).await?;
+    plugin
+        .wait_seen("the health stream", |s| !s.health_opened.is_empty())
+        .await;
+    plugin.report(vec![dev("dev-a", Health::Healthy, "")]);
+    let (_, healthy) = kubelet
+        .wait_device_health_since((DRIVER, "node-a", "dev-a"), WAIT, |h| {
+            h.health == Health::Healthy
+        })
+        .await?;
+    let sent = Instant::now();
+    plugin.report(vec![dev("dev-a", Health::Unhealthy, "XID 79")]);
+    let (read, first) = kubelet
+        .wait_device_health_since((DRIVER, "node-a", "dev-a"), WAIT, |h| {
+            h.health == Health::Unhealthy
+        })
+        .await?;
+    assert_eq!(read.message, "XID 79");
+    let first = first.ok_or("a device reported Unhealthy has a time")?;
+    assert!(healthy.is_some_and(|h| h <= sent) && first >= sent);
+    // A repeat with a new message: the same run of Unhealthy.
+    plugin.report(vec![dev("dev-a", Health::Unhealthy, "XID 79, then 48")]);
+    let (_, again) = kubelet
+        .wait_device_health_since((DRIVER, "node-a", "dev-a"), WAIT, |h| {
+            h.message == "XID 79, then 48"
+        })
+        .await?;
+    assert_eq!(again, Some(first));
     Ok(())
 }
 
