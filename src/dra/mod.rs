@@ -123,7 +123,7 @@ pub fn spawn(
     crate::util::runtime::spawn_on_own_thread("dra", async move {
         let result = match kube::Client::try_from(api) {
             Ok(client) => {
-                let view = view::follow(
+                let views = view::follow(
                     devices.clone(),
                     conditions,
                     config.driver.clone(),
@@ -135,13 +135,22 @@ pub fn spawn(
                         driver: config.driver.clone(),
                         node: config.pool.clone(),
                     },
-                    view.clone(),
+                    views.slices,
                     metrics.clone(),
                     shutdown.clone(),
                 );
                 let _publisher = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(publish));
                 let claims = Arc::new(claims::ApiClaims::new(client));
-                run(config, devices, view, claims, status, metrics, shutdown).await
+                run(
+                    config,
+                    devices,
+                    views.health,
+                    claims,
+                    status,
+                    metrics,
+                    shutdown,
+                )
+                .await
             }
             Err(e) => Err(DraError::Client(e.to_string())),
         };

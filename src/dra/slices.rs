@@ -1,7 +1,8 @@
 //! The ResourceSlices that publish this node's DRA devices: one pool named after the node, as many slices as
 //! the devices need (at most [`DEVICES_PER_SLICE`] each), owned by the Node so that they go with it.
 //!
-//! The slices are kept as the inventory says: written when a device comes, goes or changes health, written
+//! The slices are kept as the inventory says: written when a device comes, goes or changes health (at once,
+//! and at most every 50 ms through a burst), written
 //! again when something else deletes them (the kubelet deletes every slice of its node when it starts, and a
 //! driver's slices when its plugin has been gone 30 s), and the pool's generation is raised whenever the
 //! devices change, so that the scheduler never mixes slices of two versions of the pool. An Unhealthy device
@@ -25,8 +26,9 @@ pub const DEVICES_PER_SLICE: usize = 64;
 /// The wait after a failed write, doubling to [`MAX_RETRY`].
 const FIRST_RETRY: Duration = Duration::from_secs(1);
 const MAX_RETRY: Duration = Duration::from_secs(60);
-/// Changes are written once the inventory has been quiet this long (a burst of faults is one write).
-const SETTLE: Duration = Duration::from_millis(50);
+/// Slices are written at most this often: a change after a quiet spell is written at once, and the changes
+/// of a burst of faults that come meanwhile make one write.
+const MIN_GAP: Duration = Duration::from_millis(50);
 /// The longest string attribute value the API takes.
 const MAX_STRING: usize = 64;
 
@@ -230,12 +232,13 @@ pub async fn publish(
     let mut dirty = true;
     let mut said_taints_dropped = false;
     let mut said_no_owner = false;
+    let mut last_reconcile: Option<tokio::time::Instant> = None;
     let mut ours: BTreeMap<String, Written> = BTreeMap::new();
     // Taints with effect None need a 1.35 API server; an older one refuses the slice, and they are left out.
     let mut none_effect = true;
     loop {
         let wait = if dirty && listed.is_some() {
-            SETTLE
+            last_reconcile.map_or(Duration::ZERO, |at| MIN_GAP.saturating_sub(at.elapsed()))
         } else {
             Duration::MAX
         };
@@ -277,6 +280,7 @@ pub async fn publish(
             owner = node_owner(&client, &config.node, &mut said_no_owner).await;
         }
         let devices = devices(&view.borrow_and_update(), none_effect);
+        last_reconcile = Some(tokio::time::Instant::now());
         let generation = match &published {
             Some((before, generation)) if *before == devices => *generation,
             Some((_, generation)) => generation + 1,
@@ -352,7 +356,9 @@ async fn sleep_for(wait: Duration) {
     if wait == Duration::MAX {
         std::future::pending::<()>().await;
     }
-    tokio::time::sleep(wait).await;
+    if !wait.is_zero() {
+        tokio::time::sleep(wait).await;
+    }
 }
 
 /// Applies a watch event to what is known of our slices; `listed` is set once the first list is complete.

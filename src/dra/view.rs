@@ -60,7 +60,10 @@ pub fn build(
         .devices()
         .iter()
         .map(|d| {
-            let snapshot = snapshots.and_then(|s| s.iter().find(|s| s.info.id == d.info.id));
+            // A snapshot that disagrees with the inventory on health is older than it: not used.
+            let snapshot = snapshots
+                .and_then(|s| s.iter().find(|s| s.info.id == d.info.id))
+                .filter(|s| s.health == d.health);
             let conditions = snapshot.map_or(&[][..], |s| &s.conditions[..]);
             let unmonitored = conditions
                 .iter()
@@ -121,22 +124,36 @@ pub struct Conditions {
     pub changes: watch::Receiver<u64>,
 }
 
-/// Keeps a [`DraView`] of `devices` current until `devices`' sender is gone: rebuilt on every change of the
+/// The views [`follow`] keeps: one for the health stream, which gets a change first from the inventory and
+/// the conditions last known, then again with the monitor's answer; one for the slices, which gets only
+/// views built with the monitor's answer (their taints name the condition).
+#[derive(Debug, Clone)]
+pub struct Views {
+    /// For the health stream.
+    pub health: watch::Receiver<DraView>,
+    /// For the ResourceSlices.
+    pub slices: watch::Receiver<DraView>,
+}
+
+/// Keeps [`Views`] of `devices` current until `devices`' sender is gone: rebuilt on every change of the
 /// inventory and of the conditions, and every `refresh` (a message's count and times move on without a
-/// change of conditions). Must be called inside a tokio runtime.
+/// change of conditions). A fault reaches the health stream without waiting for the monitor's answer. Must be
+/// called inside a tokio runtime.
 pub fn follow(
     mut devices: InventoryWatch,
     conditions: Option<Conditions>,
     driver: String,
     refresh: Duration,
-) -> watch::Receiver<DraView> {
+) -> Views {
     let first = Arc::new(build(&devices.borrow_and_update(), None, &driver));
-    let (tx, rx) = watch::channel(first);
+    let (health, health_rx) = watch::channel(first.clone());
+    let (slices, slices_rx) = watch::channel(first);
     tokio::spawn(async move {
         let (monitor, mut changes) = match conditions {
             Some(c) => (Some(c.monitor), Some(c.changes)),
             None => (None, None),
         };
+        let mut known: Option<Vec<DeviceSnapshot>> = None;
         let mut tick = tokio::time::interval(refresh);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -144,21 +161,18 @@ pub fn follow(
             if let Some(changes) = &mut changes {
                 changes.borrow_and_update();
             }
-            let snapshots = match &monitor {
-                Some(monitor) => tokio::time::timeout(MONITOR_ANSWER, monitor.devices())
-                    .await
-                    .ok()
-                    .flatten(),
-                None => None,
-            };
-            let view = build(&inventory, snapshots.as_deref(), &driver);
-            tx.send_if_modified(|current| {
-                if **current == view {
-                    return false;
+            // At once, with the conditions last known (a device whose health changed shows its reason).
+            publish(&health, build(&inventory, known.as_deref(), &driver));
+            if let Some(monitor) = &monitor {
+                if let Ok(Some(answer)) =
+                    tokio::time::timeout(MONITOR_ANSWER, monitor.devices()).await
+                {
+                    known = Some(answer);
                 }
-                *current = Arc::new(view);
-                true
-            });
+            }
+            let view = build(&inventory, known.as_deref(), &driver);
+            publish(&health, view.clone());
+            publish(&slices, view);
             let conditions_changed = async {
                 let gone = match &mut changes {
                     Some(changes) => changes.changed().await.is_err(),
@@ -176,11 +190,25 @@ pub fn follow(
                 }
                 () = conditions_changed => {}
                 _ = tick.tick() => {}
-                () = tx.closed() => return,
+                () = health.closed() => return,
             }
         }
     });
-    rx
+    Views {
+        health: health_rx,
+        slices: slices_rx,
+    }
+}
+
+/// Sends `view` if it differs from the current one.
+fn publish(tx: &watch::Sender<DraView>, view: Vec<DraDevice>) {
+    tx.send_if_modified(|current| {
+        if **current == view {
+            return false;
+        }
+        *current = Arc::new(view);
+        true
+    });
 }
 
 #[cfg(test)]
@@ -291,7 +319,7 @@ mod tests {
     #[tokio::test]
     async fn the_view_follows_the_inventory() {
         let (tx, rx) = watch::channel(Arc::new(inventory()));
-        let mut view = follow(rx, None, "gpu.nvidia.com".into(), Duration::from_secs(10));
+        let mut view = follow(rx, None, "gpu.nvidia.com".into(), Duration::from_secs(10)).health;
         assert_eq!(view.borrow_and_update().len(), 3);
         let mut inv = inventory();
         inv.set_health("GPU-1", Health::Unhealthy, Some("XID 79".into()));
