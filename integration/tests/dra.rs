@@ -738,3 +738,45 @@ async fn slices_that_cannot_be_watched_are_said_once_retried_with_a_backoff_and_
     assert_eq!(owners, vec![Value::from("Node")], "owned by the Node");
     Ok(())
 }
+
+#[tokio::test]
+async fn a_registration_directory_that_cannot_be_made_stops_the_plugin_with_the_path() -> TestResult
+{
+    let dir = tempfile::tempdir()?;
+    let api = FakeApiServer::start().await?;
+    api.add_node(NODE);
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+    let kubeconfig = kubeconfig.to_string_lossy().into_owned();
+    // A file where the registry directory should be.
+    let blocked = dir.path().join("plugins_registry");
+    std::fs::write(&blocked, "")?;
+    let blocked = blocked.to_string_lossy().into_owned();
+    let plugins = dir.path().join("plugins").to_string_lossy().into_owned();
+    let mut plugin = PluginProcess::spawn(
+        dir.path(),
+        &[
+            "--simulate",
+            "1",
+            "--dra",
+            "all",
+            "--kubeconfig",
+            &kubeconfig,
+            "--node-name",
+            NODE,
+            "--kubelet-registrar-directory-path",
+            &format!("{blocked}/sub"),
+            "--kubelet-plugins-directory-path",
+            &plugins,
+        ],
+    );
+    let status = plugin.wait_exit(WAIT).await.ok_or("exits")?;
+    assert!(!status.success());
+    let log = plugin.log();
+    assert!(log.contains("plugins_registry/sub"), "{log}");
+    assert!(
+        !dir.path().join("plugins/gpu.nvidia.com/dra.sock").exists(),
+        "the DRA socket is removed when the plugin stops"
+    );
+    Ok(())
+}

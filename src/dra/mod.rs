@@ -164,6 +164,7 @@ struct Served {
     socket: PluginSocket,
     conns: mpsc::Sender<UnixStream>,
     task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    stop: CancellationToken,
     replaced_said: bool,
 }
 
@@ -182,13 +183,16 @@ impl Served {
         let (conns, incoming) = mpsc::channel(16);
         let socket = PluginSocket::bind(path, conns.clone())?;
         let incoming = ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>);
+        // Its own token under the process's: a server stopped on the DRA side's own failure stops at once.
+        let stop = shutdown.child_token();
         let task = tokio::spawn(
-            router.serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned()),
+            router.serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned()),
         );
         Ok(Served {
             socket,
             conns,
             task,
+            stop,
             replaced_said: false,
         })
     }
@@ -216,6 +220,7 @@ impl Served {
 
     async fn stop(self) {
         self.socket.remove();
+        self.stop.cancel();
         if tokio::time::timeout(SHUTDOWN_GRACE, self.task)
             .await
             .is_err()
@@ -262,6 +267,8 @@ pub async fn run(
     )
     .with_status(status.clone())
     .with_metrics(metrics);
+    // The health streams end with the servers, whether the process stops or the DRA side fails on its own.
+    let streams = shutdown.child_token();
     let health = HealthService::new(
         view,
         HealthConfig {
@@ -269,7 +276,7 @@ pub async fn run(
             heartbeat: config.heartbeat,
             timeout: health::REPORT_TIMEOUT,
         },
-        shutdown.clone(),
+        streams.clone(),
     );
     let endpoint = config.endpoint();
     let dra = tonic::transport::Server::builder()
@@ -291,6 +298,7 @@ pub async fn run(
     let mut reg = match Served::start(&config.registration_socket(), reg, &shutdown) {
         Ok(reg) => reg,
         Err(e) => {
+            streams.cancel();
             dra.stop().await;
             return Err(e);
         }
@@ -315,6 +323,7 @@ pub async fn run(
         }
     };
     // The registration first: the kubelet must not find a driver whose API is already gone.
+    streams.cancel();
     reg.stop().await;
     dra.stop().await;
     result
