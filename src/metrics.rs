@@ -168,7 +168,7 @@ impl Metrics {
         let calls = Family::<CallLabels, Counter>::default();
         registry.register(
             "kubelet_calls",
-            "Allocate and PreStartContainer calls, by method and gRPC code",
+            "Allocate and PreStartContainer calls, and DRA claims prepared and unprepared (PrepareClaim, UnprepareClaim), by method and gRPC code",
             calls.clone(),
         );
         // 50 µs to about 1.6 s.
@@ -181,7 +181,7 @@ impl Metrics {
         let api_requests = Family::<ApiLabels, Counter>::default();
         registry.register(
             "kubernetes_api_writes",
-            "Kubernetes Events recorded and node condition writes, by request and result (ok, or error after retries for Events, each failed try for the condition)",
+            "Kubernetes Events recorded, node condition writes and ResourceSlice writes, by request and result (ok, or error after retries for Events, each failed try for the condition and the slices)",
             api_requests.clone(),
         );
         let events_dropped = Counter::default();

@@ -473,6 +473,15 @@ async fn status_shows_dra_devices_and_their_claims_and_a_fence_taints_the_gpu_un
     assert_eq!(gpu0["dra"]["claim"], "ml/train-gpu");
     assert!(status["devices"][1]["dra"].get("claim").is_none());
     assert_eq!(status["dra"]["registered"], true);
+    let (_, metrics) = http::get(&addr, "/metrics").await?;
+    let metrics = String::from_utf8_lossy(&metrics);
+    for line in [
+        "gpu_device_plugin_kubelet_calls_total{method=\"PrepareClaim\",code=\"Ok\"} 1",
+        "gpu_device_plugin_kubernetes_api_writes_total{request=\"resource_slice\",result=\"ok\"}",
+        "gpu_device_plugin_device_healthy{resource=\"gpu.nvidia.com\"",
+    ] {
+        assert!(metrics.contains(line), "{line} not in\n{metrics}");
+    }
     let table = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
         .args(["status", "--addr", &addr])
         .output()?;
