@@ -210,17 +210,11 @@ impl health_v1alpha1::dra_resource_health_server::DraResourceHealth for HealthSe
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::{DeviceInfo, Health, Inventory};
+    use crate::devices::{Health, Inventory};
     use crate::dra::view::build;
-    use std::path::PathBuf;
 
     fn inventory() -> Inventory {
-        Inventory::new((0..2).map(|i| DeviceInfo {
-            id: format!("GPU-{i}"),
-            index: Some(i.to_string()),
-            device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
-            ..DeviceInfo::default()
-        }))
+        crate::dra::fixtures::gpus(2)
     }
 
     fn view(inv: &Inventory) -> DraView {

@@ -328,3 +328,21 @@ pub async fn run(
     dra.stop().await;
     result
 }
+
+/// What the DRA side's unit tests share.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use crate::devices::{DeviceInfo, Inventory};
+    use std::path::PathBuf;
+
+    /// `n` Healthy GPUs `GPU-<i>`, NVML index `i`, `/dev/nvidia<i>` (so published as `gpu-<i>`), NUMA node 0.
+    pub(crate) fn gpus(n: usize) -> Inventory {
+        Inventory::new((0..n).map(|i| DeviceInfo {
+            id: format!("GPU-{i}"),
+            index: Some(i.to_string()),
+            numa_node: Some(0),
+            device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
+            ..DeviceInfo::default()
+        }))
+    }
+}

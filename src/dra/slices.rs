@@ -543,16 +543,9 @@ mod tests {
     use super::*;
     use crate::devices::{DeviceInfo, Health, Inventory};
     use crate::dra::view::{Taint, build};
-    use std::path::PathBuf;
 
     fn inventory(n: usize) -> Inventory {
-        Inventory::new((0..n).map(|i| DeviceInfo {
-            id: format!("GPU-{i}"),
-            index: Some(i.to_string()),
-            numa_node: Some(0),
-            device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
-            ..DeviceInfo::default()
-        }))
+        crate::dra::fixtures::gpus(n)
     }
 
     fn view(inv: &Inventory) -> Vec<DraDevice> {

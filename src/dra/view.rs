@@ -216,16 +216,10 @@ mod tests {
     use super::*;
     use crate::health::{Condition, Recover};
     use crate::monitor::ConditionSnapshot;
-    use std::path::PathBuf;
     use std::time::SystemTime;
 
     fn inventory() -> Inventory {
-        Inventory::new((0..3).map(|i| DeviceInfo {
-            id: format!("GPU-{i}"),
-            index: Some(i.to_string()),
-            device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
-            ..DeviceInfo::default()
-        }))
+        crate::dra::fixtures::gpus(3)
     }
 
     fn condition(kind: ConditionKind, effect: Effect) -> ConditionSnapshot {

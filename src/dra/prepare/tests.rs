@@ -4,7 +4,7 @@ use std::sync::Mutex as StdMutex;
 use tokio::sync::watch;
 
 use super::*;
-use crate::devices::{DeviceInfo, Inventory};
+use crate::devices::Inventory;
 use crate::dra::claims::Allocated;
 
 /// Claims as a test sets them; a read of one not set is "not found", and `fail` makes every read fail.
@@ -51,12 +51,7 @@ struct Setup {
 }
 
 fn inventory() -> Inventory {
-    Inventory::new((0..2).map(|i| DeviceInfo {
-        id: format!("GPU-{i}"),
-        index: Some(i.to_string()),
-        device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
-        ..DeviceInfo::default()
-    }))
+    crate::dra::fixtures::gpus(2)
 }
 
 fn setup() -> Setup {
