@@ -284,7 +284,7 @@ pub async fn publish(
         let generation = match &published {
             Some((before, generation)) if *before == devices => *generation,
             Some((_, generation)) => generation + 1,
-            None => first_generation(current, &devices),
+            None => first_generation(&config, current, &devices),
         };
         let written = write(
             &api,
@@ -391,16 +391,22 @@ fn follow(
 
 /// The generation to start from: the slices already there are kept if they hold these devices, else one
 /// past the newest.
-fn first_generation(current: &BTreeMap<String, DynamicObject>, devices: &[Vec<Value>]) -> i64 {
+fn first_generation(
+    config: &SliceConfig,
+    current: &BTreeMap<String, DynamicObject>,
+    devices: &[Vec<Value>],
+) -> i64 {
     let newest = current
         .values()
         .filter_map(|o| o.data["spec"]["pool"]["generation"].as_i64())
         .max();
+    // Slice by slice, by name: the map's order is the names' (`…-10` before `…-2`), not the slices'.
     let same = current.len() == devices.len()
-        && current
-            .values()
-            .zip(devices)
-            .all(|(o, d)| o.data["spec"]["devices"].as_array() == Some(d));
+        && devices.iter().enumerate().all(|(n, d)| {
+            current
+                .get(&config.slice_name(n))
+                .is_some_and(|o| o.data["spec"]["devices"].as_array() == Some(d))
+        });
     match newest {
         Some(g) if same => g,
         Some(g) => g + 1,
@@ -678,9 +684,26 @@ mod tests {
         }))
         .expect("object");
         let current = BTreeMap::from([("node-a-gpu-nvidia-com-0".to_string(), object)]);
-        assert_eq!(first_generation(&current, &slices), 7);
+        assert_eq!(first_generation(&config(), &current, &slices), 7);
         let changed = devices(&view(&inventory(3)), true);
-        assert_eq!(first_generation(&current, &changed), 8);
-        assert_eq!(first_generation(&BTreeMap::new(), &changed), 1);
+        assert_eq!(first_generation(&config(), &current, &changed), 8);
+        assert_eq!(first_generation(&config(), &BTreeMap::new(), &changed), 1);
+
+        // Eleven slices: their names sort `…-10` before `…-2`, the devices do not.
+        let many = devices(&view(&inventory(11 * DEVICES_PER_SLICE)), true);
+        let current: BTreeMap<String, DynamicObject> = specs(&config(), &many, 3)
+            .into_iter()
+            .enumerate()
+            .map(|(n, spec)| {
+                let name = config().slice_name(n);
+                let object = serde_json::from_value(json!({
+                    "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                    "metadata": {"name": name}, "spec": spec,
+                }))
+                .expect("object");
+                (name, object)
+            })
+            .collect();
+        assert_eq!(first_generation(&config(), &current, &many), 3);
     }
 }
