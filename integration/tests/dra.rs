@@ -482,6 +482,30 @@ async fn status_shows_dra_devices_and_their_claims_and_a_fence_taints_the_gpu_un
     ] {
         assert!(metrics.contains(line), "{line} not in\n{metrics}");
     }
+    // Every write of ours the API server took counted once, and nothing else: a reconcile that found the
+    // slice as wanted (the watch telling of our own write) is no write. (The kubelet's wipe at its start is a
+    // delete of the whole collection; ours name their slice.)
+    let counted: f64 = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                "gpu_device_plugin_kubernetes_api_writes_total{request=\"resource_slice\",result=\"ok\"} ",
+            )
+        })
+        .ok_or("no resource_slice writes in /metrics")?
+        .parse()?;
+    let taken = node
+        .api
+        .requests()
+        .iter()
+        .filter(|r| {
+            (r.method == "POST" && r.path.ends_with("/resourceslices")
+                || ["PUT", "DELETE"].contains(&r.method.as_str())
+                    && r.path.contains("/resourceslices/"))
+                && r.status < 300
+        })
+        .count();
+    assert_eq!(counted, taken as f64, "{metrics}");
     let table = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
         .args(["status", "--addr", &addr])
         .output()?;

@@ -232,13 +232,15 @@ pub async fn publish(
     let mut dirty = true;
     let mut said_taints_dropped = false;
     let mut said_no_owner = false;
-    let mut last_reconcile: Option<tokio::time::Instant> = None;
+    // The last reconcile that sent something: one that found everything as wanted (the watch telling of our
+    // own write) does not hold back the next change.
+    let mut last_write: Option<tokio::time::Instant> = None;
     let mut ours: BTreeMap<String, Written> = BTreeMap::new();
     // Taints with effect None need a 1.35 API server; an older one refuses the slice, and they are left out.
     let mut none_effect = true;
     loop {
         let wait = if dirty && listed.is_some() {
-            last_reconcile.map_or(Duration::ZERO, |at| MIN_GAP.saturating_sub(at.elapsed()))
+            last_write.map_or(Duration::ZERO, |at| MIN_GAP.saturating_sub(at.elapsed()))
         } else {
             Duration::MAX
         };
@@ -280,7 +282,7 @@ pub async fn publish(
             owner = node_owner(&client, &config.node, &mut said_no_owner).await;
         }
         let devices = devices(&view.borrow_and_update(), none_effect);
-        last_reconcile = Some(tokio::time::Instant::now());
+        let started = tokio::time::Instant::now();
         let generation = match &published {
             Some((before, generation)) if *before == devices => *generation,
             Some((_, generation)) => generation + 1,
@@ -296,9 +298,22 @@ pub async fn publish(
             generation,
         )
         .await;
-        metrics.api_call("resource_slice", written.is_ok());
+        // Each create, update and delete counted, a failed one included; a reconcile that sent nothing is none.
+        let calls = match &written {
+            Ok(done) => {
+                (0..done.calls).for_each(|_| metrics.api_call("resource_slice", true));
+                done.calls
+            }
+            Err(_) => {
+                metrics.api_call("resource_slice", false);
+                1
+            }
+        };
+        if calls > 0 {
+            last_write = Some(started);
+        }
         match written {
-            Ok(dropped) => {
+            Ok(Wrote { dropped, .. }) => {
                 if dropped && !said_taints_dropped {
                     said_taints_dropped = true;
                     tracing::warn!(
@@ -441,8 +456,9 @@ async fn write(
     written: &mut BTreeMap<String, Written>,
     devices: &[Vec<Value>],
     generation: i64,
-) -> Result<bool, Failed> {
+) -> Result<Wrote, Failed> {
     let mut dropped = false;
+    let mut calls = 0;
     let specs = specs(config, devices, generation);
     let names: Vec<String> = (0..specs.len()).map(|n| config.slice_name(n)).collect();
     for (name, spec) in names.iter().zip(specs) {
@@ -476,6 +492,7 @@ async fn write(
         let object: DynamicObject =
             serde_json::from_value(object).map_err(|e| Failed::Other(e.to_string()))?;
         let sent_taints = has_taints(&object.data);
+        calls += 1;
         let result = match existing {
             Some(before) => {
                 let mut object = object;
@@ -517,6 +534,7 @@ async fn write(
         }
     }
     for name in current.keys().filter(|n| !names.contains(n)) {
+        calls += 1;
         match api.delete(name, &DeleteParams::default()).await {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 404 => {}
@@ -528,7 +546,15 @@ async fn write(
             }
         }
     }
-    Ok(dropped)
+    Ok(Wrote { calls, dropped })
+}
+
+/// What a reconcile did.
+struct Wrote {
+    /// Creates, updates and deletes sent (0: everything was as wanted).
+    calls: usize,
+    /// The API server dropped the taints of a slice we sent with taints.
+    dropped: bool,
 }
 
 /// A slice as this plugin last wrote it: the version the API server gave the write, and the spec sent.
