@@ -204,7 +204,15 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
             registered,
             before,
             monitored.inventory.clone(),
-            pods.clone(),
+            gpu_device_plugin::cluster::DeviceUsers {
+                pods: pods.clone(),
+                claims: dra_status.as_ref().map(|status| {
+                    let users: Arc<dyn gpu_device_plugin::cluster::ClaimUsers> = Arc::new(
+                        gpu_device_plugin::dra::claims::PreparedFor::new(status.subscribe()),
+                    );
+                    users
+                }),
+            },
             metrics.clone(),
             Some(fence::annotation::follower(monitored.handle.clone())),
         )

@@ -171,7 +171,7 @@ fn training_pod(claim_uid: &str) -> Pod {
 }
 
 #[tokio::test]
-async fn a_fault_on_a_claimed_gpu_reaches_the_pods_status_its_slice_taint_and_both_clear_on_recovery()
+async fn a_fault_on_a_claimed_gpu_reaches_the_pods_status_an_event_on_the_pod_its_slice_taint_and_all_clear_on_recovery()
 -> TestResult {
     let node = DraNode::start(4, "all").await?;
     let devices = node
@@ -193,6 +193,12 @@ async fn a_fault_on_a_claimed_gpu_reaches_the_pods_status_its_slice_taint_and_bo
         "ml",
         "train-gpu",
         vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-1")],
+    );
+    // The scheduler reserves the claim for the pod before the kubelet prepares it.
+    let pod_uid = node.api.add_pod("ml", "train-0");
+    assert!(
+        node.api
+            .reserve_claim("ml", "train-gpu", "train-0", &pod_uid)
     );
     let pod = training_pod(&uid);
     node.kubelet
@@ -230,6 +236,14 @@ async fn a_fault_on_a_claimed_gpu_reaches_the_pods_status_its_slice_taint_and_bo
         .to_string();
     assert!(message.contains("XID 79"), "{message}");
     assert!(message.chars().count() <= 1024, "{message}");
+    // `kubectl describe pod` shows it too: a Warning Event on the pod, naming the claim.
+    let note = pod_event(&node, "GPUUnhealthy").await?;
+    assert_eq!(note["regarding"]["uid"], pod_uid.as_str());
+    let text = note["note"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("used by claim train-gpu") && text.contains("XID 79"),
+        "{text}"
+    );
 
     let tainted = node
         .slice_devices("gpu-1 tainted", |d| {
@@ -278,7 +292,36 @@ async fn a_fault_on_a_claimed_gpu_reaches_the_pods_status_its_slice_taint_and_bo
         device(d, "gpu-1").is_some_and(|g| g.get("taints").is_none())
     })
     .await?;
+    let back = pod_event(&node, "GPURecovered").await?;
+    assert!(
+        back["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("used by claim train-gpu: Healthy again")),
+        "{back}"
+    );
     Ok(())
+}
+
+/// The first Event with `reason` on a pod in namespace `ml`, as the API server took it.
+async fn pod_event(node: &DraNode, reason: &str) -> Result<Value, String> {
+    let is_it = |r: &fake_kubelet::apiserver::Recorded| {
+        r.method == "POST"
+            && r.path == "/apis/events.k8s.io/v1/namespaces/ml/events"
+            && r.body["reason"] == reason
+            && r.status == 201
+    };
+    let requests = node
+        .api
+        .wait_for(&format!("a {reason} Event on the pod"), WAIT, |r| {
+            r.iter().any(is_it)
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    Ok(requests
+        .into_iter()
+        .find(is_it)
+        .map(|r| r.body)
+        .unwrap_or_default())
 }
 
 #[tokio::test]

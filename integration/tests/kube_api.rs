@@ -551,7 +551,7 @@ async fn a_storm_of_faults_is_held_to_the_event_budget() -> TestResult {
         std::future::ready(()),
         start,
         watch,
-        None,
+        Default::default(),
         metrics.clone(),
         None,
     );
@@ -641,7 +641,7 @@ async fn a_fault_before_the_api_client_starts_is_still_reported() -> TestResult 
         },
         start,
         watch,
-        None,
+        Default::default(),
         gpu_device_plugin::metrics::Metrics::off(),
         None,
     );

@@ -170,9 +170,21 @@ pub struct Note {
     pub text: String,
 }
 
-/// The Events for one transition: one on the node, one on each pod holding the device (a pod with several
-/// containers on it gets one, naming them).
-pub fn notes_for(change: &Transition, holders: &[Holder]) -> Vec<Note> {
+/// A pod using a device through a DRA ResourceClaim (one the claim is reserved for).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimUser {
+    /// The pod's namespace (the claim's).
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// The claim's name.
+    pub claim: String,
+}
+
+/// The Events for one transition: one on the node, one on each pod holding the device, through the device
+/// plugin (`holders`) or a DRA claim (`claims`); a pod with several containers or claims on it gets one,
+/// naming them.
+pub fn notes_for(change: &Transition, holders: &[Holder], claims: &[ClaimUser]) -> Vec<Note> {
     let (type_, reason) = match change.to {
         Health::Unhealthy => (EventType::Warning, UNHEALTHY_REASON),
         Health::Healthy => (EventType::Normal, RECOVERED_REASON),
@@ -206,18 +218,40 @@ pub fn notes_for(change: &Transition, holders: &[Holder]) -> Vec<Note> {
         reason,
         text: text(None),
     }];
-    let mut by_pod: BTreeMap<(&str, &str), Vec<&str>> = BTreeMap::new();
+    /// What in one pod uses the device.
+    #[derive(Default)]
+    struct Uses<'a> {
+        containers: Vec<&'a str>,
+        claims: Vec<&'a str>,
+    }
+    let mut by_pod: BTreeMap<(&str, &str), Uses> = BTreeMap::new();
     for h in holders {
         by_pod
             .entry((&h.namespace, &h.pod))
             .or_default()
+            .containers
             .push(&h.container);
     }
-    for ((namespace, name), containers) in by_pod {
-        let containers = match containers.as_slice() {
-            [one] => format!("container {one}"),
-            many => format!("containers {}", many.join(", ")),
-        };
+    for c in claims {
+        let claims = &mut by_pod.entry((&c.namespace, &c.pod)).or_default().claims;
+        if !claims.contains(&c.claim.as_str()) {
+            claims.push(&c.claim);
+        }
+    }
+    let named = |what: &str, names: &[&str]| match names {
+        [] => None,
+        [one] => Some(format!("{what} {one}")),
+        many => Some(format!("{what}s {}", many.join(", "))),
+    };
+    for ((namespace, name), uses) in by_pod {
+        let containers = [
+            named("container", &uses.containers),
+            named("claim", &uses.claims),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(" and ");
         notes.push(Note {
             target: Target::Pod {
                 namespace: namespace.into(),
@@ -344,6 +378,7 @@ mod tests {
                 holder("ml", "train-0", "profiler"),
                 holder("web", "infer", "server"),
             ],
+            &[],
         );
         let texts: Vec<(&Target, &str)> =
             notes.iter().map(|n| (&n.target, n.text.as_str())).collect();
@@ -381,6 +416,7 @@ mod tests {
                 ..change
             },
             &[],
+            &[],
         );
         assert_eq!(back.len(), 1);
         assert_eq!(
@@ -390,6 +426,52 @@ mod tests {
         assert_eq!(
             back[0].text,
             "device GPU-3 (index 3): Healthy again, back in service (was Unhealthy: XID 79: GPU has fallen off the bus.)"
+        );
+    }
+
+    #[test]
+    fn each_pod_using_the_device_through_a_claim_gets_one_event_naming_its_claims() {
+        let change = Transition {
+            id: "GPU-1".into(),
+            index: 1,
+            to: Health::Unhealthy,
+            message: Some("Unhealthy: XID 79: GPU has fallen off the bus.".into()),
+        };
+        let user = |pod: &str, claim: &str| ClaimUser {
+            namespace: "ml".into(),
+            pod: pod.into(),
+            claim: claim.into(),
+        };
+        // A claim shared by two pods, one of which also holds the GPU through the device plugin (a split
+        // node never does this, but the text must still say both).
+        let notes = notes_for(
+            &change,
+            &[Holder {
+                namespace: "ml".into(),
+                pod: "train-0".into(),
+                container: "trainer".into(),
+            }],
+            &[
+                user("train-0", "shared-gpu"),
+                user("train-1", "shared-gpu"),
+                user("train-1", "shared-gpu"),
+                user("train-1", "spare-gpu"),
+            ],
+        );
+        let texts: Vec<&str> = notes.iter().skip(1).map(|n| n.text.as_str()).collect();
+        assert_eq!(
+            texts,
+            [
+                "device GPU-1 (index 1), used by container trainer and claim shared-gpu: Unhealthy: XID 79: GPU has fallen off the bus.",
+                "device GPU-1 (index 1), used by claims shared-gpu, spare-gpu: Unhealthy: XID 79: GPU has fallen off the bus.",
+            ]
+        );
+        assert_eq!(
+            notes[2].target,
+            Target::Pod {
+                namespace: "ml".into(),
+                name: "train-1".into()
+            }
         );
     }
 

@@ -33,9 +33,11 @@ mod events;
 
 use condition::Left;
 pub use condition::{WantedCondition, condition_of};
-pub use events::{EventBudget, Note, Target, TokenBucket, Transition, notes_for, transitions};
+pub use events::{
+    ClaimUser, EventBudget, Note, Target, TokenBucket, Transition, notes_for, transitions,
+};
 
-use crate::devices::{Health, Inventory, InventoryWatch};
+use crate::devices::{DeviceInfo, Health, Inventory, InventoryWatch};
 use crate::kubelet::pods::{Holder, PodResources};
 use crate::metrics::Metrics;
 
@@ -202,7 +204,7 @@ impl ApiAccess {
         start: impl std::future::Future<Output = ()> + Send + 'static,
         before: Arc<Inventory>,
         inventory: InventoryWatch,
-        pods: Option<Arc<PodResources>>,
+        users: DeviceUsers,
         metrics: Arc<Metrics>,
         follower: Option<NodeFollower>,
     ) -> ApiStop {
@@ -261,7 +263,15 @@ impl ApiAccess {
             ));
             tokio::spawn(cluster.clone().send_events(queue, budget, metrics.clone()));
             tokio::select! {
-                () = follow(before, inventory, conditions, notes, pods, metrics) => {}
+                () = follow(
+                    before,
+                    inventory,
+                    conditions,
+                    notes,
+                    users,
+                    cluster.client.clone(),
+                    metrics,
+                ) => {}
                 () = &mut stopped => {
                     // No write of ours may land after the last one.
                     keeper.abort();
@@ -281,7 +291,11 @@ impl ApiAccess {
         };
         // A thread and runtime of their own: building the client (TLS roots: tens of milliseconds of CPU),
         // encoding Events and talking HTTP never take a turn on the thread that carries faults to the kubelet.
-        if let Err(e) = crate::util::runtime::spawn_on_own_thread("kube-api", report) {
+        if let Err(e) = crate::util::runtime::spawn_on_own_thread(
+            "kube-api",
+            crate::util::runtime::Priority::Side,
+            report,
+        ) {
             tracing::warn!(error = %e, "cannot start the Kubernetes API side's thread: no Events and no node condition");
         }
         ApiStop {
@@ -289,6 +303,15 @@ impl ApiAccess {
             done: done_rx,
         }
     }
+}
+
+/// Who uses a device through a DRA ResourceClaim: the DRA side knows the claim it prepared the device for;
+/// who the claim is reserved for is read with this side's client, on its thread.
+#[tonic::async_trait]
+pub trait ClaimUsers: Send + Sync {
+    /// The pods using `device` through a claim now (none when it is not prepared for one, or the claim
+    /// cannot be read: its Events then go to the node only).
+    async fn users(&self, client: &Client, device: &DeviceInfo) -> Vec<ClaimUser>;
 }
 
 /// Something else that follows this Node with the plugin's API access (the fence annotation,
@@ -329,6 +352,15 @@ impl ApiStop {
     }
 }
 
+/// Where the pods using a device are found, for their Events.
+#[derive(Default)]
+pub struct DeviceUsers {
+    /// The kubelet's pod-resources API: the containers holding a device-plugin device.
+    pub pods: Option<Arc<PodResources>>,
+    /// The DRA side: the pods of the claim a DRA device is prepared for.
+    pub claims: Option<Arc<dyn ClaimUsers>>,
+}
+
 /// Follows the inventory: each change of health (and any since `before`, at once) wakes the node condition
 /// and queues Events.
 async fn follow(
@@ -336,7 +368,8 @@ async fn follow(
     mut inventory: InventoryWatch,
     conditions: watch::Sender<WantedCondition>,
     notes: mpsc::Sender<Note>,
-    pods: Option<Arc<PodResources>>,
+    users: DeviceUsers,
+    client: Client,
     metrics: Arc<Metrics>,
 ) {
     loop {
@@ -350,13 +383,17 @@ async fn follow(
                 *current = wanted;
                 changed
             });
-            let holders = match &pods {
+            let holders = match &users.pods {
                 Some(pods) => pods.holders(Duration::ZERO).await.unwrap_or_default(),
                 None => BTreeMap::new(),
             };
             for change in &changes {
                 let none = Vec::new();
-                for note in notes_for(change, holders.get(&change.id).unwrap_or(&none)) {
+                let claimed = match (&users.claims, after.get(&change.id)) {
+                    (Some(claims), Some(device)) => claims.users(&client, &device.info).await,
+                    _ => Vec::new(),
+                };
+                for note in notes_for(change, holders.get(&change.id).unwrap_or(&none), &claimed) {
                     if notes.try_send(note).is_err() {
                         metrics.event_dropped();
                     }

@@ -32,6 +32,9 @@ pub struct Claim {
     /// The devices allocated to it, of every driver; `None` while it is not allocated.
     #[serde(default)]
     pub allocated: Option<Vec<Allocated>>,
+    /// The pods it is reserved for (`status.reservedFor`), by name: they are in the claim's namespace.
+    #[serde(default)]
+    pub pods: Vec<String>,
 }
 
 /// One allocated device of a claim (`status.allocation.devices.results[]`).
@@ -67,9 +70,24 @@ struct Metadata {
 }
 
 #[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct Status {
     #[serde(default)]
     allocation: Option<Allocation>,
+    #[serde(default)]
+    reserved_for: Vec<Consumer>,
+}
+
+/// One entry of `status.reservedFor`.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Consumer {
+    #[serde(default)]
+    api_group: String,
+    #[serde(default)]
+    resource: String,
+    #[serde(default)]
+    name: String,
 }
 
 #[derive(Deserialize)]
@@ -89,12 +107,18 @@ impl Claim {
     pub fn from_object(object: serde_json::Value) -> Result<Claim, String> {
         let object: ClaimObject = serde_json::from_value(object)
             .map_err(|e| format!("not a ResourceClaim this plugin can read: {e}"))?;
+        let (allocation, reserved_for) = object
+            .status
+            .map(|s| (s.allocation, s.reserved_for))
+            .unwrap_or_default();
         Ok(Claim {
             uid: object.metadata.uid.unwrap_or_default(),
-            allocated: object
-                .status
-                .and_then(|s| s.allocation)
-                .map(|a| a.devices.map(|d| d.results).unwrap_or_default()),
+            allocated: allocation.map(|a| a.devices.map(|d| d.results).unwrap_or_default()),
+            pods: reserved_for
+                .into_iter()
+                .filter(|c| c.api_group.is_empty() && c.resource == "pods" && !c.name.is_empty())
+                .map(|c| c.name)
+                .collect(),
         })
     }
 }
@@ -136,6 +160,51 @@ impl ClaimReader for ApiClaims {
     }
 }
 
+/// Who uses each DRA device, for the Events: the pods the claim it is prepared for is reserved for.
+pub struct PreparedFor {
+    status: tokio::sync::watch::Receiver<super::registration::DraStatus>,
+}
+
+impl PreparedFor {
+    /// Follows the claims prepared, as the DRA side shows them in `status`.
+    pub fn new(status: tokio::sync::watch::Receiver<super::registration::DraStatus>) -> Self {
+        PreparedFor { status }
+    }
+}
+
+#[tonic::async_trait]
+impl crate::cluster::ClaimUsers for PreparedFor {
+    async fn users(
+        &self,
+        client: &kube::Client,
+        device: &crate::devices::DeviceInfo,
+    ) -> Vec<crate::cluster::ClaimUser> {
+        let name = super::names::device_name(device);
+        let Some(claim) = self.status.borrow().prepared.get(&name).cloned() else {
+            return Vec::new();
+        };
+        let Some((namespace, claim)) = claim.split_once('/') else {
+            return Vec::new();
+        };
+        match ApiClaims::new(client.clone()).get(namespace, claim).await {
+            Ok(Some(read)) => read
+                .pods
+                .into_iter()
+                .map(|pod| crate::cluster::ClaimUser {
+                    namespace: namespace.into(),
+                    pod,
+                    claim: claim.into(),
+                })
+                .collect(),
+            Ok(None) => Vec::new(),
+            Err(e) => {
+                tracing::debug!(error = %e, claim = %format!("{namespace}/{claim}"), device = %name, "cannot read who a claim is reserved for; its Event goes to the node only");
+                Vec::new()
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,10 +217,15 @@ mod tests {
             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
             "status": {"allocation": {"devices": {"results": [
                 {"request": "gpu", "driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-0"}
-            ]}}}
+            ]}}, "reservedFor": [
+                {"resource": "pods", "name": "train-0", "uid": "p-1"},
+                {"apiGroup": "example.com", "resource": "pods", "name": "not-a-pod", "uid": "x"},
+                {"resource": "pods", "name": "train-1", "uid": "p-2"}
+            ]}
         });
         let claim = Claim::from_object(object).expect("readable");
         assert_eq!(claim.uid, "u-1");
+        assert_eq!(claim.pods, ["train-0", "train-1"]);
         let devices = claim.allocated.expect("allocated");
         assert_eq!(devices.len(), 1);
         assert_eq!(

@@ -35,6 +35,7 @@ use crate::devices::InventoryWatch;
 use crate::kubelet::KubeletError;
 use crate::kubelet::socket::PluginSocket;
 use crate::metrics::Metrics;
+use crate::util::runtime::{Priority, spawn_on_own_thread};
 
 use self::claims::ClaimReader;
 use self::health::{HealthConfig, HealthService};
@@ -109,7 +110,9 @@ pub enum DraError {
 
 /// Runs [`run`] on a thread and runtime of its own, with a client for the API server built there from
 /// `api`: a slow API server or a burst of prepares never takes a turn from the device plugin's fault path.
-/// The receiver resolves when the DRA side stops, with why.
+/// The thread keeps the process's scheduling priority, as the device plugin's does: its health stream is
+/// the fault path of the GPUs served through DRA (a side surface's lower priority put a busy node's faults
+/// behind everything else there). The receiver resolves when the DRA side stops, with why.
 pub fn spawn(
     config: DraConfig,
     devices: InventoryWatch,
@@ -120,7 +123,8 @@ pub fn spawn(
     shutdown: CancellationToken,
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
     let (done, stopped) = tokio::sync::oneshot::channel();
-    crate::util::runtime::spawn_on_own_thread("dra", async move {
+    let slices_api = api.clone();
+    spawn_on_own_thread("dra", Priority::FaultPath, async move {
         let result = match kube::Client::try_from(api) {
             Ok(client) => {
                 let views = view::follow(
@@ -129,8 +133,9 @@ pub fn spawn(
                     config.driver.clone(),
                     config.heartbeat,
                 );
-                let publish = slices::publish(
-                    client.clone(),
+                // Stops when the views do (this side's end) or at shutdown.
+                publish_slices(
+                    slices_api,
                     slices::SliceConfig {
                         driver: config.driver.clone(),
                         node: config.pool.clone(),
@@ -139,7 +144,6 @@ pub fn spawn(
                     metrics.clone(),
                     shutdown.clone(),
                 );
-                let _publisher = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(publish));
                 let claims = Arc::new(claims::ApiClaims::new(client));
                 run(
                     config,
@@ -157,6 +161,29 @@ pub fn spawn(
         let _gone = done.send(result);
     })?;
     Ok(stopped)
+}
+
+/// Keeps the node's ResourceSlices as `view` says, on a side thread of its own with its own API client: the
+/// JSON of the slices and the API server's answers are the scheduler's road, and never take a turn from the
+/// health stream and prepare on the DRA thread. Without that thread no slice is written, said once.
+fn publish_slices(
+    api: kube::Config,
+    config: slices::SliceConfig,
+    view: watch::Receiver<view::DraView>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+) {
+    let started = spawn_on_own_thread("dra-slices", Priority::Side, async move {
+        match kube::Client::try_from(api) {
+            Ok(client) => slices::publish(client, config, view, metrics, shutdown).await,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot build a Kubernetes API client for the ResourceSlices: none is written")
+            }
+        }
+    });
+    if let Err(e) = started {
+        tracing::warn!(error = %e, "cannot start the ResourceSlices' thread: none is written");
+    }
 }
 
 /// One served socket and its gRPC server.

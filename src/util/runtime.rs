@@ -24,9 +24,18 @@ pub fn lower_priority() {
     }
 }
 
-/// Runs `future` to its end on a new thread named `name`, on a single-threaded tokio runtime of its own.
-/// Fails (and runs nothing) if the runtime or the thread cannot be made.
-pub fn spawn_on_own_thread<F>(name: &str, future: F) -> std::io::Result<()>
+/// The scheduling priority of a thread of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    /// A side surface's: [`lower_priority`].
+    Side,
+    /// The fault path's own (the process's priority): a thread that carries faults to the kubelet.
+    FaultPath,
+}
+
+/// Runs `future` to its end on a new thread named `name`, on a single-threaded tokio runtime of its own,
+/// at `priority`. Fails (and runs nothing) if the runtime or the thread cannot be made.
+pub fn spawn_on_own_thread<F>(name: &str, priority: Priority, future: F) -> std::io::Result<()>
 where
     F: Future<Output = ()> + Send + 'static,
 {
@@ -36,7 +45,9 @@ where
     std::thread::Builder::new()
         .name(name.into())
         .spawn(move || {
-            lower_priority();
+            if priority == Priority::Side {
+                lower_priority();
+            }
             runtime.block_on(future);
         })?;
     Ok(())

@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use gpu_device_plugin::util::runtime::spawn_on_own_thread;
+use gpu_device_plugin::util::runtime::{Priority, spawn_on_own_thread};
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
@@ -201,7 +201,7 @@ impl FakeApiServer {
         let stop = tokio_util::sync::CancellationToken::new();
         let (served_state, served_requests, stopped) =
             (state.clone(), requests.clone(), stop.clone());
-        spawn_on_own_thread("fake-apiserver", async move {
+        spawn_on_own_thread("fake-apiserver", Priority::Side, async move {
             let Ok(listener) = TcpListener::from_std(listener) else {
                 return;
             };
@@ -451,6 +451,25 @@ impl FakeApiServer {
                 .claims
                 .remove(&(namespace.into(), name.into()))
                 .is_some()
+        })
+    }
+
+    /// Reserves ResourceClaim `namespace/name` for pod `pod` (UID `pod_uid`), as the scheduler does before the
+    /// pod is bound: an entry in `status.reservedFor`. Returns whether the claim is there.
+    pub fn reserve_claim(&self, namespace: &str, name: &str, pod: &str, pod_uid: &str) -> bool {
+        self.with_state(|s| {
+            s.version += 1;
+            let version = s.version.to_string();
+            let Some(claim) = s.resource.claims.get_mut(&(namespace.into(), name.into())) else {
+                return false;
+            };
+            let consumer = json!({"resource": "pods", "name": pod, "uid": pod_uid});
+            match claim["status"]["reservedFor"].as_array_mut() {
+                Some(list) => list.push(consumer),
+                None => claim["status"]["reservedFor"] = json!([consumer]),
+            }
+            claim["metadata"]["resourceVersion"] = Value::String(version);
+            true
         })
     }
 

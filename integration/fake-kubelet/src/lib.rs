@@ -324,16 +324,20 @@ impl FakeKubelet {
         // manager's: its calls never hold up the device plugin side (a benchmark's time-stamps among it).
         let stop = CancellationToken::new();
         let stopped = stop.clone();
-        gpu_device_plugin::util::runtime::spawn_on_own_thread("pod-resources", async move {
-            let Ok(listener) = UnixListener::from_std(listener) else {
-                return;
-            };
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-            let server = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(incoming, stopped.cancelled());
-            let _ended = server.await;
-        })
+        gpu_device_plugin::util::runtime::spawn_on_own_thread(
+            "pod-resources",
+            gpu_device_plugin::util::runtime::Priority::Side,
+            async move {
+                let Ok(listener) = UnixListener::from_std(listener) else {
+                    return;
+                };
+                let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+                let server = tonic::transport::Server::builder()
+                    .add_service(service)
+                    .serve_with_incoming_shutdown(incoming, stopped.cancelled());
+                let _ended = server.await;
+            },
+        )
         .map_err(bind_err)?;
         self.pod_resources = Some(path.to_owned());
         self.pod_server = Some(stop.drop_guard());

@@ -28,6 +28,7 @@ impl Claims {
         let claim = Claim {
             uid: uid.into(),
             allocated: Some(allocated),
+            pods: Vec::new(),
         };
         self.claims.lock().expect("lock").insert(name.into(), claim);
     }
@@ -165,6 +166,7 @@ async fn each_claim_that_cannot_be_prepared_says_why_and_what_to_do() {
         Claim {
             uid: "u-4".into(),
             allocated: None,
+            pods: Vec::new(),
         },
     );
     let mut sick = inventory();
