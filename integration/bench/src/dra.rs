@@ -28,7 +28,7 @@ use gpu_device_plugin::api::dra::v1;
 use serde_json::Value;
 
 use crate::Counts;
-use crate::measure::faults_on_one_instance;
+use crate::measure::{ProcSample, faults_on_one_instance};
 use crate::report::{Report, Stats};
 use crate::rig::{Plugin, Rig, WAIT, uuid};
 
@@ -116,7 +116,14 @@ pub(crate) async fn dra(
         kubelet,
         args,
     };
-    faults(rig, &dra, devices, counts.faults, report).await?;
+    faults(
+        rig,
+        &dra,
+        devices,
+        (counts.faults, counts.abuse_idle),
+        report,
+    )
+    .await?;
     prepares(rig, &dra, devices, counts.dra_prepares, report).await
 }
 
@@ -225,10 +232,11 @@ async fn faults(
     rig: &Rig,
     dra: &DraRig,
     devices: usize,
-    count: usize,
+    (count, idle_for): (usize, Duration),
     report: &mut Report,
 ) -> anyhow::Result<()> {
     let (mut health, mut taint) = (Road::default(), Road::default());
+    let mut idle = None;
     let mut device_plugin = Vec::new();
     let mut device_plugin_missed = 0;
     let mut said = (false, false);
@@ -238,6 +246,13 @@ async fn faults(
         let want = devices.min(count - health.samples.len() - health.missed);
         if want > 0 {
             let ready = dra.start(rig, devices).await?;
+            // The first instance, published, registered and streaming, left alone for a while.
+            if idle.is_none() {
+                let pid = ready.plugin.pid();
+                let before = ProcSample::read(pid)?;
+                tokio::time::sleep(idle_for).await;
+                idle = Some((before, ProcSample::read(pid)?));
+            }
             let (health_before, taint_before) = (health.samples.len(), taint.samples.len());
             for i in 0..want {
                 let id = uuid(i);
@@ -295,6 +310,22 @@ async fn faults(
         ),
         &taint.samples,
     );
+    if let Some((before, after)) = idle {
+        let secs = idle_for.as_secs_f64();
+        report.value(
+            &format!("DRA: idle CPU time over {secs:.0} s (slices published, health stream open, {devices} GPUs)"),
+            after.cpu.saturating_sub(before.cpu).as_secs_f64() * 1000.0,
+            "ms",
+        );
+        report.value(
+            "DRA: idle voluntary context switches (wake-ups)",
+            after
+                .voluntary_switches
+                .saturating_sub(before.voluntary_switches) as f64
+                / secs,
+            "/s",
+        );
+    }
     let p99 = |s: &[Duration]| Stats::of(s).map_or(f64::NAN, |s| s.p99);
     let base = p99(&device_plugin);
     report.value(
