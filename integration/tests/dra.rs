@@ -302,6 +302,49 @@ async fn a_fault_on_a_claimed_gpu_reaches_the_pods_status_an_event_on_the_pod_it
     Ok(())
 }
 
+#[tokio::test]
+async fn deleted_dra_sockets_are_bound_again_and_the_kubelet_registers_the_plugin_again() -> TestResult {
+    let node = DraNode::start(1, "all").await?;
+    let registered = |a: &Vec<fake_kubelet::dra::RegistrationAttempt>| {
+        a.iter()
+            .filter(|a| matches!(a.outcome, fake_kubelet::dra::Outcome::Registered(_)))
+            .count()
+    };
+    let before = registered(&node.kubelet.attempts());
+    // Someone cleans the kubelet's directories up under the running plugin.
+    let plugins = node.root.path().join("plugins").join(DRIVER).join("dra.sock");
+    let registry = node
+        .root
+        .path()
+        .join("plugins_registry")
+        .join(format!("{DRIVER}-reg.sock"));
+    std::fs::remove_file(&plugins)?;
+    std::fs::remove_file(&registry)?;
+    node.kubelet
+        .wait_attempts("the plugin registered again", WAIT, |a| {
+            registered(a) > before
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    assert!(node.plugin.log().contains("DRA socket gone; binding it again"));
+    // The kubelet reaches the plugin through the new sockets.
+    let uid = node.api.add_claim(
+        "ml",
+        "train-gpu",
+        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
+    );
+    let pod = training_pod(&uid);
+    node.kubelet
+        .prepare_pod(&pod)
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    assert_eq!(
+        node.kubelet.cdi_devices(&pod, "main"),
+        vec![format!("nvidia.com/gpu={}", simulated_uuid(0))]
+    );
+    Ok(())
+}
+
 /// The first Event with `reason` on a pod in namespace `ml`, as the API server took it.
 async fn pod_event(node: &DraNode, reason: &str) -> Result<Value, String> {
     let is_it = |r: &fake_kubelet::apiserver::Recorded| {

@@ -49,8 +49,11 @@ pub const DEFAULT_DRIVER: &str = "gpu.nvidia.com";
 pub const DEFAULT_REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
 /// Where DRA plugins keep their sockets.
 pub const DEFAULT_PLUGINS_DIR: &str = "/var/lib/kubelet/plugins";
-/// How often the sockets are checked for being in place.
-const SOCKET_CHECK: Duration = Duration::from_secs(1);
+/// How often the sockets are checked for being in place while their directories are watched (inotify says
+/// at once when one goes: this is the net under a watch that missed it).
+const SOCKET_CHECK: Duration = Duration::from_secs(30);
+/// How often without a watch (inotify refused: out of watches).
+const SOCKET_CHECK_UNWATCHED: Duration = Duration::from_secs(1);
 /// How long the servers get to finish at shutdown.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -183,6 +186,59 @@ fn publish_slices(
     });
     if let Err(e) = started {
         tracing::warn!(error = %e, "cannot start the ResourceSlices' thread: none is written");
+    }
+}
+
+/// Watches the directories of `sockets` (inotify) and wakes `moved` when one of them is created, removed or
+/// renamed, or the watch may have missed something. Nothing else there wakes it: other plugins' sockets
+/// coming and going, or a directory being read. `None` (said once) if the watch cannot be set up: the
+/// caller then looks every second.
+fn watch_sockets(
+    sockets: &[&Path],
+    moved: Arc<tokio::sync::Notify>,
+) -> Option<notify::RecommendedWatcher> {
+    use notify::event::{EventKind, ModifyKind};
+    use notify::{RecursiveMode, Watcher as _};
+    let names: Vec<std::ffi::OsString> = sockets
+        .iter()
+        .filter_map(|s| s.file_name().map(|n| n.to_os_string()))
+        .collect();
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        let relevant = match event {
+            Ok(event) => {
+                event.need_rescan()
+                    || matches!(
+                        event.kind,
+                        EventKind::Create(_)
+                            | EventKind::Remove(_)
+                            | EventKind::Modify(ModifyKind::Name(_))
+                    ) && event
+                        .paths
+                        .iter()
+                        .any(|p| p.file_name().is_some_and(|n| names.iter().any(|o| o == n)))
+            }
+            Err(_) => true,
+        };
+        if relevant {
+            moved.notify_one();
+        }
+    })
+    .map_err(|e| e.to_string());
+    let watched = watcher.as_mut().map_err(|e| e.clone()).and_then(|w| {
+        sockets
+            .iter()
+            .filter_map(|s| s.parent())
+            .try_for_each(|dir| {
+                w.watch(dir, RecursiveMode::NonRecursive)
+                    .map_err(|e| format!("{}: {e}", dir.display()))
+            })
+    });
+    match watched {
+        Ok(()) => watcher.ok(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch the DRA sockets' directories: a deleted socket is bound again within {SOCKET_CHECK_UNWATCHED:?} instead of at once");
+            None
+        }
     }
 }
 
@@ -337,18 +393,25 @@ pub async fn run(
         "serving GPUs through DRA; waiting for the kubelet's plugin watcher"
     );
 
-    let mut check = tokio::time::interval(SOCKET_CHECK);
+    let moved = Arc::new(tokio::sync::Notify::new());
+    let watch = watch_sockets(&[&endpoint, &config.registration_socket()], moved.clone());
+    let mut check = tokio::time::interval(if watch.is_some() {
+        SOCKET_CHECK
+    } else {
+        SOCKET_CHECK_UNWATCHED
+    });
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let result = loop {
         tokio::select! {
             () = shutdown.cancelled() => break Ok(()),
-            _ = check.tick() => {
-                if let Err(e) = dra.keep_in_place().and_then(|()| reg.keep_in_place()) {
-                    break Err(e);
-                }
-            }
+            () = moved.notified() => {}
+            _ = check.tick() => {}
+        }
+        if let Err(e) = dra.keep_in_place().and_then(|()| reg.keep_in_place()) {
+            break Err(e);
         }
     };
+    drop(watch);
     // The registration first: the kubelet must not find a driver whose API is already gone.
     streams.cancel();
     reg.stop().await;
