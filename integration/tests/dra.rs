@@ -303,7 +303,8 @@ async fn a_fault_on_a_claimed_gpu_reaches_the_pods_status_an_event_on_the_pod_it
 }
 
 #[tokio::test]
-async fn deleted_dra_sockets_are_bound_again_and_the_kubelet_registers_the_plugin_again() -> TestResult {
+async fn deleted_dra_sockets_are_bound_again_and_the_kubelet_registers_the_plugin_again()
+-> TestResult {
     let node = DraNode::start(1, "all").await?;
     let registered = |a: &Vec<fake_kubelet::dra::RegistrationAttempt>| {
         a.iter()
@@ -312,7 +313,12 @@ async fn deleted_dra_sockets_are_bound_again_and_the_kubelet_registers_the_plugi
     };
     let before = registered(&node.kubelet.attempts());
     // Someone cleans the kubelet's directories up under the running plugin.
-    let plugins = node.root.path().join("plugins").join(DRIVER).join("dra.sock");
+    let plugins = node
+        .root
+        .path()
+        .join("plugins")
+        .join(DRIVER)
+        .join("dra.sock");
     let registry = node
         .root
         .path()
@@ -326,7 +332,11 @@ async fn deleted_dra_sockets_are_bound_again_and_the_kubelet_registers_the_plugi
         })
         .await
         .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
-    assert!(node.plugin.log().contains("DRA socket gone; binding it again"));
+    assert!(
+        node.plugin
+            .log()
+            .contains("DRA socket gone; binding it again")
+    );
     // The kubelet reaches the plugin through the new sockets.
     let uid = node.api.add_claim(
         "ml",

@@ -236,6 +236,7 @@ async fn faults(
     report: &mut Report,
 ) -> anyhow::Result<()> {
     let (mut health, mut taint) = (Road::default(), Road::default());
+    let mut own = Road::default();
     let mut idle = None;
     let mut device_plugin = Vec::new();
     let mut device_plugin_missed = 0;
@@ -254,13 +255,16 @@ async fn faults(
                 idle = Some((before, ProcSample::read(pid)?));
             }
             let (health_before, taint_before) = (health.samples.len(), taint.samples.len());
+            let own_before = own.samples.len();
+            let own_stream = OwnStream::open(&dra.endpoint).await?;
             for i in 0..want {
                 let id = uuid(i);
                 let Some(name) = ready.names.get(&id) else {
                     anyhow::bail!("GPU {id} is not in the slice: {:?}", ready.names);
                 };
-                let (on_stream, in_slice) =
-                    dra_fault(rig, dra, &id, name, (&health, &taint)).await?;
+                let (on_stream, in_slice, on_own) =
+                    dra_fault(rig, dra, &id, name, (&health, &taint), &own_stream).await?;
+                own.take(on_own);
                 if on_stream.is_none() && !health.dead && !said.0 {
                     said.0 = true;
                     eprintln!(
@@ -283,6 +287,7 @@ async fn faults(
                 taint.take(in_slice);
             }
             health.instance_done(health.samples.len() - health_before, want);
+            own.instance_done(own.samples.len() - own_before, want);
             taint.instance_done(taint.samples.len() - taint_before, want);
             ready.plugin.stop().await;
         }
@@ -303,6 +308,12 @@ async fn faults(
             "DRA: fault (XID 79) → health stream's Unhealthy report received by the kubelet, {devices} GPUs"
         ),
         &health.samples,
+    );
+    report.latency(
+        &format!(
+            "DRA: fault (XID 79) → the same report received by a health stream client of the bench's own, {devices} GPUs"
+        ),
+        &own.samples,
     );
     report.latency(
         &format!(
@@ -350,6 +361,11 @@ async fn faults(
         seen(&health),
     );
     report.check(
+        "DRA: every fault on the bench's own health stream",
+        own.missed == 0,
+        seen(&own),
+    );
+    report.check(
         "DRA: every fault's taint in the ResourceSlice",
         taint.missed == 0,
         seen(&taint),
@@ -365,7 +381,8 @@ async fn dra_fault(
     id: &str,
     name: &str,
     (health, taint): (&Road, &Road),
-) -> anyhow::Result<(Option<Duration>, Option<Duration>)> {
+    own: &OwnStream,
+) -> anyhow::Result<(Option<Duration>, Option<Duration>, Option<Duration>)> {
     // The requests so far: this fault's slice write is among the ones after.
     let mark = dra.api.requests().len();
     let injected = rig.inject(&[format!("xid {id} 79")])?;
@@ -407,7 +424,63 @@ async fn dra_fault(
             _ => None,
         }
     };
-    Ok((on_stream, in_slice))
+    let on_own = own
+        .first_unhealthy(name, LIMIT)
+        .await
+        .map(|at| at.saturating_duration_since(injected));
+    Ok((on_stream, in_slice, on_own))
+}
+
+/// A health stream (`v1alpha1`) of the bench's own on the plugin's DRA socket, beside the fake kubelet's:
+/// the time each device was first reported Unhealthy, stamped on the bench's thread as the report is
+/// decoded. Without the fake kubelet's own handling, it shows the plugin's share of the health stream's
+/// latency.
+struct OwnStream {
+    first: tokio::sync::watch::Receiver<BTreeMap<String, Instant>>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for OwnStream {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+impl OwnStream {
+    async fn open(endpoint: &std::path::Path) -> anyhow::Result<OwnStream> {
+        use gpu_device_plugin::api::dra::health_v1alpha1 as h;
+        let channel = gpu_device_plugin::util::uds::connect(endpoint)
+            .await
+            .with_context(|| format!("cannot connect to {}", endpoint.display()))?;
+        let mut stream = h::dra_resource_health_client::DraResourceHealthClient::new(channel)
+            .node_watch_resources(h::NodeWatchResourcesRequest {})
+            .await
+            .context("the bench's own health stream")?
+            .into_inner();
+        let (tx, first) = tokio::sync::watch::channel(BTreeMap::new());
+        let reader = tokio::spawn(async move {
+            while let Ok(Some(report)) = stream.message().await {
+                let now = Instant::now();
+                tx.send_modify(|first| {
+                    for d in &report.devices {
+                        if d.health == h::HealthStatus::Unhealthy as i32
+                            && let Some(id) = &d.device
+                        {
+                            first.entry(id.device_name.clone()).or_insert(now);
+                        }
+                    }
+                });
+            }
+        });
+        Ok(OwnStream { first, reader })
+    }
+
+    /// When `device` was first reported Unhealthy, waiting up to `limit`.
+    async fn first_unhealthy(&self, device: &str, limit: Duration) -> Option<Instant> {
+        let mut first = self.first.clone();
+        let found = tokio::time::timeout(limit, first.wait_for(|f| f.contains_key(device))).await;
+        found.ok()?.ok().and_then(|f| f.get(device).copied())
+    }
 }
 
 /// `count` allocated claims, each on one GPU in turn, prepared fresh, prepared again, and unprepared, on one
