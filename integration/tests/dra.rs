@@ -332,11 +332,11 @@ async fn deleted_dra_sockets_are_bound_again_and_the_kubelet_registers_the_plugi
         })
         .await
         .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
-    assert!(
-        node.plugin
-            .log()
-            .contains("DRA socket gone; binding it again")
-    );
+    // Said in the log (which reaches the test through a pipe of its own, maybe after the registration).
+    node.plugin
+        .wait_log(WAIT, |l| l.contains("DRA socket gone; binding it again"))
+        .await
+        .ok_or("the rebinding is logged")?;
     // The kubelet reaches the plugin through the new sockets.
     let uid = node.api.add_claim(
         "ml",
