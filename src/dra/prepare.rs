@@ -330,21 +330,20 @@ fn show(status: &tokio::sync::watch::Sender<super::registration::DraStatus>, rec
     status.send_modify(|s| s.prepared = prepared);
 }
 
-/// The kubelet's claims of either version, as [`ClaimRef`]s.
-fn refs<'a>(claims: impl Iterator<Item = (&'a str, &'a str, &'a str)>) -> Vec<ClaimRef> {
-    claims
-        .map(|(namespace, uid, name)| ClaimRef {
-            namespace: namespace.to_string(),
-            uid: uid.to_string(),
-            name: name.to_string(),
-        })
-        .collect()
-}
-
 /// `DRAPlugin` of API version `$version` on [`Preparer`]: the versions' messages are the same but for fields
 /// only the newer has (`$extra`, set to `$value`).
 macro_rules! serve_version {
     ($version:ident $(, $extra:ident: $value:expr)?) => {
+        impl From<$version::Claim> for ClaimRef {
+            fn from(c: $version::Claim) -> Self {
+                ClaimRef {
+                    namespace: c.namespace,
+                    uid: c.uid,
+                    name: c.name,
+                }
+            }
+        }
+
         #[tonic::async_trait]
         impl $version::dra_plugin_server::DraPlugin for Preparer {
             async fn node_prepare_resources(
@@ -352,12 +351,7 @@ macro_rules! serve_version {
                 request: Request<$version::NodePrepareResourcesRequest>,
             ) -> Result<Response<$version::NodePrepareResourcesResponse>, Status> {
                 let request = request.into_inner();
-                let claims = refs(
-                    request
-                        .claims
-                        .iter()
-                        .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
-                );
+                let claims = request.claims.into_iter().map(ClaimRef::from).collect();
                 let claims = self
                     .prepare(claims)
                     .await
@@ -388,12 +382,7 @@ macro_rules! serve_version {
                 request: Request<$version::NodeUnprepareResourcesRequest>,
             ) -> Result<Response<$version::NodeUnprepareResourcesResponse>, Status> {
                 let request = request.into_inner();
-                let claims = refs(
-                    request
-                        .claims
-                        .iter()
-                        .map(|c| (c.namespace.as_str(), c.uid.as_str(), c.name.as_str())),
-                );
+                let claims = request.claims.into_iter().map(ClaimRef::from).collect();
                 let claims = self
                     .unprepare(claims)
                     .await

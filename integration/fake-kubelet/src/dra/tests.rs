@@ -522,6 +522,20 @@ fn options() -> DraOptions {
         .health_retry(Duration::from_secs(5))
 }
 
+/// A kubelet with [`options`] and a plugin of [`DRIVER`] registered with it, its health stream open (the
+/// directory they share first: it must outlive both).
+async fn registered_and_streaming()
+-> Result<(tempfile::TempDir, DraKubelet, TestPlugin), Box<dyn std::error::Error>> {
+    let root = tempfile::tempdir()?;
+    let kubelet = DraKubelet::start_with(root.path(), options())?;
+    let plugin = TestPlugin::start(root.path(), Config::new(DRIVER))?;
+    kubelet.wait_registered(DRIVER, WAIT).await?;
+    plugin
+        .wait_seen("the health stream", |s| !s.health_opened.is_empty())
+        .await;
+    Ok((root, kubelet, plugin))
+}
+
 fn strings(items: &[&str]) -> Vec<String> {
     items.iter().map(|s| s.to_string()).collect()
 }
@@ -766,13 +780,7 @@ async fn dot_files_and_plain_files_are_ignored_and_subdirectories_searched() -> 
 
 #[tokio::test]
 async fn reports_fill_the_health_cache_and_go_stale_when_the_clock_moves() -> TestResult {
-    let root = tempfile::tempdir()?;
-    let kubelet = DraKubelet::start_with(root.path(), options())?;
-    let plugin = TestPlugin::start(root.path(), Config::new(DRIVER))?;
-    kubelet.wait_registered(DRIVER, WAIT).await?;
-    plugin
-        .wait_seen("the health stream", |s| !s.health_opened.is_empty())
-        .await;
+    let (_root, kubelet, plugin) = registered_and_streaming().await?;
     let mut slow = dev("dev-b", Health::Healthy, "");
     slow.timeout = 60;
     plugin.report(vec![
@@ -802,13 +810,7 @@ async fn reports_fill_the_health_cache_and_go_stale_when_the_clock_moves() -> Te
 
 #[tokio::test]
 async fn a_health_change_is_timed_by_the_report_that_made_it_not_by_later_repeats() -> TestResult {
-    let root = tempfile::tempdir()?;
-    let kubelet = DraKubelet::start_with(root.path(), options())?;
-    let plugin = TestPlugin::start(root.path(), Config::new(DRIVER))?;
-    kubelet.wait_registered(DRIVER, WAIT).await?;
-    plugin
-        .wait_seen("the health stream", |s| !s.health_opened.is_empty())
-        .await;
+    let (_root, kubelet, plugin) = registered_and_streaming().await?;
     plugin.report(vec![dev("dev-a", Health::Healthy, "")]);
     let (_, healthy) = kubelet
         .wait_device_health_since((DRIVER, "node-a", "dev-a"), WAIT, |h| {
@@ -1000,13 +1002,7 @@ async fn a_claim_the_plugin_fails_or_leaves_out_fails_the_pod_by_name() -> TestR
 
 #[tokio::test]
 async fn the_pod_status_shows_each_device_by_its_first_cdi_id_with_its_health() -> TestResult {
-    let root = tempfile::tempdir()?;
-    let kubelet = DraKubelet::start_with(root.path(), options())?;
-    let plugin = TestPlugin::start(root.path(), Config::new(DRIVER))?;
-    kubelet.wait_registered(DRIVER, WAIT).await?;
-    plugin
-        .wait_seen("the health stream", |s| !s.health_opened.is_empty())
-        .await;
+    let (_root, kubelet, plugin) = registered_and_streaming().await?;
     let pod = two_claim_pod();
     kubelet.prepare_pod(&pod).await?;
     // The plugin names a device after the ResourceClaim object it prepared it for.
