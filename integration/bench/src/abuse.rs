@@ -253,15 +253,12 @@ pub(crate) async fn abuse(
         let secs = counts.abuse_idle.as_secs_f64();
         report.value(
             &format!("abuse: idle CPU time over {secs:.0} s, every input on"),
-            after.cpu.saturating_sub(before.cpu).as_secs_f64() * 1000.0,
+            after.cpu_ms_since(&before),
             "ms",
         );
         report.value(
             "abuse: idle voluntary context switches (wake-ups), every input on",
-            after
-                .voluntary_switches
-                .saturating_sub(before.voluntary_switches) as f64
-                / secs,
+            after.wakeups_per_s_since(&before, counts.abuse_idle),
             "/s",
         );
     }

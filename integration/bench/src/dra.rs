@@ -325,15 +325,12 @@ async fn faults(
         let secs = idle_for.as_secs_f64();
         report.value(
             &format!("DRA: idle CPU time over {secs:.0} s (slices published, health stream open, {devices} GPUs)"),
-            after.cpu.saturating_sub(before.cpu).as_secs_f64() * 1000.0,
+            after.cpu_ms_since(&before),
             "ms",
         );
         report.value(
             "DRA: idle voluntary context switches (wake-ups)",
-            after
-                .voluntary_switches
-                .saturating_sub(before.voluntary_switches) as f64
-                / secs,
+            after.wakeups_per_s_since(&before, idle_for),
             "/s",
         );
     }

@@ -569,15 +569,12 @@ async fn on_one_instance(
         report.value("idle: threads", after.threads as f64, "");
         report.value(
             &format!("idle: CPU time over {secs:.0} s"),
-            (after.cpu - before.cpu).as_secs_f64() * 1000.0,
+            after.cpu_ms_since(&before),
             "ms",
         );
         report.value(
             "idle: voluntary context switches (wake-ups)",
-            (after
-                .voluntary_switches
-                .saturating_sub(before.voluntary_switches)) as f64
-                / secs,
+            after.wakeups_per_s_since(&before, counts.idle),
             "/s",
         );
     }
@@ -953,6 +950,18 @@ pub(crate) struct ProcSample {
 }
 
 impl ProcSample {
+    /// CPU time used since `before`, in milliseconds.
+    pub(crate) fn cpu_ms_since(&self, before: &ProcSample) -> f64 {
+        self.cpu.saturating_sub(before.cpu).as_secs_f64() * 1000.0
+    }
+
+    /// Wake-ups (voluntary context switches) per second since `before`, `over` ago.
+    pub(crate) fn wakeups_per_s_since(&self, before: &ProcSample, over: Duration) -> f64 {
+        self.voluntary_switches
+            .saturating_sub(before.voluntary_switches) as f64
+            / over.as_secs_f64()
+    }
+
     pub(crate) fn read(pid: u32) -> anyhow::Result<Self> {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
             .context("plugin process is gone")?;
