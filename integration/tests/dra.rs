@@ -134,6 +134,26 @@ impl DraNode {
             .map_err(|e| format!("{e}\n{}", self.plugin.log()))?;
         Ok(devices_of(&slices))
     }
+
+    /// Waits until the slice gives device `name` a taint with `key`; returns the devices then, and the
+    /// taint's value and effect.
+    async fn slice_taint(
+        &self,
+        name: &str,
+        key: &str,
+    ) -> Result<(Vec<Value>, (Option<String>, Option<String>)), String> {
+        let devices = self
+            .slice_devices(&format!("{name} tainted {key}"), |d| {
+                taint(d, name, key).is_some()
+            })
+            .await?;
+        let found = taint(&devices, name, key).ok_or("taint")?;
+        let value_and_effect = (
+            found["value"].as_str().map(String::from),
+            found["effect"].as_str().map(String::from),
+        );
+        Ok((devices, value_and_effect))
+    }
 }
 
 fn spawn(root: &Path, args: &[String]) -> PluginProcess {
@@ -245,16 +265,8 @@ async fn a_fault_on_a_claimed_gpu_reaches_the_pods_status_an_event_on_the_pod_it
         "{text}"
     );
 
-    let tainted = node
-        .slice_devices("gpu-1 tainted", |d| {
-            taint(d, "gpu-1", "gpu.nvidia.com/xid").is_some()
-        })
-        .await?;
-    let xid = taint(&tainted, "gpu-1", "gpu.nvidia.com/xid").ok_or("taint")?;
-    assert_eq!(
-        (xid["value"].as_str(), xid["effect"].as_str()),
-        (Some("79"), Some("NoSchedule"))
-    );
+    let (tainted, xid) = node.slice_taint("gpu-1", "gpu.nvidia.com/xid").await?;
+    assert_eq!(xid, (Some("79".into()), Some("NoSchedule".into())));
     assert!(
         taint(&tainted, "gpu-0", "gpu.nvidia.com/xid").is_none(),
         "only the GPU at fault"
@@ -634,13 +646,8 @@ async fn status_shows_dra_devices_and_their_claims_and_a_fence_taints_the_gpu_un
         "{}",
         health.message
     );
-    let devices = node
-        .slice_devices("gpu-1 fenced in the slice", |d| {
-            taint(d, "gpu-1", "gpu.nvidia.com/fenced").is_some()
-        })
-        .await?;
-    let fence = taint(&devices, "gpu-1", "gpu.nvidia.com/fenced").ok_or("taint")?;
-    assert_eq!(fence["effect"], "NoSchedule");
+    let (_, (_, effect)) = node.slice_taint("gpu-1", "gpu.nvidia.com/fenced").await?;
+    assert_eq!(effect.as_deref(), Some("NoSchedule"));
     let released = command(&node, &["release", &simulated_uuid(1)]);
     assert!(
         released.status.success(),
@@ -803,16 +810,8 @@ async fn a_fault_that_leaves_the_gpu_healthy_still_reaches_the_health_stream_and
         .await
         .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
     assert_eq!(health.health, Health::Healthy);
-    let devices = node
-        .slice_devices("gpu-0's None taint", |d| {
-            taint(d, "gpu-0", "gpu.nvidia.com/xid").is_some()
-        })
-        .await?;
-    let xid = taint(&devices, "gpu-0", "gpu.nvidia.com/xid").ok_or("taint")?;
-    assert_eq!(
-        (xid["value"].as_str(), xid["effect"].as_str()),
-        (Some("31"), Some("None"))
-    );
+    let (_, xid) = node.slice_taint("gpu-0", "gpu.nvidia.com/xid").await?;
+    assert_eq!(xid, (Some("31".into()), Some("None".into())));
     Ok(())
 }
 
