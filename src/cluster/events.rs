@@ -317,6 +317,17 @@ impl TokenBucket {
         self.tokens -= 1;
         true
     }
+
+    /// How long after `now` a token is there to take: zero if one is now.
+    pub fn ready_in(&self, now: Instant) -> Duration {
+        if self.tokens > 0 {
+            Duration::ZERO
+        } else if self.budget.refill.is_zero() {
+            Duration::MAX
+        } else {
+            (self.since + self.budget.refill).saturating_duration_since(now)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -504,6 +515,33 @@ mod tests {
         // A minute of quiet fills it to the burst, no more.
         let later = start + Duration::from_secs(63);
         assert_eq!((0..10).filter(|_| bucket.take(later)).count(), 3);
+    }
+
+    #[test]
+    fn the_bucket_says_when_the_next_token_comes() {
+        let budget = EventBudget {
+            burst: 2,
+            refill: Duration::from_millis(50),
+        };
+        let start = Instant::now();
+        let mut bucket = TokenBucket::new(budget, start);
+        assert_eq!(bucket.ready_in(start), Duration::ZERO);
+        assert!(bucket.take(start) && bucket.take(start));
+        assert_eq!(bucket.ready_in(start), Duration::from_millis(50));
+        assert_eq!(
+            bucket.ready_in(start + Duration::from_millis(30)),
+            Duration::from_millis(20)
+        );
+        assert_eq!(
+            bucket.ready_in(start + Duration::from_millis(60)),
+            Duration::ZERO
+        );
+        assert!(bucket.take(start + Duration::from_millis(60)));
+        // The next one is earned 50 ms after the last, not after the take.
+        assert_eq!(
+            bucket.ready_in(start + Duration::from_millis(60)),
+            Duration::from_millis(40)
+        );
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! The ResourceSlices that publish this node's DRA devices: one pool named after the node, as many slices as
 //! the devices need (at most [`DEVICES_PER_SLICE`] each), owned by the Node so that they go with it.
 //!
-//! The slices are kept as the inventory says: written when a device comes, goes or changes health (at once,
-//! and at most every 50 ms through a burst), written
+//! The slices are kept as the inventory says: written when a device comes, goes or changes health (at once for
+//! the first sixteen changes of a burst, then at most every 50 ms, each write carrying all that came meanwhile),
+//! written
 //! again when something else deletes them (the kubelet deletes every slice of its node when it starts, and a
 //! driver's slices when its plugin has been gone 30 s), and the pool's generation is raised whenever the
 //! devices change, so that the scheduler never mixes slices of two versions of the pool. An Unhealthy device
@@ -26,9 +27,13 @@ pub const DEVICES_PER_SLICE: usize = 64;
 /// The wait after a failed write, doubling to [`MAX_RETRY`].
 const FIRST_RETRY: Duration = Duration::from_secs(1);
 const MAX_RETRY: Duration = Duration::from_secs(60);
-/// Slices are written at most this often: a change after a quiet spell is written at once, and the changes
-/// of a burst of faults that come meanwhile make one write.
-const MIN_GAP: Duration = Duration::from_millis(50);
+/// How often slices are written: sixteen writes back to back (the first publication, then a fault on each
+/// GPU of a node of up to fifteen, each in the slice at once), then one every 50 ms, each carrying every
+/// change that came while it waited. A GPU that flaps costs the API server at most 20 writes a second.
+const WRITES: crate::cluster::EventBudget = crate::cluster::EventBudget {
+    burst: 16,
+    refill: Duration::from_millis(50),
+};
 /// The longest string attribute value the API takes.
 const MAX_STRING: usize = 64;
 
@@ -232,15 +237,15 @@ pub async fn publish(
     let mut dirty = true;
     let mut said_taints_dropped = false;
     let mut said_no_owner = false;
-    // The last reconcile that sent something: one that found everything as wanted (the watch telling of our
-    // own write) does not hold back the next change.
-    let mut last_write: Option<tokio::time::Instant> = None;
+    // Only reconciles that sent something take from it: one that found everything as wanted (the watch
+    // telling of our own write) does not hold back the next change.
+    let mut writes = crate::cluster::TokenBucket::new(WRITES, tokio::time::Instant::now());
     let mut ours: BTreeMap<String, Written> = BTreeMap::new();
     // Taints with effect None need a 1.35 API server; an older one refuses the slice, and they are left out.
     let mut none_effect = true;
     loop {
         let wait = if dirty && listed.is_some() {
-            last_write.map_or(Duration::ZERO, |at| MIN_GAP.saturating_sub(at.elapsed()))
+            writes.ready_in(tokio::time::Instant::now())
         } else {
             Duration::MAX
         };
@@ -310,7 +315,7 @@ pub async fn publish(
             }
         };
         if calls > 0 {
-            last_write = Some(started);
+            writes.take(started);
         }
         match written {
             Ok(Wrote { dropped, .. }) => {
