@@ -64,7 +64,7 @@ fn main() -> ExitCode {
     match outcome {
         Ok(Stopped::Shutdown) => ExitCode::SUCCESS,
         Ok(Stopped::Reload) => restart_in_place(),
-        Err(e) => fail(&format!("{e:#}")),
+        Err(e) => fail(&one_line(&e)),
     }
 }
 
@@ -114,6 +114,22 @@ fn settings_or_exit(argv: &[std::ffi::OsString]) -> Result<Settings, ExitCode> {
             Err(ExitCode::SUCCESS)
         }
     }
+}
+
+/// An error and its causes in one line, each cause left out where the text before already says it (most
+/// errors here name their cause in their own message).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+    }
+    line
 }
 
 fn fail(message: &str) -> ExitCode {
@@ -844,7 +860,7 @@ fn check_config_command() -> ExitCode {
             print!("{lines}");
             ExitCode::SUCCESS
         }
-        Err(e) => fail(&format!("{e:#}")),
+        Err(e) => fail(&one_line(&e)),
     }
 }
 

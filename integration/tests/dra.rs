@@ -323,7 +323,14 @@ async fn deleted_dra_sockets_are_bound_again_and_the_kubelet_registers_the_plugi
             .filter(|a| matches!(a.outcome, fake_kubelet::dra::Outcome::Registered(_)))
             .count()
     };
-    let before = registered(&node.kubelet.attempts());
+    // The first registration counted once it is done: the kubelet records an attempt after telling the
+    // plugin, which is after `start` saw the driver registered.
+    let before = registered(
+        &node
+            .kubelet
+            .wait_attempts("the first registration", WAIT, |a| registered(a) > 0)
+            .await?,
+    );
     // Someone cleans the kubelet's directories up under the running plugin.
     let plugins = node
         .root
@@ -346,7 +353,7 @@ async fn deleted_dra_sockets_are_bound_again_and_the_kubelet_registers_the_plugi
         .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
     // Said in the log (which reaches the test through a pipe of its own, maybe after the registration).
     node.plugin
-        .wait_log(WAIT, |l| l.contains("DRA socket gone; binding it again"))
+        .wait_log(WAIT, |l| l.contains("DRA socket was gone: bound again"))
         .await
         .ok_or("the rebinding is logged")?;
     // The kubelet reaches the plugin through the new sockets.
@@ -363,6 +370,135 @@ async fn deleted_dra_sockets_are_bound_again_and_the_kubelet_registers_the_plugi
     assert_eq!(
         node.kubelet.cdi_devices(&pod, "main"),
         vec![format!("nvidia.com/gpu={}", simulated_uuid(0))]
+    );
+    Ok(())
+}
+
+/// Someone cleans up the kubelet's directories more thoroughly than deleting sockets: the driver's directory
+/// moved away with its socket, the registration's directory replaced by a file. The plugin makes the
+/// directory again and binds its socket there at once (not at the 30 s check), watches the new directory,
+/// says why while it cannot, and keeps running throughout; the kubelet prepares through the new socket.
+#[tokio::test]
+async fn replaced_socket_directories_are_made_again_and_watched_and_the_plugin_keeps_serving()
+-> TestResult {
+    let mut node = DraNode::start(1, "all").await?;
+    let root = node.root.path().to_path_buf();
+    let driver_dir = root.join("plugins").join(DRIVER);
+    let socket = driver_dir.join("dra.sock");
+    let rebound =
+        |n: usize| move |log: &str| log.matches("DRA socket was gone: bound again").count() >= n;
+    let is_socket = |p: &Path| {
+        use std::os::unix::fs::FileTypeExt as _;
+        std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket())
+    };
+
+    std::fs::rename(&driver_dir, root.join("plugins").join("moved"))?;
+    node.plugin
+        .wait_log(WAIT, rebound(1))
+        .await
+        .ok_or_else(|| format!("not bound again in a new directory\n{}", node.plugin.log()))?;
+    assert!(is_socket(&socket), "{} is not a socket", socket.display());
+    // The new directory is the one watched: a socket deleted there is bound again at once.
+    node.plugin
+        .wait_log(WAIT, |l| l.contains("watching the new one"))
+        .await
+        .ok_or_else(|| format!("the new directory is not watched\n{}", node.plugin.log()))?;
+    std::fs::remove_file(&socket)?;
+    node.plugin
+        .wait_log(WAIT, rebound(2))
+        .await
+        .ok_or_else(|| {
+            format!(
+                "not bound again in the new directory\n{}",
+                node.plugin.log()
+            )
+        })?;
+    assert!(is_socket(&socket));
+    // The kubelet reaches the plugin through it.
+    let uid = node.api.add_claim(
+        "ml",
+        "train-gpu",
+        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
+    );
+    let pod = training_pod(&uid);
+    node.kubelet
+        .prepare_pod(&pod)
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    assert_eq!(
+        node.kubelet.cdi_devices(&pod, "main"),
+        vec![format!("nvidia.com/gpu={}", simulated_uuid(0))]
+    );
+
+    // The registration's directory and a file swapped in one step: nothing can be bound there.
+    let registry = root.join("plugins_registry");
+    let blocker = root.join("blocker");
+    std::fs::write(&blocker, "not a directory")?;
+    rustix::fs::renameat_with(
+        rustix::fs::CWD,
+        &registry,
+        rustix::fs::CWD,
+        &blocker,
+        rustix::fs::RenameFlags::EXCHANGE,
+    )?;
+    node.plugin
+        .wait_log(WAIT, |l| l.contains("cannot bind the DRA socket again"))
+        .await
+        .ok_or_else(|| format!("the failure is not said\n{}", node.plugin.log()))?;
+    // The file gone, the directory is made again and the socket bound in it; the process never stopped.
+    std::fs::remove_file(&registry)?;
+    node.plugin
+        .wait_log(WAIT, rebound(3))
+        .await
+        .ok_or_else(|| format!("not bound again after the file went\n{}", node.plugin.log()))?;
+    assert!(is_socket(&registry.join(format!("{DRIVER}-reg.sock"))));
+    assert!(
+        node.plugin.child.try_wait()?.is_none(),
+        "the plugin stopped:\n{}",
+        node.plugin.log()
+    );
+
+    Ok(())
+}
+
+/// The ResourceSlices' watch waits out a quiet node: it is not cut by the 15 s timeout of the plugin's API
+/// calls (which made it fail, warn and list the slices again every 15 s on a node without news).
+#[tokio::test]
+async fn the_slices_watch_outlasts_a_quiet_spell_longer_than_the_call_timeout() -> TestResult {
+    let node = DraNode::start(1, "all").await?;
+    node.slice_devices("the GPU published", |d| d.len() == 1)
+        .await?;
+    let watches = |requests: &[fake_kubelet::apiserver::Recorded]| {
+        requests
+            .iter()
+            .filter(|r| {
+                r.method == "GET"
+                    && r.path.ends_with("/resourceslices")
+                    && r.query.contains("watch=true")
+            })
+            .count()
+    };
+    // The watch begins after the list the first write was made from.
+    node.api
+        .wait_for("the slices watched", WAIT, |r| watches(r) == 1)
+        .await?;
+    // Nothing happens on the node for longer than the call timeout.
+    let again = node
+        .api
+        .wait_for("a second watch", WAIT, |r| watches(r) > 1)
+        .await;
+    assert!(
+        again.is_err(),
+        "the watch was made again on a quiet node:\n{}",
+        node.plugin.log()
+    );
+    assert!(
+        !node
+            .plugin
+            .log()
+            .contains("cannot watch this node's ResourceSlices"),
+        "{}",
+        node.plugin.log()
     );
     Ok(())
 }
@@ -734,8 +870,9 @@ async fn an_api_server_that_drops_device_taints_is_said_once() -> TestResult {
             })
         })
         .await?;
-    // What the API server made of the write is not taken for a change to write again: no rewrite follows
-    // (a rewrite would come within the plugin's 50 ms settling time of the watch event; a second is given).
+    // What the API server made of the writes is not taken for a change to write again, nor is the watch's
+    // news of the first write when it comes after the second: no rewrite follows (one would follow the
+    // watch event at once; a second is given).
     let puts = |requests: &[fake_kubelet::apiserver::Recorded]| {
         requests
             .iter()

@@ -177,8 +177,11 @@ fn publish_slices(
     shutdown: CancellationToken,
 ) {
     let started = spawn_on_own_thread("dra-slices", Priority::Side, async move {
-        match kube::Client::try_from(api) {
-            Ok(client) => slices::publish(client, config, view, metrics, shutdown).await,
+        let mut watch_api = api.clone();
+        watch_api.read_timeout = None;
+        match kube::Client::try_from(api).and_then(|c| Ok((c, kube::Client::try_from(watch_api)?)))
+        {
+            Ok(clients) => slices::publish(clients, config, view, metrics, shutdown).await,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot build a Kubernetes API client for the ResourceSlices: none is written")
             }
@@ -189,10 +192,66 @@ fn publish_slices(
     }
 }
 
-/// Watches the directories of `sockets` (inotify) and wakes `moved` when one of them is created, removed or
-/// renamed, or the watch may have missed something. Nothing else there wakes it: other plugins' sockets
-/// coming and going, or a directory being read. `None` (said once) if the watch cannot be set up: the
-/// caller then looks every second.
+/// The inotify watch on the sockets' directories, made again when a directory is replaced (moved away,
+/// deleted and made again): a watch follows the directory it was put on, not its path.
+struct SocketWatch {
+    sockets: Vec<PathBuf>,
+    moved: Arc<tokio::sync::Notify>,
+    watcher: Option<notify::RecommendedWatcher>,
+    /// Each directory's device and inode when the watch was put on it (`None`: not there).
+    dirs: Vec<Option<(u64, u64)>>,
+}
+
+impl SocketWatch {
+    fn new(sockets: &[&Path], moved: Arc<tokio::sync::Notify>) -> Self {
+        let mut watch = SocketWatch {
+            sockets: sockets.iter().map(|s| s.to_path_buf()).collect(),
+            moved,
+            watcher: None,
+            dirs: Vec::new(),
+        };
+        watch.renew();
+        watch
+    }
+
+    fn identities(&self) -> Vec<Option<(u64, u64)>> {
+        use std::os::unix::fs::MetadataExt as _;
+        self.sockets
+            .iter()
+            .map(|s| {
+                let meta = std::fs::metadata(s.parent()?).ok()?;
+                Some((meta.dev(), meta.ino()))
+            })
+            .collect()
+    }
+
+    fn renew(&mut self) {
+        // The old watch gone first: its inotify descriptor is one of a limited number per user.
+        self.watcher = None;
+        self.dirs = self.identities();
+        let sockets: Vec<&Path> = self.sockets.iter().map(PathBuf::as_path).collect();
+        self.watcher = watch_sockets(&sockets, self.moved.clone());
+    }
+
+    /// Puts the watch on the directories again if one of them is not the one watched; whether it did.
+    fn renew_if_replaced(&mut self) -> bool {
+        if self.identities() == self.dirs {
+            return false;
+        }
+        self.renew();
+        tracing::info!("a DRA socket directory was replaced; watching the new one");
+        true
+    }
+
+    fn is_watching(&self) -> bool {
+        self.watcher.is_some()
+    }
+}
+
+/// Watches the directories of `sockets` (inotify) and wakes `moved` when one of the sockets is created,
+/// removed or renamed, when a directory itself is moved or removed, or when the watch may have missed
+/// something. Nothing else there wakes it: other plugins' sockets coming and going, or a directory being
+/// read. `None` (said) if the watch cannot be set up: the caller then looks every second.
 fn watch_sockets(
     sockets: &[&Path],
     moved: Arc<tokio::sync::Notify>,
@@ -203,6 +262,11 @@ fn watch_sockets(
         .iter()
         .filter_map(|s| s.file_name().map(|n| n.to_os_string()))
         .collect();
+    let dirs: Vec<PathBuf> = sockets
+        .iter()
+        .filter_map(|s| s.parent().map(Path::to_path_buf))
+        .collect();
+    let watched = dirs.clone();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         let relevant = match event {
             Ok(event) => {
@@ -212,10 +276,10 @@ fn watch_sockets(
                         EventKind::Create(_)
                             | EventKind::Remove(_)
                             | EventKind::Modify(ModifyKind::Name(_))
-                    ) && event
-                        .paths
-                        .iter()
-                        .any(|p| p.file_name().is_some_and(|n| names.iter().any(|o| o == n)))
+                    ) && event.paths.iter().any(|p| {
+                        watched.iter().any(|d| d == p)
+                            || p.file_name().is_some_and(|n| names.iter().any(|o| o == n))
+                    })
             }
             Err(_) => true,
         };
@@ -225,13 +289,10 @@ fn watch_sockets(
     })
     .map_err(|e| e.to_string());
     let watched = watcher.as_mut().map_err(|e| e.clone()).and_then(|w| {
-        sockets
-            .iter()
-            .filter_map(|s| s.parent())
-            .try_for_each(|dir| {
-                w.watch(dir, RecursiveMode::NonRecursive)
-                    .map_err(|e| format!("{}: {e}", dir.display()))
-            })
+        dirs.iter().try_for_each(|dir| {
+            w.watch(dir, RecursiveMode::NonRecursive)
+                .map_err(|e| format!("{}: {e}", dir.display()))
+        })
     });
     match watched {
         Ok(()) => watcher.ok(),
@@ -249,6 +310,8 @@ struct Served {
     task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
     stop: CancellationToken,
     replaced_said: bool,
+    /// The last failure to bind the socket again, said once.
+    failure_said: Option<String>,
 }
 
 impl Served {
@@ -277,28 +340,55 @@ impl Served {
             task,
             stop,
             replaced_said: false,
+            failure_said: None,
         })
     }
 
-    /// Binds the socket again if its file is gone. A file of someone else's in its place (another instance
-    /// on the same node) is left alone, and said once.
-    fn keep_in_place(&mut self) -> Result<(), DraError> {
+    /// Binds the socket again if its file is gone, making its directory again if that is gone too (someone
+    /// cleaned up under the running plugin). A file of someone else's in its place (another instance on the
+    /// same node) is left alone, and said once. Whether the socket is ours and in place after: a failure
+    /// (the directory replaced by a file, out of descriptors) is said once per kind and tried again at the
+    /// next check, never the end of the DRA side.
+    fn keep_in_place(&mut self) -> bool {
         if self.socket.is_in_place() {
             self.replaced_said = false;
-            return Ok(());
+            self.failure_said = None;
+            return true;
         }
-        if std::fs::symlink_metadata(self.socket.path()).is_err() {
-            tracing::info!(socket = %self.socket.path().display(), "DRA socket gone; binding it again");
-            self.socket.rebind(self.conns.clone())?;
-        } else if !self.replaced_said {
-            self.replaced_said = true;
-            tracing::warn!(
-                socket = %self.socket.path().display(),
-                "another process has bound the DRA socket (a second instance of the plugin on this node?); \
-                 leaving it to that one"
-            );
+        if std::fs::symlink_metadata(self.socket.path()).is_ok() {
+            if !self.replaced_said {
+                self.replaced_said = true;
+                tracing::warn!(
+                    socket = %self.socket.path().display(),
+                    "another process has bound the DRA socket (a second instance of the plugin on this node?); \
+                     leaving it to that one"
+                );
+            }
+            return false;
         }
-        Ok(())
+        let rebound = match self.socket.path().parent() {
+            Some(dir) => std::fs::create_dir_all(dir).map_err(|source| DraError::Dir {
+                path: dir.to_path_buf(),
+                source,
+            }),
+            None => Ok(()),
+        }
+        .and_then(|()| Ok(self.socket.rebind(self.conns.clone())?));
+        match rebound {
+            Ok(()) => {
+                tracing::info!(socket = %self.socket.path().display(), "DRA socket was gone: bound again");
+                self.failure_said = None;
+                true
+            }
+            Err(e) => {
+                let why = e.to_string();
+                if self.failure_said.as_ref() != Some(&why) {
+                    tracing::warn!(error = %why, retry_in = ?SOCKET_CHECK_UNWATCHED, "cannot bind the DRA socket again: the kubelet cannot reach this driver until it can");
+                    self.failure_said = Some(why);
+                }
+                false
+            }
+        }
     }
 
     async fn stop(self) {
@@ -394,29 +484,32 @@ pub async fn run(
     );
 
     let moved = Arc::new(tokio::sync::Notify::new());
-    let watch = watch_sockets(&[&endpoint, &config.registration_socket()], moved.clone());
-    let mut check = tokio::time::interval(if watch.is_some() {
-        SOCKET_CHECK
-    } else {
-        SOCKET_CHECK_UNWATCHED
-    });
-    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let result = loop {
+    let mut watch = SocketWatch::new(&[&endpoint, &config.registration_socket()], moved.clone());
+    let mut in_place = true;
+    loop {
+        // Looked at every second while a socket cannot be bound or nothing watches them.
+        let check = if in_place && watch.is_watching() {
+            SOCKET_CHECK
+        } else {
+            SOCKET_CHECK_UNWATCHED
+        };
         tokio::select! {
-            () = shutdown.cancelled() => break Ok(()),
+            () = shutdown.cancelled() => break,
             () = moved.notified() => {}
-            _ = check.tick() => {}
+            () = tokio::time::sleep(check) => {}
         }
-        if let Err(e) = dra.keep_in_place().and_then(|()| reg.keep_in_place()) {
-            break Err(e);
+        // Both looked at, whatever the first says; again after a new watch, for what came before it.
+        in_place = dra.keep_in_place() & reg.keep_in_place();
+        if watch.renew_if_replaced() {
+            in_place = dra.keep_in_place() & reg.keep_in_place();
         }
-    };
+    }
     drop(watch);
     // The registration first: the kubelet must not find a driver whose API is already gone.
     streams.cancel();
     reg.stop().await;
     dra.stop().await;
-    result
+    Ok(())
 }
 
 /// What the DRA side's unit tests share.

@@ -210,9 +210,10 @@ pub fn specs(config: &SliceConfig, devices: &[Vec<Value>], generation: i64) -> V
         .collect()
 }
 
-/// Keeps the slices as `view` says until `shutdown`.
+/// Keeps the slices as `view` says until `shutdown`: written with `client`, watched with `watch_client`
+/// (one without a read timeout: a watch waits minutes for news, and the server ends it in its own time).
 pub async fn publish(
-    client: kube::Client,
+    (client, watch_client): (kube::Client, kube::Client),
     config: SliceConfig,
     mut view: watch::Receiver<DraView>,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
@@ -225,7 +226,8 @@ pub async fn publish(
     );
     // With a backoff: a watch that keeps failing (no RBAC, an API server without resource.k8s.io/v1) is
     // tried again after a growing wait, not at once in a loop.
-    let mut events = watcher(api.clone(), watcher::Config::default().fields(&selector))
+    let watched: Api<DynamicObject> = Api::all_with(watch_client, &slice_resource());
+    let mut events = watcher(watched, watcher::Config::default().fields(&selector))
         .default_backoff()
         .boxed();
     let mut said_watch_error: Option<String> = None;
@@ -479,7 +481,11 @@ async fn write(
             owned
                 && (o.data["spec"] == spec
                     || ours.is_some_and(|w| {
-                        w.spec == spec && o.metadata.resource_version.as_ref() == Some(&w.version)
+                        w.spec == spec
+                            && o.metadata
+                                .resource_version
+                                .as_ref()
+                                .is_some_and(|v| w.wrote(v))
                     }))
         });
         if unchanged {
@@ -527,10 +533,22 @@ async fn write(
         };
         dropped |= sent_taints && !has_taints(&done.data);
         if let Some(version) = done.metadata.resource_version {
+            let mut earlier = written
+                .remove(name)
+                .map(|w| {
+                    let mut earlier = w.earlier;
+                    earlier.push_back(w.version);
+                    earlier
+                })
+                .unwrap_or_default();
+            if earlier.len() > EARLIER_VERSIONS {
+                earlier.pop_front();
+            }
             written.insert(
                 name.clone(),
                 Written {
                     version,
+                    earlier,
                     // What was sent, which the next wanted spec is compared with, whatever defaults the API
                     // server added to it.
                     spec: spec.clone(),
@@ -565,8 +583,21 @@ struct Wrote {
 /// A slice as this plugin last wrote it: the version the API server gave the write, and the spec sent.
 struct Written {
     version: String,
+    /// The versions of this plugin's writes before it, the oldest first (at most [`EARLIER_VERSIONS`]): a
+    /// watch that tells of one of them is behind this plugin's own writes, not telling of someone else's.
+    earlier: std::collections::VecDeque<String>,
     spec: Value,
 }
+
+impl Written {
+    /// Whether `version` is one this plugin wrote: the last write or one of the ones before.
+    fn wrote(&self, version: &str) -> bool {
+        self.version == version || self.earlier.iter().any(|v| v == version)
+    }
+}
+
+/// Versions kept of a slice's earlier writes: more than a burst of writes can run ahead of the watch.
+const EARLIER_VERSIONS: usize = 32;
 
 fn has_taints(data: &Value) -> bool {
     data["spec"]["devices"].as_array().is_some_and(|d| {

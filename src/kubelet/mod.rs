@@ -51,6 +51,15 @@ pub async fn registered_or_late(mut status: tokio::sync::watch::Receiver<Kubelet
     .is_ok_and(|r| r.is_ok())
 }
 
+/// What to look at when a socket cannot be bound: the directory's permissions, where they are the cause.
+fn bind_hint(error: &std::io::Error) -> &'static str {
+    if error.kind() == std::io::ErrorKind::PermissionDenied {
+        " (is the directory writable by this process?)"
+    } else {
+        ""
+    }
+}
+
 /// Errors that stop the plugin.
 #[derive(Debug, thiserror::Error)]
 pub enum KubeletError {
@@ -73,7 +82,7 @@ pub enum KubeletError {
         len: usize,
     },
     /// Binding our socket failed.
-    #[error("cannot bind {}: {source} (is the directory writable by this process?)", .path.display())]
+    #[error("cannot bind {}: {source}{}", .path.display(), bind_hint(source))]
     Bind {
         /// The socket path.
         path: PathBuf,
