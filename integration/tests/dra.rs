@@ -503,6 +503,62 @@ async fn the_slices_watch_outlasts_a_quiet_spell_longer_than_the_call_timeout() 
     Ok(())
 }
 
+/// A flood of connections to the DRA socket that never send anything: no more than the cap are held at once
+/// (the oldest silent one is closed past it), each is closed within 10 s, and the kubelet's connection, which
+/// speaks, keeps its place: its health stream carries a fault meanwhile, and the descriptors are given back.
+#[tokio::test]
+async fn silent_connections_to_the_dra_socket_are_capped_and_closed_and_the_kubelets_stays()
+-> TestResult {
+    use tokio::io::AsyncReadExt as _;
+    let node = DraNode::start(1, "all").await?;
+    node.kubelet
+        .wait_device_health((DRIVER, NODE, "gpu-0"), WAIT, |h| {
+            h.health == Health::Healthy
+        })
+        .await?;
+    let fds_before = node.plugin.open_files().ok_or("no /proc fd count")?;
+    let socket = node
+        .root
+        .path()
+        .join("plugins")
+        .join(DRIVER)
+        .join("dra.sock");
+    let mut silent = Vec::new();
+    for _ in 0..150 {
+        silent.push(tokio::net::UnixStream::connect(&socket).await?);
+    }
+    node.inject(format!("xid {} 79", simulated_uuid(0)));
+    node.kubelet
+        .wait_device_health((DRIVER, NODE, "gpu-0"), WAIT, |h| {
+            h.health == Health::Unhealthy
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    // Every silent one is closed by the plugin (end of stream, or a reset).
+    for (n, connection) in silent.iter_mut().enumerate() {
+        let mut sent = Vec::new();
+        tokio::time::timeout(WAIT, connection.read_to_end(&mut sent))
+            .await
+            .map_err(|_| format!("silent connection {n} still open"))?
+            .ok();
+    }
+    // Given back (a few more may come and go meanwhile: the API server's connections, a checkpoint save).
+    let fds_after = node.plugin.open_files().ok_or("no /proc fd count")?;
+    assert!(
+        fds_after <= fds_before + 8,
+        "{fds_before} descriptors before the flood, {fds_after} after"
+    );
+    // The kubelet's health stream was never cut.
+    let streams = node.kubelet.health_streams();
+    assert!(
+        !streams
+            .iter()
+            .any(|s| matches!(s.event, fake_kubelet::dra::StreamEvent::Ended(_))),
+        "{streams:?}"
+    );
+    Ok(())
+}
+
 /// The first Event with `reason` on a pod in namespace `ml`, as the API server took it.
 async fn pod_event(node: &DraNode, reason: &str) -> Result<Value, String> {
     let is_it = |r: &fake_kubelet::apiserver::Recorded| {

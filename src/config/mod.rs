@@ -1170,7 +1170,7 @@ fn dra_settings(
         .clone()
         .or_else(|| file.dra_driver_name.clone())
         .unwrap_or_else(|| crate::dra::DEFAULT_DRIVER.to_string());
-    if driver.len() > 63 || !is_dns_subdomain(&driver) {
+    if driver.len() > 63 || !crate::util::text::is_dns_subdomain(&driver) {
         return Err(ConfigError::Invalid {
             setting: "--dra-driver-name",
             value: driver,
@@ -1512,7 +1512,7 @@ pub fn check_extended_resource_name(name: &str) -> Result<(), ConfigError> {
     let Some((domain, short)) = name.split_once('/') else {
         return Err(invalid("no domain"));
     };
-    if !is_dns_subdomain(domain) {
+    if !crate::util::text::is_dns_subdomain(domain) {
         return Err(invalid("the domain is not a lowercase DNS name"));
     }
     if domain == "kubernetes.io" || domain.ends_with(".kubernetes.io") {
@@ -1526,20 +1526,6 @@ pub fn check_extended_resource_name(name: &str) -> Result<(), ConfigError> {
         ));
     }
     Ok(())
-}
-
-fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
 }
 
 fn is_name_part(s: &str) -> bool {

@@ -24,7 +24,7 @@ use super::view::{DraDevice, DraView};
 
 /// How often the stream is sent while nothing changes.
 pub const HEARTBEAT: Duration = Duration::from_secs(10);
-/// Health streams open at once, at most.
+/// Health streams open at once, at most: past it, a new stream ends the oldest.
 pub const MAX_STREAMS: usize = 8;
 /// How long the kubelet is told to trust a report: three heartbeats, so one late one is no gap.
 pub const REPORT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -80,7 +80,75 @@ pub struct HealthService {
     devices: watch::Receiver<DraView>,
     config: Arc<HealthConfig>,
     shutdown: CancellationToken,
-    open: Arc<tokio::sync::Semaphore>,
+    open: Arc<OpenStreams>,
+}
+
+/// The streams open, oldest first, each with the token that ends it.
+#[derive(Default)]
+struct OpenStreams {
+    streams: std::sync::Mutex<std::collections::VecDeque<(u64, CancellationToken)>>,
+    next: std::sync::atomic::AtomicU64,
+    ended: std::sync::atomic::AtomicU64,
+}
+
+impl OpenStreams {
+    fn list(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u64, CancellationToken)>> {
+        // Every change is one push, pop or retain: a list whose lock was poisoned is whole all the same.
+        self.streams
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A place for one more stream, ended by the token given (or at `shutdown`); the oldest stream is ended
+    /// to make room if [`MAX_STREAMS`] are open, said on the 1st, 2nd, 4th, 8th... time.
+    fn admit(self: &Arc<Self>, shutdown: &CancellationToken) -> (OpenStream, CancellationToken) {
+        use std::sync::atomic::Ordering;
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let end = shutdown.child_token();
+        let mut ended = 0;
+        {
+            let mut list = self.list();
+            while list.len() >= MAX_STREAMS {
+                if let Some((_, oldest)) = list.pop_front() {
+                    oldest.cancel();
+                    ended += 1;
+                }
+            }
+            list.push_back((id, end.clone()));
+        }
+        for _ in 0..ended {
+            let so_far = self.ended.fetch_add(1, Ordering::Relaxed) + 1;
+            if so_far.is_power_of_two() {
+                tracing::warn!(
+                    open = MAX_STREAMS,
+                    ended_so_far = so_far,
+                    "a new DRA health stream past the cap: the oldest is ended to make room (the kubelet \
+                     opens a new one when it restarts; a client that leaves streams open is not the kubelet)"
+                );
+            }
+        }
+        (
+            OpenStream {
+                id,
+                open: self.clone(),
+            },
+            end,
+        )
+    }
+}
+
+/// A stream's place among the open ones, given back when the stream goes.
+struct OpenStream {
+    id: u64,
+    open: Arc<OpenStreams>,
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.open.list().retain(|(id, _)| *id != self.id);
+    }
 }
 
 impl HealthService {
@@ -94,17 +162,17 @@ impl HealthService {
             devices,
             config: Arc::new(config),
             shutdown,
-            open: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS)),
+            open: Arc::new(OpenStreams::default()),
         }
     }
 
-    /// The reports of one stream: the list at once, after every change and on every heartbeat. A kubelet
-    /// slower than the changes gets the newest list when it reads again, never a queue of old ones.
-    fn reports(&self) -> mpsc::Receiver<Vec<DeviceReport>> {
+    /// The reports of one stream until `end`: the list at once, after every change and on every heartbeat.
+    /// A kubelet slower than the changes gets the newest list when it reads again, never a queue of old ones.
+    fn reports(&self, end: CancellationToken) -> mpsc::Receiver<Vec<DeviceReport>> {
         let (tx, rx) = mpsc::channel(1);
         let mut devices = self.devices.clone();
         let config = self.config.clone();
-        let shutdown = self.shutdown.clone();
+        let shutdown = end;
         tokio::spawn(async move {
             let mut beat = tokio::time::interval(config.heartbeat);
             beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -129,24 +197,16 @@ impl HealthService {
         rx
     }
 
-    /// One stream, while fewer than [`MAX_STREAMS`] are open: the kubelet holds one (two across its
-    /// restart); more is someone else's, and refused rather than given a task each.
-    fn stream<T: Send + 'static>(
-        &self,
-        into: fn(Vec<DeviceReport>) -> T,
-    ) -> Result<ReportStream<T>, Status> {
-        let Ok(open) = self.open.clone().try_acquire_owned() else {
-            return Err(Status::resource_exhausted(format!(
-                "{MAX_STREAMS} health streams are open already"
-            )));
-        };
-        // Ends at shutdown: the task behind it returns then; the place is given back when tonic drops it.
-        Ok(Box::pin(ReceiverStream::new(self.reports()).map(
-            move |list| {
-                let _open = &open;
-                Ok(into(list))
-            },
-        )))
+    /// One stream. The kubelet holds one (two across its restart); past [`MAX_STREAMS`] the oldest is
+    /// ended, so that a kubelet opening its stream always gets one, whoever holds the others.
+    fn stream<T: Send + 'static>(&self, into: fn(Vec<DeviceReport>) -> T) -> ReportStream<T> {
+        let (place, end) = self.open.admit(&self.shutdown);
+        // Ends at shutdown or when ended to make room: the task behind it returns then; the place is given
+        // back when tonic drops the stream.
+        Box::pin(ReceiverStream::new(self.reports(end)).map(move |list| {
+            let _place = &place;
+            Ok(into(list))
+        }))
     }
 }
 
@@ -190,7 +250,7 @@ impl health_v1::dra_resource_health_server::DraResourceHealth for HealthService 
         _request: Request<health_v1::NodeWatchResourcesRequest>,
     ) -> Result<Response<V1Stream>, Status> {
         tracing::debug!("the kubelet opened the DRA health stream (v1)");
-        self.stream(v1_message).map(Response::new)
+        Ok(Response::new(self.stream(v1_message)))
     }
 }
 
@@ -203,7 +263,7 @@ impl health_v1alpha1::dra_resource_health_server::DraResourceHealth for HealthSe
         _request: Request<health_v1alpha1::NodeWatchResourcesRequest>,
     ) -> Result<Response<V1alpha1Stream>, Status> {
         tracing::debug!("the kubelet opened the DRA health stream (v1alpha1)");
-        self.stream(v1alpha1_message).map(Response::new)
+        Ok(Response::new(self.stream(v1alpha1_message)))
     }
 }
 
@@ -257,7 +317,7 @@ mod tests {
         let (tx, rx) = watch::channel(view(&inventory()));
         let shutdown = CancellationToken::new();
         let service = HealthService::new(rx, config(Duration::from_secs(10)), shutdown.clone());
-        let mut reports = service.reports();
+        let mut reports = service.reports(service.shutdown.clone());
         let first = reports.recv().await.expect("first list");
         assert!(first.iter().all(|d| d.health == 1));
 
@@ -289,19 +349,30 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn streams_past_the_cap_are_refused_and_a_closed_one_gives_its_place_back() {
+    async fn a_stream_past_the_cap_ends_the_oldest_and_a_closed_one_gives_its_place_back() {
         let (_tx, rx) = watch::channel(view(&inventory()));
         let service = HealthService::new(rx, config(HEARTBEAT), CancellationToken::new());
-        let mut open: Vec<_> = (0..MAX_STREAMS)
-            .map(|_| service.stream(v1_message).expect("under the cap"))
+        let mut open: std::collections::VecDeque<_> = (0..MAX_STREAMS)
+            .map(|_| service.stream(v1_message))
             .collect();
-        let refused = service.stream(v1_message).err().expect("over the cap");
-        assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
-        drop(open.pop());
-        assert!(
-            service.stream(v1_message).is_ok(),
-            "a closed stream's place is free again"
-        );
+        // Each has its first list.
+        for stream in &mut open {
+            assert!(matches!(stream.next().await, Some(Ok(_))));
+        }
+        // The kubelet, after someone left eight streams open: its stream is served, the oldest ends.
+        let mut kubelet = service.stream(v1_message);
+        assert!(matches!(kubelet.next().await, Some(Ok(_))));
+        let mut oldest = open.pop_front().expect("eight open");
+        assert!(oldest.next().await.is_none(), "the oldest stream ended");
+        assert_eq!(service.open.list().len(), MAX_STREAMS);
+        // The others stay open; one closed frees its place, and the next stream ends none.
+        drop(open.pop_back());
+        assert_eq!(service.open.list().len(), MAX_STREAMS - 1);
+        let _another = service.stream(v1_message);
+        let mut second_oldest = open.pop_front().expect("six open");
+        let still_open =
+            tokio::time::timeout(Duration::from_millis(50), second_oldest.next()).await;
+        assert!(still_open.is_err(), "a stream within the cap stays open");
     }
 
     #[tokio::test(start_paused = true)]
@@ -312,7 +383,7 @@ mod tests {
             config(Duration::from_secs(10)),
             CancellationToken::new(),
         );
-        let mut reports = service.reports();
+        let mut reports = service.reports(service.shutdown.clone());
         assert!(reports.recv().await.is_some());
         drop(tx);
         for _ in 0..3 {

@@ -23,10 +23,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt as _;
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::dra::registration::registration_server::RegistrationServer;
@@ -328,7 +326,8 @@ impl Served {
         }
         let (conns, incoming) = mpsc::channel(16);
         let socket = PluginSocket::bind(path, conns.clone())?;
-        let incoming = ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>);
+        // Held to a cap, the oldest silent connection closed past it, a silent one closed after 10 s.
+        let incoming = crate::util::bounded::held_connections(incoming, "DRA socket");
         // Its own token under the process's: a server stopped on the DRA side's own failure stops at once.
         let stop = shutdown.child_token();
         let task = tokio::spawn(

@@ -40,6 +40,60 @@ impl ClaimRef {
     fn describe(&self) -> String {
         format!("ResourceClaim {}/{}", self.namespace, self.name)
     }
+
+    /// Why no API server could hold this claim (its namespace, name or UID breaks the API server's rules),
+    /// if so: said with the sizes, never the text, whatever its size.
+    fn invalid(&self) -> Option<String> {
+        use crate::util::text::{is_dns_label, is_dns_subdomain};
+        if !is_dns_label(&self.namespace) {
+            return Some(format!(
+                "its namespace ({} bytes) is not a DNS label of at most 63 lower-case letters, digits and '-'",
+                self.namespace.len()
+            ));
+        }
+        if !is_dns_subdomain(&self.name) {
+            return Some(format!(
+                "its name ({} bytes) is not a DNS subdomain of at most 253 bytes",
+                self.name.len()
+            ));
+        }
+        let uid_ok = !self.uid.is_empty()
+            && self.uid.len() <= MAX_UID
+            && self.uid.bytes().all(|b| b.is_ascii_graphic());
+        (!uid_ok).then(|| {
+            format!(
+                "its UID ({} bytes) is not 1-{MAX_UID} printable ASCII characters",
+                self.uid.len()
+            )
+        })
+    }
+}
+
+/// The longest claim UID taken: the API server's are 36-character UUIDs.
+const MAX_UID: usize = 128;
+/// Claims in one call, at most: the kubelet sends the claims of one pod, and a pod names at most 32.
+pub const MAX_CLAIMS_PER_CALL: usize = 128;
+
+/// The claims of one call from the kubelet, or the refusal of a call no kubelet makes: more claims than a
+/// pod can name, or a claim no API server could hold. Nothing of it is read from the API server, logged
+/// or echoed: an answer carries every claim's UID back, so a call like that is refused whole.
+pub fn checked(claims: Vec<ClaimRef>) -> Result<Vec<ClaimRef>, Status> {
+    if claims.len() > MAX_CLAIMS_PER_CALL {
+        return Err(Status::invalid_argument(format!(
+            "{} claims in one call: the kubelet sends one pod's, at most {MAX_CLAIMS_PER_CALL}",
+            claims.len()
+        )));
+    }
+    for (n, claim) in claims.iter().enumerate() {
+        if let Some(why) = claim.invalid() {
+            return Err(Status::invalid_argument(format!(
+                "claim {} of {} is not a ResourceClaim the API server could hold: {why}",
+                n + 1,
+                claims.len()
+            )));
+        }
+    }
+    Ok(claims)
 }
 
 /// What preparing serves.
@@ -351,7 +405,7 @@ macro_rules! serve_version {
                 request: Request<$version::NodePrepareResourcesRequest>,
             ) -> Result<Response<$version::NodePrepareResourcesResponse>, Status> {
                 let request = request.into_inner();
-                let claims = request.claims.into_iter().map(ClaimRef::from).collect();
+                let claims = checked(request.claims.into_iter().map(ClaimRef::from).collect())?;
                 let claims = self
                     .prepare(claims)
                     .await
@@ -382,7 +436,7 @@ macro_rules! serve_version {
                 request: Request<$version::NodeUnprepareResourcesRequest>,
             ) -> Result<Response<$version::NodeUnprepareResourcesResponse>, Status> {
                 let request = request.into_inner();
-                let claims = request.claims.into_iter().map(ClaimRef::from).collect();
+                let claims = checked(request.claims.into_iter().map(ClaimRef::from).collect())?;
                 let claims = self
                     .unprepare(claims)
                     .await

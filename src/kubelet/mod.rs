@@ -17,11 +17,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use futures_util::StreamExt as _;
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::device_plugin_server::DevicePluginServer;
@@ -353,7 +351,8 @@ impl Server {
                 .with_pre_start_check(config.pre_start_check)
                 .with_metrics(config.metrics.clone());
         let streams = service.streams();
-        let incoming = ReceiverStream::new(conns).map(Ok::<_, std::io::Error>);
+        // Held to a cap, as the DRA sockets are: only the kubelet should connect here.
+        let incoming = crate::util::bounded::held_connections(conns, "device plugin socket");
         let task = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(DevicePluginServer::new(service))

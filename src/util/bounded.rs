@@ -1,4 +1,5 @@
-//! HTTP/1 connections served within bounds, for the side surfaces: the HTTP port and the control socket.
+//! HTTP/1 connections served within bounds, for the side surfaces: the HTTP port and the control socket;
+//! and the gRPC connections of the DRA sockets held to a cap ([`Held`]).
 //!
 //! A client that connects and never finishes its request costs a task, a read buffer and a descriptor for
 //! as long as it stays. Unbounded, ten thousand such connections took the plugin from 9 to 179 MB (past the
@@ -83,9 +84,10 @@ pub struct Gate {
     what: &'static str,
     max: usize,
     permits: Arc<Semaphore>,
-    /// Each place held and the token that closes its connection, oldest first; a place taken out to make
-    /// room is no longer here, though its permit is held until its connection is closed.
-    held: Mutex<VecDeque<(u64, CancellationToken)>>,
+    /// Each place held, the token that closes its connection and whether its client has sent anything,
+    /// oldest first; a place taken out to make room is no longer here, though its permit is held until its
+    /// connection is closed.
+    held: Mutex<VecDeque<Kept>>,
     next_id: AtomicU64,
     evicted: AtomicU64,
     /// Connections admitted since the heap was last trimmed.
@@ -123,19 +125,35 @@ impl Gate {
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let close = CancellationToken::new();
-        self.places().push_back((id, close.clone()));
+        let spoke = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        self.places().push_back(Kept {
+            id,
+            close: close.clone(),
+            spoke: spoke.clone(),
+        });
         Some(Place {
             id,
             close,
+            spoke,
             evicted_another,
             permit: Some(permit),
             gate: self.clone(),
         })
     }
 
-    /// Tells the oldest connection to close; whether there was one (all may be closing already).
+    /// Tells the oldest connection whose client has sent nothing yet to close, else the oldest; whether
+    /// there was one (all may be closing already). A client that speaks (the kubelet on its socket) keeps
+    /// its place through a flood of connections that never do.
     fn evict_oldest(&self) -> bool {
-        let Some((_, close)) = self.places().pop_front() else {
+        let evicted = {
+            let mut places = self.places();
+            let silent = places
+                .iter()
+                .position(|p| !p.spoke.load(Ordering::Relaxed))
+                .unwrap_or(0);
+            places.remove(silent)
+        };
+        let Some(Kept { close, .. }) = evicted else {
             return false;
         };
         close.cancel();
@@ -153,7 +171,7 @@ impl Gate {
 
     /// The places held, in order. A panic elsewhere while this was held leaves a list that is still whole
     /// (every change is one push, pop or retain), so a poisoned lock is used all the same.
-    fn places(&self) -> MutexGuard<'_, VecDeque<(u64, CancellationToken)>> {
+    fn places(&self) -> MutexGuard<'_, VecDeque<Kept>> {
         self.held.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -184,11 +202,20 @@ impl Gate {
     }
 }
 
+/// One place as the gate keeps it.
+#[derive(Debug)]
+struct Kept {
+    id: u64,
+    close: CancellationToken,
+    spoke: Arc<std::sync::atomic::AtomicBool>,
+}
+
 /// A connection's place at its surface, given back when dropped.
 #[derive(Debug)]
 pub struct Place {
     id: u64,
     close: CancellationToken,
+    spoke: Arc<std::sync::atomic::AtomicBool>,
     evicted_another: bool,
     permit: Option<OwnedSemaphorePermit>,
     gate: Arc<Gate>,
@@ -204,12 +231,122 @@ impl Place {
     pub async fn closing(&self) {
         self.close.cancelled().await;
     }
+
+    /// Notes that the client has sent something: it is closed to make room only after every silent one.
+    pub fn spoke(&self) {
+        self.spoke.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A connection held at a gate, for a server that drives the connection itself (tonic): reading and
+/// writing fail once the gate wants the place back, and reading fails when the client has sent nothing
+/// within the first `silent_for` (a client that never speaks holds a descriptor for no one). The place is
+/// given back when the server drops it.
+pub struct Held<I> {
+    io: I,
+    place: Place,
+    closing: std::pin::Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    silent_until: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<I> Held<I> {
+    /// `io`, holding `place`, with `silent_for` to send its first bytes.
+    pub fn new(io: I, place: Place, silent_for: Duration) -> Self {
+        let closing = Box::pin(place.close.clone().cancelled_owned());
+        Held {
+            io,
+            place,
+            closing,
+            silent_until: Some(Box::pin(tokio::time::sleep(silent_for))),
+        }
+    }
+
+    /// Why the connection is to end now, if it is (registering the wake-ups that say so later).
+    fn ended(&mut self, cx: &mut std::task::Context<'_>, reading: bool) -> Option<std::io::Error> {
+        use std::future::Future as _;
+        if self.closing.as_mut().poll(cx).is_ready() {
+            return Some(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "closed to make room for a newer connection",
+            ));
+        }
+        let silent = reading
+            && self
+                .silent_until
+                .as_mut()
+                .is_some_and(|t| t.as_mut().poll(cx).is_ready());
+        silent.then(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the client sent nothing after connecting",
+            )
+        })
+    }
+}
+
+impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Held<I> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(e) = this.ended(cx, true) {
+            return std::task::Poll::Ready(Err(e));
+        }
+        let before = buf.filled().len();
+        let read = std::pin::Pin::new(&mut this.io).poll_read(cx, buf);
+        if this.silent_until.is_some()
+            && matches!(read, std::task::Poll::Ready(Ok(())))
+            && buf.filled().len() > before
+        {
+            this.silent_until = None;
+            this.place.spoke();
+        }
+        read
+    }
+}
+
+impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Held<I> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        data: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        if let Some(e) = this.ended(cx, false) {
+            return std::task::Poll::Ready(Err(e));
+        }
+        std::pin::Pin::new(&mut this.io).poll_write(cx, data)
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+impl<I: tonic::transport::server::Connected> tonic::transport::server::Connected for Held<I> {
+    type ConnectInfo = I::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
 }
 
 impl Drop for Place {
     fn drop(&mut self) {
         let id = self.id;
-        self.gate.places().retain(|(held, _)| *held != id);
+        self.gate.places().retain(|p| p.id != id);
         drop(self.permit.take());
         self.gate.closed();
     }
@@ -246,6 +383,38 @@ where
         _finished = tokio::time::timeout(GRACE, connection.as_mut()) => {}
         () = place.closing() => {}
     }
+}
+
+/// Connections to a socket the kubelet uses (the device plugin's, the DRA sockets) at once, at most (fewer
+/// under a small open-file limit): the kubelet holds one or two.
+pub const KUBELET_SOCKET_CONNECTIONS: usize = 64;
+/// How long a new connection to such a socket may stay silent before it is closed.
+pub const KUBELET_SOCKET_SILENT_FOR: Duration = Duration::from_secs(10);
+
+/// The connections of a gRPC server's Unix socket that the kubelet uses, each held at a gate of its own
+/// named `what`: at most [`KUBELET_SOCKET_CONNECTIONS`] at once, past it the oldest silent one closed to make
+/// room, and one that sends nothing within [`KUBELET_SOCKET_SILENT_FOR`] closed. The kubelet speaks as soon
+/// as it connects, so its connection keeps its place through a flood of silent ones.
+pub fn held_connections(
+    conns: tokio::sync::mpsc::Receiver<tokio::net::UnixStream>,
+    what: &'static str,
+) -> impl futures_util::Stream<Item = std::io::Result<Held<tokio::net::UnixStream>>> {
+    use futures_util::StreamExt as _;
+    let silent_for = KUBELET_SOCKET_SILENT_FOR;
+    let gate = Gate::new(
+        what,
+        crate::util::limits::connection_cap(
+            KUBELET_SOCKET_CONNECTIONS,
+            crate::util::limits::open_files_now(),
+        ),
+    );
+    tokio_stream::wrappers::ReceiverStream::new(conns).filter_map(move |stream| {
+        let gate = gate.clone();
+        async move {
+            let place = gate.admit().await?;
+            Some(Ok(Held::new(stream, place, silent_for)))
+        }
+    })
 }
 
 #[cfg(test)]

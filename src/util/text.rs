@@ -1,6 +1,7 @@
 //! Text cut to a size limit in bytes, at a character boundary: what a request echoes, a refused start's
 //! description, an Event's note, the node condition's message. And text from outside made safe to print:
-//! a reason written by anyone who may patch a Node must not forge a log line or drive a terminal.
+//! a reason written by anyone who may patch a Node must not forge a log line or drive a terminal. And the
+//! API server's rules for names, to tell a name it could hold from one it never could.
 
 /// The longest prefix of `text` of at most `max` bytes that ends on a character boundary, as a byte length.
 pub fn floor(text: &str, max: usize) -> usize {
@@ -43,6 +44,23 @@ pub fn printable(text: &str) -> String {
         }
     }
     out
+}
+
+/// Whether `s` is a DNS label as Kubernetes names take it (a namespace): 1-63 lower-case letters, digits
+/// and '-', starting and ending with a letter or digit.
+pub fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// Whether `s` is a DNS subdomain as Kubernetes names take it (most objects' names): at most 253 bytes of
+/// DNS labels joined by '.'.
+pub fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns_label)
 }
 
 #[cfg(test)]

@@ -339,3 +339,69 @@ async fn both_api_versions_answer_every_claim_by_uid_with_its_devices_or_its_err
     assert_eq!(gone.claims.len(), 2);
     assert!(gone.claims.values().all(|c| c.error.is_empty()));
 }
+
+#[tokio::test]
+async fn a_call_no_kubelet_makes_is_refused_whole_with_sizes_and_nothing_of_it_echoed() {
+    let s = setup();
+    s.claims
+        .allocate("train", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    let preparer = s.preparer();
+    let huge = "a".repeat(1 << 20);
+    let one = |namespace: &str, name: &str, uid: &str| v1::Claim {
+        namespace: namespace.into(),
+        uid: uid.into(),
+        name: name.into(),
+    };
+    let refusals = [
+        (vec![one("ns", &huge, "u-1")], "name (1048576 bytes)"),
+        (
+            vec![one(&huge, "train", "u-1")],
+            "namespace (1048576 bytes)",
+        ),
+        (vec![one("ns", "train", &huge)], "UID (1048576 bytes)"),
+        (vec![one("ns", "train", "u-1\n forged")], "UID (11 bytes)"),
+        (vec![one("NS", "train", "u-1")], "namespace (2 bytes)"),
+        (
+            vec![one("ns", "train", "u-1"), one("ns", "Train_Gpu", "u-2")],
+            "claim 2 of 2",
+        ),
+        (
+            (0..=MAX_CLAIMS_PER_CALL)
+                .map(|i| one("ns", "train", &format!("u-{i}")))
+                .collect(),
+            "129 claims in one call",
+        ),
+    ];
+    for (claims, said) in refusals {
+        for unprepare in [false, true] {
+            let status = if unprepare {
+                v1::dra_plugin_server::DraPlugin::node_unprepare_resources(
+                    &preparer,
+                    Request::new(v1::NodeUnprepareResourcesRequest {
+                        claims: claims.clone(),
+                    }),
+                )
+                .await
+                .map(|_| ())
+            } else {
+                v1::dra_plugin_server::DraPlugin::node_prepare_resources(
+                    &preparer,
+                    Request::new(v1::NodePrepareResourcesRequest {
+                        claims: claims.clone(),
+                    }),
+                )
+                .await
+                .map(|_| ())
+            }
+            .expect_err("refused");
+            assert_eq!(status.code(), tonic::Code::InvalidArgument, "{said}");
+            assert!(
+                status.message().contains(said) && status.message().len() < 200,
+                "{}",
+                status.message()
+            );
+        }
+    }
+    // Nothing was prepared by the refused calls, though one held a good claim.
+    assert!(preparer.record.lock().await.claims.is_empty());
+}
