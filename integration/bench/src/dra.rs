@@ -28,7 +28,7 @@ use gpu_device_plugin::api::dra::v1;
 use serde_json::Value;
 
 use crate::Counts;
-use crate::measure::{ProcSample, faults_on_one_instance};
+use crate::measure::{ProcSample, faults_on_one_instance, faults_on_one_instance_with};
 use crate::report::{Report, Stats};
 use crate::rig::{Plugin, Rig, WAIT, uuid};
 
@@ -48,6 +48,9 @@ struct DraRig {
     api: FakeApiServer,
     kubelet: DraKubelet,
     args: Vec<String>,
+    /// The flags that give a device plugin instance the same API server (Events, the node condition), as
+    /// the DRA instances have it.
+    api_args: Vec<String>,
     /// `<plugins dir>/<driver>/dra.sock`, where the plugin serves the DRA API.
     endpoint: PathBuf,
 }
@@ -98,23 +101,26 @@ pub(crate) async fn dra(
     let kubelet = DraKubelet::start_with(&root, DraOptions::default().api_server(&api, NODE))
         .context("cannot start the fake kubelet's DRA side")?;
     let path = |p: PathBuf| p.to_string_lossy().into_owned();
-    let args = vec![
-        "--dra".into(),
-        "all".into(),
+    let api_args: Vec<String> = vec![
         "--kubeconfig".into(),
         path(kubeconfig),
         "--node-name".into(),
         NODE.into(),
+    ];
+    let mut args: Vec<String> = vec!["--dra".into(), "all".into()];
+    args.extend(api_args.iter().cloned());
+    args.extend([
         "--kubelet-registrar-directory-path".into(),
         path(root.join("plugins_registry")),
         "--kubelet-plugins-directory-path".into(),
         path(root.join("plugins")),
-    ];
+    ]);
     let dra = DraRig {
         endpoint: root.join("plugins").join(DRIVER).join("dra.sock"),
         api,
         kubelet,
         args,
+        api_args,
     };
     faults(
         rig,
@@ -240,9 +246,14 @@ async fn faults(
     let mut idle = None;
     let mut device_plugin = Vec::new();
     let mut device_plugin_missed = 0;
+    // The device plugin with the same API access as the DRA instances (Events and the node condition on
+    // every fault, written beside the fault path).
+    let mut with_api = Vec::new();
+    let mut with_api_missed = 0;
     let mut said = (false, false);
     while health.samples.len() + health.missed < count
         || device_plugin.len() + device_plugin_missed < count
+        || with_api.len() + with_api_missed < count
     {
         let want = devices.min(count - health.samples.len() - health.missed);
         if want > 0 {
@@ -296,12 +307,29 @@ async fn faults(
             device_plugin_missed +=
                 faults_on_one_instance(rig, devices, want, &mut device_plugin).await?;
         }
+        let want = devices.min(count - with_api.len() - with_api_missed);
+        if want > 0 {
+            with_api_missed += faults_on_one_instance_with(
+                rig,
+                devices,
+                want,
+                &mut with_api,
+                Some((&dra.api_args, &dra.api)),
+            )
+            .await?;
+        }
     }
     report.latency(
         &format!(
             "DRA comparison: device plugin, fault (XID 79) → kubelet sees Unhealthy, {devices} GPUs"
         ),
         &device_plugin,
+    );
+    report.latency(
+        &format!(
+            "DRA comparison: device plugin with API access (Events, node condition), fault (XID 79) → kubelet sees Unhealthy, {devices} GPUs"
+        ),
+        &with_api,
     );
     report.latency(
         &format!(
@@ -346,11 +374,21 @@ async fn faults(
         p99(&taint.samples) / base,
         "×",
     );
+    report.value(
+        "DRA: health stream p99 ÷ device plugin with API access p99",
+        p99(&health.samples) / p99(&with_api),
+        "×",
+    );
     let seen = |road: &Road| format!("{} of {count}", road.samples.len());
     report.check(
         "DRA comparison: device plugin, every fault seen",
         device_plugin_missed == 0,
         format!("{} of {count}", device_plugin.len()),
+    );
+    report.check(
+        "DRA comparison: device plugin with API access, every fault seen",
+        with_api_missed == 0,
+        format!("{} of {count}", with_api.len()),
     );
     report.check(
         "DRA: every fault on the health stream",

@@ -109,8 +109,8 @@ pub(crate) enum Measure {
     Abuse,
     /// Every GPU served through DRA (`--dra all`) against the fake kubelet's DRA side and the fake API server:
     /// fault → the health stream's Unhealthy report, fault → the ResourceSlice's taint, and prepare,
-    /// repeated prepare and unprepare round trips; beside the device plugin's fault → kubelet, instance by
-    /// instance in turn. This workspace's plugin only.
+    /// repeated prepare and unprepare round trips; beside the device plugin's fault → kubelet, without and
+    /// with the same API access, instance by instance in turn. This workspace's plugin only.
     Dra,
 }
 

@@ -914,11 +914,35 @@ pub(crate) async fn faults_on_one_instance(
     want: usize,
     samples: &mut Vec<Duration>,
 ) -> anyhow::Result<usize> {
+    faults_on_one_instance_with(rig, devices, want, samples, None).await
+}
+
+/// As [`faults_on_one_instance`]; with `Some((args, api))`, the plugin started with `args` added to its
+/// command line (those that give it `api`), and the faults begin once it has written its first node
+/// condition there: its API client built (the client's TLS set-up is tens of milliseconds of CPU right after
+/// registration), as a DRA instance's is by the time it is ready.
+pub(crate) async fn faults_on_one_instance_with(
+    rig: &Rig,
+    devices: usize,
+    want: usize,
+    samples: &mut Vec<Duration>,
+    with_api: Option<(&[String], &fake_kubelet::apiserver::FakeApiServer)>,
+) -> anyhow::Result<usize> {
     let mut missed = 0;
     let n = rig.next_registration().await;
-    let plugin = rig.spawn(devices)?;
+    let mark = with_api.map_or(0, |(_, api)| api.requests().len());
+    let plugin = rig.spawn_with(devices, None, with_api.map_or(&[], |(args, _)| args), &[])?;
     rig.wait_registered(n, &plugin).await?;
     wait_all_healthy(rig, n, devices, &plugin).await?;
+    if let Some((_, api)) = with_api {
+        api.wait_for("this instance's first node condition", WAIT, |r| {
+            r.iter()
+                .skip(mark)
+                .any(|r| r.method == "PATCH" && r.path.ends_with("/status"))
+        })
+        .await
+        .map_err(anyhow::Error::msg)?;
+    }
     {
         let kubelet = rig.kubelet.lock().await;
         for i in 0..devices.min(want) {
