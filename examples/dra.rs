@@ -108,6 +108,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         state_dir: dir.path().join("state"),
         boot_id: None,
         heartbeat: dra::health::HEARTBEAT,
+        pod_uid: None,
     };
     std::fs::create_dir_all(&config.state_dir)?;
     let stopped = dra::spawn(

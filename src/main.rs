@@ -366,6 +366,7 @@ fn dra_config(
         state_dir: settings.state_dir.clone(),
         boot_id: monitor::checkpoint::read_boot_id(&settings.monitor.boot_id_path),
         heartbeat: gpu_device_plugin::dra::health::HEARTBEAT,
+        pod_uid: dra.pod_uid.clone(),
     }
 }
 

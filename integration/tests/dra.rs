@@ -43,6 +43,17 @@ impl DraNode {
         options: impl FnOnce(DraOptions) -> DraOptions,
         api_setup: impl FnOnce(&FakeApiServer),
     ) -> Result<DraNode, Box<dyn std::error::Error>> {
+        Self::start_with_args(gpus, dra, options, api_setup, &[]).await
+    }
+
+    /// As [`DraNode::start_with`], with `extra` added to the plugin's command line.
+    async fn start_with_args(
+        gpus: usize,
+        dra: &str,
+        options: impl FnOnce(DraOptions) -> DraOptions,
+        api_setup: impl FnOnce(&FakeApiServer),
+        extra: &[&str],
+    ) -> Result<DraNode, Box<dyn std::error::Error>> {
         let root = tempfile::tempdir()?;
         for dir in ["plugins_registry", "plugins", "device-plugins"] {
             std::fs::create_dir_all(root.path().join(dir))?;
@@ -81,7 +92,10 @@ impl DraNode {
             path(&root.path().join("plugins")),
             "--state-dir".into(),
             path(&state),
-        ];
+        ]
+        .into_iter()
+        .chain(extra.iter().map(|a| a.to_string()))
+        .collect::<Vec<String>>();
         let plugin = spawn(root.path(), &args);
         let node = DraNode {
             api,
@@ -556,6 +570,99 @@ async fn silent_connections_to_the_dra_socket_are_capped_and_closed_and_the_kube
             .any(|s| matches!(s.event, fake_kubelet::dra::StreamEvent::Ended(_))),
         "{streams:?}"
     );
+    Ok(())
+}
+
+/// A rolling update with the sockets named after each pod (kubelets 1.33+): the new pod registers beside
+/// the old one on the same state directory, the kubelet calls the newest, and claims prepared by either are
+/// unprepared by the other; once the old pod stops, the new one serves alone, its health stream included.
+#[tokio::test]
+async fn two_pods_of_a_rolling_update_serve_side_by_side_from_one_record() -> TestResult {
+    let node =
+        DraNode::start_with_args(2, "all", |o| o, |_| {}, &["--dra-pod-uid", "0ld-pod"]).await?;
+    let plugins = node.root.path().join("plugins").join(DRIVER);
+    assert!(plugins.join("dra-0ld-pod.sock").exists());
+    let train = node.api.add_claim(
+        "ml",
+        "train-gpu",
+        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
+    );
+    let train_pod = training_pod(&train);
+    node.kubelet
+        .prepare_pod(&train_pod)
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+
+    // The new pod, on the same node and state directory, under its own names.
+    let mut args = node.args.clone();
+    let at = args
+        .iter()
+        .position(|a| a == "0ld-pod")
+        .ok_or("the old pod's UID")?;
+    args[at] = "new-pod".into();
+    let mut new = spawn(node.root.path(), &args);
+    node.kubelet
+        .wait_attempts("both pods registered", WAIT, |a| {
+            a.iter()
+                .filter(|a| matches!(a.outcome, fake_kubelet::dra::Outcome::Registered(_)))
+                .count()
+                >= 2
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", new.log()))?;
+    assert!(plugins.join("dra-new-pod.sock").exists());
+    // The kubelet calls the newest: the old pod's claim is unprepared there, from the shared record.
+    let errors = node
+        .kubelet
+        .end_pod(&train_pod)
+        .await
+        .map_err(|e| format!("{e}\n{}", new.log()))?;
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(
+        new.log().contains("unprepared"),
+        "the new pod did not unprepare it:\n{}",
+        new.log()
+    );
+    // The device is free again for another claim, prepared by the new pod.
+    let serve = node.api.add_claim(
+        "ml",
+        "serve-gpu",
+        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
+    );
+    let serve_pod = Pod::new("ml", "serve-0").claim(
+        PodClaim::new("gpu", &serve)
+            .resource_claim("serve-gpu")
+            .used_by("main", "gpu"),
+    );
+    node.kubelet
+        .prepare_pod(&serve_pod)
+        .await
+        .map_err(|e| format!("{e}\n{}", new.log()))?;
+
+    // The old pod stops (its sockets with it); the new one serves alone, and a fault reaches the pod.
+    node.plugin.signal(nix::sys::signal::Signal::SIGTERM);
+    let mut old = node.plugin;
+    old.wait_exit(WAIT)
+        .await
+        .ok_or("the old pod did not stop")?;
+    assert!(!plugins.join("dra-0ld-pod.sock").exists());
+    append(&node.faults, &[format!("xid {} 79", simulated_uuid(0))]);
+    node.kubelet
+        .wait_device_health((DRIVER, NODE, "gpu-0"), WAIT, |h| {
+            h.health == Health::Unhealthy
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", new.log()))?;
+    let errors = node
+        .kubelet
+        .end_pod(&serve_pod)
+        .await
+        .map_err(|e| format!("{e}\n{}", new.log()))?;
+    assert!(errors.is_empty(), "{errors:?}");
+    new.signal(nix::sys::signal::Signal::SIGTERM);
+    new.wait_exit(WAIT)
+        .await
+        .ok_or("the new pod did not stop")?;
     Ok(())
 }
 

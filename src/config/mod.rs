@@ -313,6 +313,11 @@ pub struct Args {
     )]
     pub kubelet_plugins_directory_path: Option<PathBuf>,
 
+    /// This pod's UID (the downward API's metadata.uid): the DRA sockets are named after it, so that the two
+    /// pods of a rolling update serve side by side (kubelets 1.33+) [default: fixed names, one pod at a time]
+    #[arg(long, env = "POD_UID", value_name = "UID", help_heading = "DRA")]
+    pub dra_pod_uid: Option<String>,
+
     /// NVIDIA's device plugin's flags and variables, under their own heading.
     #[command(flatten)]
     pub nvidia: nvidia::NvidiaFlags,
@@ -554,6 +559,8 @@ pub struct DraSettings {
     pub registry_dir: PathBuf,
     /// The kubelet's DRA plugins directory.
     pub plugins_dir: PathBuf,
+    /// The pod's UID the sockets are named after, if given.
+    pub pod_uid: Option<String>,
 }
 
 /// A setting that cannot be used.
@@ -1208,7 +1215,31 @@ fn dra_settings(
             crate::dra::DEFAULT_PLUGINS_DIR,
             "--kubelet-plugins-directory-path",
         )?,
+        pod_uid: pod_uid(args.dra_pod_uid.as_deref())?,
     }))
+}
+
+/// The pod's UID the DRA sockets are named after: none when not given (or given empty), else one a socket
+/// name can carry.
+fn pod_uid(uid: Option<&str>) -> Result<Option<String>, ConfigError> {
+    let Some(uid) = uid.filter(|u| !u.is_empty()) else {
+        return Ok(None);
+    };
+    let fits = uid.len() <= 64
+        && uid
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if fits {
+        Ok(Some(uid.to_string()))
+    } else {
+        Err(ConfigError::Invalid {
+            setting: "--dra-pod-uid",
+            value: crate::util::text::printable(&crate::util::text::cut_bytes(uid, 80)),
+            why: "a pod UID is at most 64 lower-case letters, digits and '-' (give metadata.uid from the \
+                  downward API)"
+                .into(),
+        })
+    }
 }
 
 fn surface_settings(args: &Args, file: &FileConfig) -> Result<Surfaces, ConfigError> {
@@ -1886,13 +1917,38 @@ mod tests {
                 driver: "gpu.nvidia.com".into(),
                 registry_dir: PathBuf::from("/var/lib/kubelet/plugins_registry"),
                 plugins_dir: PathBuf::from("/var/lib/kubelet/plugins"),
+                pod_uid: None,
             }))
+        );
+        let named = settings(&[
+            "--dra",
+            "all",
+            "--node-name",
+            "gpu-7",
+            "--dra-pod-uid",
+            "6b1e52a0-3c4d-4e5f-8a9b-0c1d2e3f4a5b",
+        ])
+        .map(|s| s.dra.and_then(|d| d.pod_uid));
+        assert_eq!(
+            named,
+            Ok(Some("6b1e52a0-3c4d-4e5f-8a9b-0c1d2e3f4a5b".into()))
         );
         let refused = |argv: &[&str], says: &str| {
             let why = settings(argv).map(|_| ()).expect_err("refused");
             assert!(why.contains(says), "{argv:?}: {why}");
         };
         refused(&["--dra", "all", "--node-name", ""], "NODE_NAME");
+        refused(
+            &[
+                "--dra",
+                "all",
+                "--node-name",
+                "n",
+                "--dra-pod-uid",
+                "../../etc",
+            ],
+            "--dra-pod-uid",
+        );
         refused(
             &["--dra", "0,1", "--node-name", "n", "--kube-api=false"],
             "needs the Kubernetes API",

@@ -74,17 +74,27 @@ pub struct DraConfig {
     pub boot_id: Option<String>,
     /// The health stream's heartbeat.
     pub heartbeat: Duration,
+    /// The pod's UID, when the sockets are named after it (two pods of a rolling update side by side).
+    pub pod_uid: Option<String>,
 }
 
 impl DraConfig {
-    /// `dra.sock` in the driver's directory under the plugins directory.
+    /// `dra.sock` (`dra-<pod UID>.sock`) in the driver's directory under the plugins directory.
     pub fn endpoint(&self) -> PathBuf {
-        self.plugins_dir.join(&self.driver).join("dra.sock")
+        let name = match &self.pod_uid {
+            Some(uid) => format!("dra-{uid}.sock"),
+            None => "dra.sock".into(),
+        };
+        self.plugins_dir.join(&self.driver).join(name)
     }
 
-    /// `<driver>-reg.sock` in the registry directory.
+    /// `<driver>-reg.sock` (`<driver>-<pod UID>-reg.sock`) in the registry directory.
     pub fn registration_socket(&self) -> PathBuf {
-        self.registry_dir.join(format!("{}-reg.sock", self.driver))
+        let name = match &self.pod_uid {
+            Some(uid) => format!("{}-{uid}-reg.sock", self.driver),
+            None => format!("{}-reg.sock", self.driver),
+        };
+        self.registry_dir.join(name)
     }
 }
 
@@ -188,6 +198,21 @@ fn publish_slices(
     if let Err(e) = started {
         tracing::warn!(error = %e, "cannot start the ResourceSlices' thread: none is written");
     }
+}
+
+/// Removes the driver's sockets that an earlier instance left behind with nobody listening: under
+/// sockets named after the pod, each pod's names are its own, and a pod that did not live to remove its
+/// own would leave the kubelet trying a dead registration. A live one (the other pod of a rolling update)
+/// answers the connect and is kept.
+fn remove_stale_sockets(config: &DraConfig) {
+    use crate::kubelet::socket::remove_stale_sockets_named;
+    let registration = format!("{}-", config.driver);
+    remove_stale_sockets_named(&config.registry_dir, |name| {
+        name.starts_with(&registration) && name.ends_with("-reg.sock")
+    });
+    remove_stale_sockets_named(&config.plugins_dir.join(&config.driver), |name| {
+        name.starts_with("dra") && name.ends_with(".sock")
+    });
 }
 
 /// The inotify watch on the sockets' directories, made again when a directory is replaced (moved away,
@@ -451,6 +476,7 @@ pub async fn run(
         streams.clone(),
     );
     let endpoint = config.endpoint();
+    remove_stale_sockets(&config);
     let dra = tonic::transport::Server::builder()
         .add_service(v1::dra_plugin_server::DraPluginServer::new(
             preparer.clone(),

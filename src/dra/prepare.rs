@@ -20,7 +20,7 @@ use crate::devices::{Health, InventoryWatch};
 
 use super::claims::{Claim, ClaimReader};
 use super::names;
-use super::record::{PreparedClaim, PreparedDevice, Record, RecordFile};
+use super::record::{PreparedClaim, PreparedDevice, Record, RecordFile, RecordLock, Stamp};
 
 /// Claims read from the API server at once, at most.
 const MAX_READS: usize = 8;
@@ -115,6 +115,9 @@ pub struct Preparer {
     claims: Arc<dyn ClaimReader>,
     record: Arc<Mutex<Record>>,
     file: Arc<RecordFile>,
+    /// The record file as this instance last read or wrote it: another instance (a rolling update's other
+    /// pod) may have written it since.
+    seen: Arc<std::sync::Mutex<Option<Stamp>>>,
     status: Option<tokio::sync::watch::Sender<super::registration::DraStatus>>,
     metrics: Arc<crate::metrics::Metrics>,
 }
@@ -133,6 +136,7 @@ impl Preparer {
             devices,
             claims,
             record: Arc::new(Mutex::new(record)),
+            seen: Arc::new(std::sync::Mutex::new(file.stamp())),
             file: Arc::new(file),
             status: None,
             metrics: crate::metrics::Metrics::off(),
@@ -191,6 +195,18 @@ impl Preparer {
             .await;
 
         let mut record = self.record.lock().await;
+        let _file = match self.hold_file(&mut record).await {
+            Ok(lock) => lock,
+            Err(why) => {
+                let why =
+                    format!("cannot take the prepared-claim record: {why}; the kubelet asks again");
+                tracing::warn!(error = %why, claims = claims.len(), "claims not prepared");
+                return claims
+                    .into_iter()
+                    .map(|c| (c.uid, Err(why.clone())))
+                    .collect();
+            }
+        };
         let before = record.clone();
         let mut answers = HashMap::new();
         for (claim, read) in claims.into_iter().zip(read) {
@@ -253,6 +269,18 @@ impl Preparer {
     /// Unprepares every claim: by UID, success or why not.
     pub async fn unprepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, Result<(), String>> {
         let mut record = self.record.lock().await;
+        let _file = match self.hold_file(&mut record).await {
+            Ok(lock) => lock,
+            Err(why) => {
+                let why =
+                    format!("cannot take the prepared-claim record: {why}; the kubelet asks again");
+                tracing::warn!(error = %why, claims = claims.len(), "claims not unprepared");
+                return claims
+                    .into_iter()
+                    .map(|c| (c.uid, Err(why.clone())))
+                    .collect();
+            }
+        };
         let before = record.clone();
         for claim in &claims {
             if let Some(prepared) = record.claims.remove(&claim.uid) {
@@ -287,13 +315,53 @@ impl Preparer {
             .collect()
     }
 
+    /// Takes the record file's lock, held for the rest of a call (until the returned lock is dropped), and
+    /// brings `record` up to the file if another instance has written it since this one last read or wrote
+    /// it. A file gone (deleted by hand) is not taken for an empty record: what is held here stays, and the
+    /// next write puts it back.
+    async fn hold_file(&self, record: &mut Record) -> Result<RecordLock, String> {
+        let (file, seen) = (self.file.clone(), self.seen());
+        let boot = record.boot_id().map(str::to_string);
+        let (lock, fresh) = tokio::task::spawn_blocking(move || -> Result<_, String> {
+            let lock = file.lock()?;
+            let now = file.stamp();
+            let fresh = (now.is_some() && now != seen).then(|| (file.load(boot), now));
+            Ok((lock, fresh))
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        if let Some((loaded, stamp)) = fresh {
+            *record = loaded;
+            self.set_seen(stamp);
+            if let Some(status) = &self.status {
+                show(status, record);
+            }
+        }
+        Ok(lock)
+    }
+
+    fn seen(&self) -> Option<Stamp> {
+        *self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn set_seen(&self, stamp: Option<Stamp>) {
+        *self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = stamp;
+    }
+
     /// Writes the record off the async thread (a synced write waits on the disk).
     async fn save(&self, record: &Record) -> Result<(), String> {
         let (file, copy) = (self.file.clone(), record.clone());
-        tokio::task::spawn_blocking(move || file.save(&copy))
+        let stamp = tokio::task::spawn_blocking(move || file.save(&copy).map(|()| file.stamp()))
             .await
             .map_err(|e| e.to_string())?
             .map_err(|e| e.to_string())?;
+        self.set_seen(stamp);
         if let Some(status) = &self.status {
             show(status, record);
         }

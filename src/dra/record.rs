@@ -72,6 +72,11 @@ impl Record {
         }
     }
 
+    /// The boot it was made in, when known.
+    pub fn boot_id(&self) -> Option<&str> {
+        self.boot_id.as_deref()
+    }
+
     /// The claim other than `uid` that holds `device` of `pool`, if any.
     pub fn holder(&self, pool: &str, device: &str, uid: &str) -> Option<(&str, &PreparedClaim)> {
         self.claims
@@ -85,6 +90,29 @@ impl Record {
             })
             .map(|(uid, claim)| (uid.as_str(), claim))
     }
+}
+
+/// The lock beside the record, held while a prepare or unprepare reads and writes it: the two pods of a
+/// rolling update serve the same node's claims from the same record, and take turns.
+const LOCK_NAME: &str = ".dra-prepared-claims.lock";
+/// How long a call waits for the other instance to be done with the record (a call of its own takes
+/// milliseconds; one stopped with the lock held must not hang this one).
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Which file the record's path held when it was last read or written here: another instance's write
+/// replaces the file, and so changes this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    ino: u64,
+    len: u64,
+    mtime: i64,
+    mtime_nsec: i64,
+}
+
+/// The record's lock, held until dropped.
+#[derive(Debug)]
+pub struct RecordLock {
+    _file: std::fs::File,
 }
 
 /// The record's file.
@@ -104,6 +132,53 @@ impl RecordFile {
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Which file is there now, if any.
+    pub fn stamp(&self) -> Option<Stamp> {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = std::fs::symlink_metadata(&self.path).ok()?;
+        Some(Stamp {
+            ino: meta.ino(),
+            len: meta.len(),
+            mtime: meta.mtime(),
+            mtime_nsec: meta.mtime_nsec(),
+        })
+    }
+
+    /// Takes the record's lock, waiting at most [`LOCK_WAIT`] for another instance to give it back. Blocks:
+    /// call it off the async threads.
+    pub fn lock(&self) -> Result<RecordLock, String> {
+        use rustix::fs::{FlockOperation, flock};
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let path = self.path.with_file_name(LOCK_NAME);
+        // Never a link followed, never a FIFO waited on.
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_NOCTTY)
+            .open(&path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        if !file.metadata().is_ok_and(|m| m.is_file()) {
+            return Err(format!("{} is not a regular file", path.display()));
+        }
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        loop {
+            match flock(&file, FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => return Ok(RecordLock { _file: file }),
+                Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
+                    if std::time::Instant::now() >= deadline {
+                        return Err(format!(
+                            "another instance of the plugin has held {} for more than {LOCK_WAIT:?}",
+                            path.display()
+                        ));
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                Err(e) => return Err(format!("cannot lock {}: {e}", path.display())),
+            }
+        }
     }
 
     /// The record as it was left: empty when there is none, when it is from another boot, or when it

@@ -45,6 +45,13 @@ pub fn socket_path(dir: &Path, name: &str) -> Result<PathBuf, KubeletError> {
 /// Removes sockets that earlier instances of this plugin left behind: ours by name, and nobody listening.
 /// A live socket (another instance during a rolling update) answers the connect and is kept.
 pub fn remove_stale_sockets(dir: &Path) -> usize {
+    remove_stale_sockets_named(dir, |name| {
+        name.starts_with(SOCKET_PREFIX) || name.starts_with(&format!(".{SOCKET_PREFIX}"))
+    })
+}
+
+/// As [`remove_stale_sockets`], for the sockets whose names `ours` says are this plugin's.
+pub fn remove_stale_sockets_named(dir: &Path, ours: impl Fn(&str) -> bool) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
@@ -52,7 +59,7 @@ pub fn remove_stale_sockets(dir: &Path) -> usize {
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if !name.starts_with(SOCKET_PREFIX) && !name.starts_with(&format!(".{SOCKET_PREFIX}")) {
+        if !ours(name) {
             continue;
         }
         // Only a socket itself: a regular file or a link with our name is not ours to delete.

@@ -248,7 +248,11 @@ async fn a_record_that_cannot_be_written_hands_nothing_out() {
     let why = preparer.prepare(vec![claim("train", "u-1")]).await["u-1"]
         .clone()
         .expect_err("not recorded, not handed out");
-    assert!(why.contains("cannot record"), "{why}");
+    // Said (the record's lock beside it cannot be made either), and to be asked again.
+    assert!(
+        why.contains("prepared-claim record") && why.contains("the kubelet asks again"),
+        "{why}"
+    );
     // Nothing was kept either: the same device is free for another claim once the record works.
     assert!(preparer.record.lock().await.claims.is_empty());
 }
@@ -404,4 +408,34 @@ async fn a_call_no_kubelet_makes_is_refused_whole_with_sizes_and_nothing_of_it_e
     }
     // Nothing was prepared by the refused calls, though one held a good claim.
     assert!(preparer.record.lock().await.claims.is_empty());
+}
+
+#[tokio::test]
+async fn two_instances_on_one_state_directory_prepare_and_unprepare_from_one_record() {
+    // The two pods of a rolling update, both started before either prepared anything.
+    let s = setup();
+    s.claims
+        .allocate("train", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    s.claims
+        .allocate("serve", "u-2", &[("gpu", "node-a", "gpu-0")]);
+    let (old, new) = (s.preparer(), s.preparer());
+    assert!(old.prepare(vec![claim("train", "u-1")]).await["u-1"].is_ok());
+    // The new one sees the old one's claim: the device is refused to another claim, and the claim itself
+    // is answered as prepared.
+    let refused = new.prepare(vec![claim("serve", "u-2")]).await["u-2"].clone();
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|why| why.contains("train") && why.contains("gpu-0")),
+        "{refused:?}"
+    );
+    let again = new.prepare(vec![claim("train", "u-1")]).await["u-1"].clone();
+    assert_eq!(again.map(|d| d[0].device.clone()), Ok("gpu-0".to_string()));
+    // Unprepared through the new one, the old one sees the device free.
+    assert!(new.unprepare(vec![claim("train", "u-1")]).await["u-1"].is_ok());
+    let second = old.prepare(vec![claim("serve", "u-2")]).await["u-2"].clone();
+    assert!(second.is_ok(), "{second:?}");
+    // And the record on disk holds what both did.
+    let on_disk = RecordFile::in_dir(&s.state).load(None);
+    assert_eq!(on_disk.claims.keys().collect::<Vec<_>>(), vec!["u-2"]);
 }
