@@ -117,6 +117,35 @@ impl DraNode {
         append(&self.faults, &[line]);
     }
 
+    /// A pod `<name>-0` in `ml` whose container `main` uses the claim `<name>-gpu`, made in the API server
+    /// and allocated `device`.
+    fn pod_with_claim(&self, name: &str, device: &str) -> Pod {
+        let claim = format!("{name}-gpu");
+        let uid = self.api.add_claim(
+            "ml",
+            &claim,
+            vec![AllocationResult::new("gpu", DRIVER, NODE, device)],
+        );
+        Pod::new("ml", &format!("{name}-0")).claim(
+            PodClaim::new("gpu", &uid)
+                .resource_claim(&claim)
+                .used_by("main", "gpu"),
+        )
+    }
+
+    /// Has the kubelet prepare `pod` and checks that its container `main` was given simulated GPU `gpu`.
+    async fn prepared_with_gpu(&self, pod: &Pod, gpu: usize) -> TestResult {
+        self.kubelet
+            .prepare_pod(pod)
+            .await
+            .map_err(|e| format!("{e}\n{}", self.plugin.log()))?;
+        assert_eq!(
+            self.kubelet.cdi_devices(pod, "main"),
+            vec![format!("nvidia.com/gpu={}", simulated_uuid(gpu))]
+        );
+        Ok(())
+    }
+
     /// Stops the plugin (SIGTERM) and starts it again on the same state directory.
     async fn restart_plugin(&mut self) -> TestResult {
         self.plugin.signal(nix::sys::signal::Signal::SIGTERM);
@@ -371,20 +400,8 @@ async fn deleted_dra_sockets_are_bound_again_and_the_kubelet_registers_the_plugi
         .await
         .ok_or("the rebinding is logged")?;
     // The kubelet reaches the plugin through the new sockets.
-    let uid = node.api.add_claim(
-        "ml",
-        "train-gpu",
-        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
-    );
-    let pod = training_pod(&uid);
-    node.kubelet
-        .prepare_pod(&pod)
-        .await
-        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
-    assert_eq!(
-        node.kubelet.cdi_devices(&pod, "main"),
-        vec![format!("nvidia.com/gpu={}", simulated_uuid(0))]
-    );
+    node.prepared_with_gpu(&node.pod_with_claim("train", "gpu-0"), 0)
+        .await?;
     Ok(())
 }
 
@@ -429,20 +446,8 @@ async fn replaced_socket_directories_are_made_again_and_watched_and_the_plugin_k
         })?;
     assert!(is_socket(&socket));
     // The kubelet reaches the plugin through it.
-    let uid = node.api.add_claim(
-        "ml",
-        "train-gpu",
-        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
-    );
-    let pod = training_pod(&uid);
-    node.kubelet
-        .prepare_pod(&pod)
-        .await
-        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
-    assert_eq!(
-        node.kubelet.cdi_devices(&pod, "main"),
-        vec![format!("nvidia.com/gpu={}", simulated_uuid(0))]
-    );
+    node.prepared_with_gpu(&node.pod_with_claim("train", "gpu-0"), 0)
+        .await?;
 
     // The registration's directory and a file swapped in one step: nothing can be bound there.
     let registry = root.join("plugins_registry");
@@ -582,12 +587,7 @@ async fn two_pods_of_a_rolling_update_serve_side_by_side_from_one_record() -> Te
         DraNode::start_with_args(2, "all", |o| o, |_| {}, &["--dra-pod-uid", "0ld-pod"]).await?;
     let plugins = node.root.path().join("plugins").join(DRIVER);
     assert!(plugins.join("dra-0ld-pod.sock").exists());
-    let train = node.api.add_claim(
-        "ml",
-        "train-gpu",
-        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
-    );
-    let train_pod = training_pod(&train);
+    let train_pod = node.pod_with_claim("train", "gpu-0");
     node.kubelet
         .prepare_pod(&train_pod)
         .await
@@ -624,16 +624,7 @@ async fn two_pods_of_a_rolling_update_serve_side_by_side_from_one_record() -> Te
         new.log()
     );
     // The device is free again for another claim, prepared by the new pod.
-    let serve = node.api.add_claim(
-        "ml",
-        "serve-gpu",
-        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
-    );
-    let serve_pod = Pod::new("ml", "serve-0").claim(
-        PodClaim::new("gpu", &serve)
-            .resource_claim("serve-gpu")
-            .used_by("main", "gpu"),
-    );
+    let serve_pod = node.pod_with_claim("serve", "gpu-0");
     node.kubelet
         .prepare_pod(&serve_pod)
         .await
@@ -737,16 +728,7 @@ async fn a_restarted_plugin_keeps_its_claims_and_health_and_a_kubelet_restart_ge
             pod_resource(s).is_some_and(|r| r["health"] == "Healthy")
         })
         .await?;
-    let other = node.api.add_claim(
-        "ml",
-        "other-gpu",
-        vec![AllocationResult::new("gpu", DRIVER, NODE, "gpu-0")],
-    );
-    let other_pod = Pod::new("ml", "other-0").claim(
-        PodClaim::new("gpu", &other)
-            .resource_claim("other-gpu")
-            .used_by("main", "gpu"),
-    );
+    let other_pod = node.pod_with_claim("other", "gpu-0");
     let held = node
         .kubelet
         .prepare_pod(&other_pod)

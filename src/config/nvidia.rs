@@ -1090,15 +1090,7 @@ fn check_annotation_prefix(prefix: &str) -> Result<(), &'static str> {
     let Some(domain) = prefix.strip_suffix('/') else {
         return Err("must end with '/' (e.g. cdi.k8s.io/)");
     };
-    let label_ok = |l: &str| {
-        !l.is_empty()
-            && l.len() <= 63
-            && l.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !l.starts_with('-')
-            && !l.ends_with('-')
-    };
-    if domain.is_empty() || domain.len() > 253 || !domain.split('.').all(label_ok) {
+    if !crate::util::text::is_dns_subdomain(domain) {
         return Err("must be a DNS subdomain followed by '/' (e.g. cdi.k8s.io/)");
     }
     Ok(())

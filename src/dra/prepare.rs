@@ -197,15 +197,7 @@ impl Preparer {
         let mut record = self.record.lock().await;
         let _file = match self.hold_file(&mut record).await {
             Ok(lock) => lock,
-            Err(why) => {
-                let why =
-                    format!("cannot take the prepared-claim record: {why}; the kubelet asks again");
-                tracing::warn!(error = %why, claims = claims.len(), "claims not prepared");
-                return claims
-                    .into_iter()
-                    .map(|c| (c.uid, Err(why.clone())))
-                    .collect();
-            }
+            Err(why) => return unrecorded(claims, &why, "prepared"),
         };
         let before = record.clone();
         let mut answers = HashMap::new();
@@ -271,15 +263,7 @@ impl Preparer {
         let mut record = self.record.lock().await;
         let _file = match self.hold_file(&mut record).await {
             Ok(lock) => lock,
-            Err(why) => {
-                let why =
-                    format!("cannot take the prepared-claim record: {why}; the kubelet asks again");
-                tracing::warn!(error = %why, claims = claims.len(), "claims not unprepared");
-                return claims
-                    .into_iter()
-                    .map(|c| (c.uid, Err(why.clone())))
-                    .collect();
-            }
+            Err(why) => return unrecorded(claims, &why, "unprepared"),
         };
         let before = record.clone();
         for claim in &claims {
@@ -450,6 +434,21 @@ fn show(status: &tokio::sync::watch::Sender<super::registration::DraStatus>, rec
         })
         .collect();
     status.send_modify(|s| s.prepared = prepared);
+}
+
+/// Every claim of a call answered with why the record could not be taken (`done` says what was not done to
+/// them, for the log): nothing is handed out or taken back that the record does not hold.
+fn unrecorded<T>(
+    claims: Vec<ClaimRef>,
+    why: &str,
+    done: &str,
+) -> HashMap<String, Result<T, String>> {
+    let why = format!("cannot take the prepared-claim record: {why}; the kubelet asks again");
+    tracing::warn!(error = %why, claims = claims.len(), "claims not {done}");
+    claims
+        .into_iter()
+        .map(|c| (c.uid, Err(why.clone())))
+        .collect()
 }
 
 /// `DRAPlugin` of API version `$version` on [`Preparer`]: the versions' messages are the same but for fields

@@ -410,13 +410,7 @@ async fn surfaces(
                 // Steady state: the API client is built (its TLS set-up is tens of milliseconds of CPU right
                 // after registration) once the instance has written its first node condition. Only a patch
                 // made after this instance started counts: the earlier instances' patches are in the record too.
-                api.wait_for("this instance's first node condition", WAIT, |r| {
-                    r.iter()
-                        .skip(mark)
-                        .any(|r| r.method == "PATCH" && r.path.ends_with("/status"))
-                })
-                .await
-                .map_err(anyhow::Error::msg)?;
+                first_node_condition_since(&api, mark).await?;
             }
             // One pod holds every GPU, so that each fault has a pod to tell (both ways: the same kubelet calls).
             kubelet.remove_pod("bench", "trainer-0");
@@ -935,13 +929,7 @@ pub(crate) async fn faults_on_one_instance_with(
     rig.wait_registered(n, &plugin).await?;
     wait_all_healthy(rig, n, devices, &plugin).await?;
     if let Some((_, api)) = with_api {
-        api.wait_for("this instance's first node condition", WAIT, |r| {
-            r.iter()
-                .skip(mark)
-                .any(|r| r.method == "PATCH" && r.path.ends_with("/status"))
-        })
-        .await
-        .map_err(anyhow::Error::msg)?;
+        first_node_condition_since(api, mark).await?;
     }
     {
         let kubelet = rig.kubelet.lock().await;
@@ -955,6 +943,22 @@ pub(crate) async fn faults_on_one_instance_with(
     }
     plugin.stop().await;
     Ok(missed)
+}
+
+/// Waits for a node condition patched after the API server's first `mark` requests: an instance started
+/// then has built its API client.
+async fn first_node_condition_since(
+    api: &fake_kubelet::apiserver::FakeApiServer,
+    mark: usize,
+) -> anyhow::Result<()> {
+    api.wait_for("this instance's first node condition", WAIT, |r| {
+        r.iter()
+            .skip(mark)
+            .any(|r| r.method == "PATCH" && r.path.ends_with("/status"))
+    })
+    .await
+    .map(|_| ())
+    .map_err(anyhow::Error::msg)
 }
 
 /// What procfs says about a process.
