@@ -743,3 +743,57 @@ async fn with_the_start_check_off_the_kubelet_never_asks() -> TestResult {
     );
     Ok(())
 }
+
+/// A flood of connections to the plugin's socket that never send anything (only the kubelet should connect
+/// there): no more than the cap are held at once (the oldest silent one closed past it), each is closed
+/// within 10 s, and the kubelet's connection, which speaks, keeps its place: its ListAndWatch carries a fault
+/// meanwhile, on the same registration, and the descriptors are given back.
+#[tokio::test]
+async fn silent_connections_to_the_plugin_socket_are_capped_and_closed_and_the_kubelets_stays()
+-> TestResult {
+    use tokio::io::AsyncReadExt as _;
+    let node = support::ScriptedNode::start(2, &[]).await?;
+    let registration = node
+        .kubelet
+        .wait_list("listed", WAIT, |l| l.allocatable() == 2)
+        .await?
+        .registration;
+    let socket = std::fs::read_dir(node.dir.path())?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("gpu-device-plugin-") && n.ends_with(".sock"))
+        })
+        .ok_or("the plugin's socket")?;
+    let fds_before = node.plugin.open_files().ok_or("no /proc fd count")?;
+    let mut silent = Vec::new();
+    for _ in 0..150 {
+        silent.push(tokio::net::UnixStream::connect(&socket).await?);
+    }
+    let id = simulated_uuid(0);
+    node.inject(&[format!("xid {id} 79")]);
+    let list = node
+        .kubelet
+        .wait_list("the fault", WAIT, |l| l.health(&id) == Some("Unhealthy"))
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    assert_eq!(
+        list.registration, registration,
+        "the kubelet's stream was cut"
+    );
+    for (n, connection) in silent.iter_mut().enumerate() {
+        let mut sent = Vec::new();
+        tokio::time::timeout(WAIT, connection.read_to_end(&mut sent))
+            .await
+            .map_err(|_| format!("silent connection {n} still open"))?
+            .ok();
+    }
+    let fds_after = node.plugin.open_files().ok_or("no /proc fd count")?;
+    assert!(
+        fds_after <= fds_before + 8,
+        "{fds_before} descriptors before the flood, {fds_after} after"
+    );
+    Ok(())
+}
