@@ -439,3 +439,24 @@ async fn two_instances_on_one_state_directory_prepare_and_unprepare_from_one_rec
     let on_disk = RecordFile::in_dir(&s.state).load(None);
     assert_eq!(on_disk.claims.keys().collect::<Vec<_>>(), vec!["u-2"]);
 }
+
+#[tokio::test]
+async fn a_record_held_by_another_instance_past_the_wait_fails_the_call_and_hands_nothing_out() {
+    let s = setup();
+    s.claims
+        .allocate("train", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    let preparer = s.preparer();
+    // The other pod of a rolling update, stopped with the lock held.
+    let held = RecordFile::in_dir(&s.state).lock().expect("lock");
+    let why = preparer.prepare(vec![claim("train", "u-1")]).await["u-1"]
+        .clone()
+        .expect_err("not prepared while the record is held");
+    assert!(
+        why.contains("another instance") && why.contains("the kubelet asks again"),
+        "{why}"
+    );
+    assert!(preparer.record.lock().await.claims.is_empty());
+    // Given back, the same call goes through.
+    drop(held);
+    assert!(preparer.prepare(vec![claim("train", "u-1")]).await["u-1"].is_ok());
+}
