@@ -522,8 +522,8 @@ async fn the_slices_watch_outlasts_a_quiet_spell_longer_than_the_call_timeout() 
     Ok(())
 }
 
-/// A flood of connections to the DRA socket that never send anything: no more than the cap are held at once
-/// (the oldest silent one is closed past it), each is closed within 10 s, and the kubelet's connection, which
+/// A flood of connections to the DRA socket that never send anything, or a few bytes and then nothing: no
+/// more than the cap are held at once (the oldest silent one is closed past it), each is closed within 10 s, and the kubelet's connection, which
 /// speaks, keeps its place: its health stream carries a fault meanwhile, and the descriptors are given back.
 #[tokio::test]
 async fn silent_connections_to_the_dra_socket_are_capped_and_closed_and_the_kubelets_stays()
@@ -543,8 +543,14 @@ async fn silent_connections_to_the_dra_socket_are_capped_and_closed_and_the_kube
         .join(DRIVER)
         .join("dra.sock");
     let mut silent = Vec::new();
-    for _ in 0..150 {
-        silent.push(tokio::net::UnixStream::connect(&socket).await?);
+    for n in 0..150 {
+        let mut connection = tokio::net::UnixStream::connect(&socket).await?;
+        // Half of them say a few bytes of the HTTP/2 preface and stop: not yet a client.
+        if n % 2 == 0 {
+            use tokio::io::AsyncWriteExt as _;
+            connection.write_all(b"PRI * ").await?;
+        }
+        silent.push(connection);
     }
     node.inject(format!("xid {} 79", simulated_uuid(0)));
     node.kubelet

@@ -239,25 +239,31 @@ impl Place {
 }
 
 /// A connection held at a gate, for a server that drives the connection itself (tonic): reading and
-/// writing fail once the gate wants the place back, and reading fails when the client has sent nothing
-/// within the first `silent_for` (a client that never speaks holds a descriptor for no one). The place is
-/// given back when the server drops it.
+/// writing fail once the gate wants the place back, and reading fails when the client has not sent its
+/// first `opening` bytes within the first `silent_for` (a client that never speaks, or says one byte and
+/// stops, holds a descriptor for no one). The place is given back when the server drops it.
 pub struct Held<I> {
     io: I,
     place: Place,
     closing: std::pin::Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
     silent_until: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// Bytes still to come before the client counts as having spoken.
+    opening: usize,
 }
 
+/// What every gRPC client sends first: the HTTP/2 connection preface, 24 bytes.
+pub const HTTP2_PREFACE: usize = 24;
+
 impl<I> Held<I> {
-    /// `io`, holding `place`, with `silent_for` to send its first bytes.
-    pub fn new(io: I, place: Place, silent_for: Duration) -> Self {
+    /// `io`, holding `place`, with `silent_for` to send its first `opening` bytes.
+    pub fn new(io: I, place: Place, silent_for: Duration, opening: usize) -> Self {
         let closing = Box::pin(place.close.clone().cancelled_owned());
         Held {
             io,
             place,
             closing,
             silent_until: Some(Box::pin(tokio::time::sleep(silent_for))),
+            opening: opening.max(1),
         }
     }
 
@@ -296,12 +302,12 @@ impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Held<I> {
         }
         let before = buf.filled().len();
         let read = std::pin::Pin::new(&mut this.io).poll_read(cx, buf);
-        if this.silent_until.is_some()
-            && matches!(read, std::task::Poll::Ready(Ok(())))
-            && buf.filled().len() > before
-        {
-            this.silent_until = None;
-            this.place.spoke();
+        if this.silent_until.is_some() && matches!(read, std::task::Poll::Ready(Ok(()))) {
+            this.opening = this.opening.saturating_sub(buf.filled().len() - before);
+            if this.opening == 0 {
+                this.silent_until = None;
+                this.place.spoke();
+            }
         }
         read
     }
@@ -393,8 +399,9 @@ pub const KUBELET_SOCKET_SILENT_FOR: Duration = Duration::from_secs(10);
 
 /// The connections of a gRPC server's Unix socket that the kubelet uses, each held at a gate of its own
 /// named `what`: at most [`KUBELET_SOCKET_CONNECTIONS`] at once, past it the oldest silent one closed to make
-/// room, and one that sends nothing within [`KUBELET_SOCKET_SILENT_FOR`] closed. The kubelet speaks as soon
-/// as it connects, so its connection keeps its place through a flood of silent ones.
+/// room, and one that has not sent the HTTP/2 preface within [`KUBELET_SOCKET_SILENT_FOR`] closed. The
+/// kubelet sends it as soon as it connects, so its connection keeps its place through a flood of silent
+/// ones.
 pub fn held_connections(
     conns: tokio::sync::mpsc::Receiver<tokio::net::UnixStream>,
     what: &'static str,
@@ -412,7 +419,7 @@ pub fn held_connections(
         let gate = gate.clone();
         async move {
             let place = gate.admit().await?;
-            Some(Ok(Held::new(stream, place, silent_for)))
+            Some(Ok(Held::new(stream, place, silent_for, HTTP2_PREFACE)))
         }
     })
 }
