@@ -87,10 +87,9 @@ pub fn build(
                         Effect::None => "None",
                     },
                 };
-                if !taints
-                    .iter()
-                    .any(|t| t.key == taint.key && t.effect == taint.effect)
-                {
+                // One taint per condition: two XIDs are two taints of one key, each with its value, so that
+                // a toleration of one XID does not tolerate the other.
+                if !taints.contains(&taint) {
                     taints.push(taint);
                 }
             }
@@ -295,6 +294,36 @@ mod tests {
         );
         assert_eq!(view[2].health, HealthStatus::Unknown);
         assert_eq!(view[2].taints[0].key, "gpu.nvidia.com/unmonitored");
+    }
+
+    #[test]
+    fn each_condition_is_a_taint_of_its_own_the_ones_that_keep_claims_away_first() {
+        let mut inv = inventory();
+        inv.set_health("GPU-0", Health::Unhealthy, Some("Unhealthy: XID 79".into()));
+        let snapshots = vec![snapshot(
+            &inv,
+            "GPU-0",
+            "Unhealthy: XID 79 …; also XID 13, XID 48",
+            vec![
+                condition(ConditionKind::Xid(13), Effect::None),
+                condition(ConditionKind::Xid(79), Effect::Unhealthy),
+                condition(ConditionKind::Xid(48), Effect::Unhealthy),
+            ],
+        )];
+        let view = build(&inv, Some(&snapshots), "gpu.nvidia.com");
+        let taints: Vec<(&str, Option<&str>, &str)> = view[0]
+            .taints
+            .iter()
+            .map(|t| (t.key.as_str(), t.value.as_deref(), t.effect))
+            .collect();
+        assert_eq!(
+            taints,
+            vec![
+                ("gpu.nvidia.com/xid", Some("79"), "NoSchedule"),
+                ("gpu.nvidia.com/xid", Some("48"), "NoSchedule"),
+                ("gpu.nvidia.com/xid", Some("13"), "None"),
+            ]
+        );
     }
 
     #[test]
