@@ -663,6 +663,41 @@ async fn two_pods_of_a_rolling_update_serve_side_by_side_from_one_record() -> Te
     Ok(())
 }
 
+/// One GPU shared by two pods through one ResourceClaim (DRA's way to share a device between pods): both get
+/// the same GPU, a fault reaches both pods' status, and the claim stays prepared until the last pod ends.
+#[tokio::test]
+async fn a_claim_shared_by_two_pods_gives_both_the_gpu_and_its_fault() -> TestResult {
+    let node = DraNode::start(1, "all").await?;
+    let first = node.pod_with_claim("shared", "gpu-0");
+    let uid = first.claims[0].uid.clone();
+    let second = Pod::new("ml", "shared-1").claim(
+        PodClaim::new("gpu", &uid)
+            .resource_claim("shared-gpu")
+            .used_by("main", "gpu"),
+    );
+    node.prepared_with_gpu(&first, 0).await?;
+    node.prepared_with_gpu(&second, 0).await?;
+    node.inject(format!("xid {} 79", simulated_uuid(0)));
+    for pod in [&first, &second] {
+        node.kubelet
+            .wait_allocated_resources_status(pod, "the fault", WAIT, |s| {
+                pod_resource(s).is_some_and(|r| r["health"] == "Unhealthy")
+            })
+            .await?;
+    }
+    // The first pod ends: the claim stays prepared for the second; then the second ends and it goes.
+    assert!(node.kubelet.end_pod(&first).await?.is_empty());
+    assert!(node.kubelet.prepared(&uid).is_some());
+    assert!(node.kubelet.end_pod(&second).await?.is_empty());
+    assert!(node.kubelet.prepared(&uid).is_none());
+    assert!(
+        node.plugin.log().contains("unprepared"),
+        "{}",
+        node.plugin.log()
+    );
+    Ok(())
+}
+
 /// The first Event with `reason` on a pod in namespace `ml`, as the API server took it.
 async fn pod_event(node: &DraNode, reason: &str) -> Result<Value, String> {
     let is_it = |r: &fake_kubelet::apiserver::Recorded| {
