@@ -698,6 +698,51 @@ async fn a_claim_shared_by_two_pods_gives_both_the_gpu_and_its_fault() -> TestRe
     Ok(())
 }
 
+/// A call that names claims the API server does not hold (a flood of them, or a kubelet racing a deletion):
+/// every claim is refused with why, but the log says at most 20 of a burst, not one line each.
+#[tokio::test]
+async fn refusals_of_a_burst_of_missing_claims_are_answered_each_and_said_within_a_budget()
+-> TestResult {
+    use gpu_device_plugin::api::dra::v1;
+    let node = DraNode::start(1, "all").await?;
+    let endpoint = node
+        .root
+        .path()
+        .join("plugins")
+        .join(DRIVER)
+        .join("dra.sock");
+    let mut client = v1::dra_plugin_client::DraPluginClient::new(
+        gpu_device_plugin::util::uds::connect(&endpoint).await?,
+    );
+    let claims: Vec<v1::Claim> = (0..100)
+        .map(|i| v1::Claim {
+            namespace: "ml".into(),
+            uid: format!("missing-{i}"),
+            name: format!("missing-{i}"),
+        })
+        .collect();
+    let answer = client
+        .node_prepare_resources(v1::NodePrepareResourcesRequest { claims })
+        .await?
+        .into_inner();
+    assert_eq!(answer.claims.len(), 100);
+    assert!(
+        answer
+            .claims
+            .values()
+            .all(|c| c.error.contains("not in the API server"))
+    );
+    let said = node
+        .plugin
+        .wait_log(WAIT, |l| l.matches("claim not prepared").count() >= 20)
+        .await
+        .ok_or("the refusals are said")?
+        .matches("claim not prepared")
+        .count();
+    assert_eq!(said, 20, "{}", node.plugin.log());
+    Ok(())
+}
+
 /// The first Event with `reason` on a pod in namespace `ml`, as the API server took it.
 async fn pod_event(node: &DraNode, reason: &str) -> Result<Value, String> {
     let is_it = |r: &fake_kubelet::apiserver::Recorded| {

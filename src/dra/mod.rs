@@ -338,8 +338,10 @@ struct Served {
 }
 
 impl Served {
+    /// Serves `router` on a socket at `path`, its connections held at a gate named `what` (for the log).
     fn start(
         path: &Path,
+        what: &'static str,
         router: tonic::transport::server::Router,
         shutdown: &CancellationToken,
     ) -> Result<Served, DraError> {
@@ -352,7 +354,7 @@ impl Served {
         let (conns, incoming) = mpsc::channel(16);
         let socket = PluginSocket::bind(path, conns.clone())?;
         // Held to a cap, the oldest silent connection closed past it, a silent one closed after 10 s.
-        let incoming = crate::util::bounded::held_connections(incoming, "DRA socket");
+        let incoming = crate::util::bounded::held_connections(incoming, what);
         // Its own token under the process's: a server stopped on the DRA side's own failure stops at once.
         let stop = shutdown.child_token();
         let task = tokio::spawn(
@@ -488,12 +490,17 @@ pub async fn run(
         .add_service(
             health_v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(health),
         );
-    let mut dra = Served::start(&endpoint, dra, &shutdown)?;
+    let mut dra = Served::start(&endpoint, "DRA socket", dra, &shutdown)?;
 
     let registration = RegistrationService::new(config.driver.clone(), endpoint.clone(), status);
     let reg =
         tonic::transport::Server::builder().add_service(RegistrationServer::new(registration));
-    let mut reg = match Served::start(&config.registration_socket(), reg, &shutdown) {
+    let mut reg = match Served::start(
+        &config.registration_socket(),
+        "DRA registration socket",
+        reg,
+        &shutdown,
+    ) {
         Ok(reg) => reg,
         Err(e) => {
             streams.cancel();

@@ -22,8 +22,15 @@ use super::claims::{Claim, ClaimReader};
 use super::names;
 use super::record::{PreparedClaim, PreparedDevice, Record, RecordFile, RecordLock, Stamp};
 
-/// Claims read from the API server at once, at most.
+/// Claims read from the API server at once, at most, by all calls together: a flood of prepares of claims
+/// that do not exist is not a flood of requests to the API server.
 const MAX_READS: usize = 8;
+/// Refusals said in the log: 20 back to back, then one a second, with a count of those left out (every one
+/// is in the answer to the kubelet and in `/metrics`).
+const REFUSALS_SAID: crate::cluster::EventBudget = crate::cluster::EventBudget {
+    burst: 20,
+    refill: std::time::Duration::from_secs(1),
+};
 
 /// A claim as the kubelet names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,6 +125,10 @@ pub struct Preparer {
     /// The record file as this instance last read or wrote it: another instance (a rolling update's other
     /// pod) may have written it since.
     seen: Arc<std::sync::Mutex<Option<Stamp>>>,
+    /// Permits for reading claims from the API server ([`MAX_READS`]).
+    reads: Arc<tokio::sync::Semaphore>,
+    /// Refusals said in the log, and how many were left out since the last one said.
+    said: Arc<std::sync::Mutex<(crate::cluster::TokenBucket, u64)>>,
     status: Option<tokio::sync::watch::Sender<super::registration::DraStatus>>,
     metrics: Arc<crate::metrics::Metrics>,
 }
@@ -137,6 +148,11 @@ impl Preparer {
             claims,
             record: Arc::new(Mutex::new(record)),
             seen: Arc::new(std::sync::Mutex::new(file.stamp())),
+            reads: Arc::new(tokio::sync::Semaphore::new(MAX_READS)),
+            said: Arc::new(std::sync::Mutex::new((
+                crate::cluster::TokenBucket::new(REFUSALS_SAID, tokio::time::Instant::now()),
+                0,
+            ))),
             file: Arc::new(file),
             status: None,
             metrics: crate::metrics::Metrics::off(),
@@ -180,10 +196,12 @@ impl Preparer {
             .map(|(c, known)| {
                 let (reader, namespace, name) =
                     (self.claims.clone(), c.namespace.clone(), c.name.clone());
+                let permits = self.reads.clone();
                 async move {
                     if known {
                         return Ok(None);
                     }
+                    let _permit = permits.acquire_owned().await.map_err(|e| e.to_string())?;
                     reader.get(&namespace, &name).await.map(Some)
                 }
             })
@@ -236,7 +254,7 @@ impl Preparer {
             let code = match answer {
                 Ok(_) => tonic::Code::Ok,
                 Err(why) => {
-                    tracing::warn!(claim = %uid, reason = %crate::util::text::printable(why), "claim not prepared");
+                    self.say_refusal(uid, why);
                     tonic::Code::FailedPrecondition
                 }
             };
@@ -322,6 +340,21 @@ impl Preparer {
             }
         }
         Ok(lock)
+    }
+
+    /// Says in the log why claim `uid` was not prepared, within [`REFUSALS_SAID`].
+    fn say_refusal(&self, uid: &str, why: &str) {
+        let mut said = self
+            .said
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (bucket, left_out) = &mut *said;
+        if bucket.take(tokio::time::Instant::now()) {
+            tracing::warn!(claim = %crate::util::text::printable(uid), reason = %crate::util::text::printable(why), left_out_before = *left_out, "claim not prepared");
+            *left_out = 0;
+        } else {
+            *left_out += 1;
+        }
     }
 
     fn seen(&self) -> Option<Stamp> {
