@@ -430,6 +430,18 @@ pub fn explain(e: &kube::Error, rbac: &str) -> String {
     }
 }
 
+/// A watch's failure in words, as [`explain`] says an API error: a refusal names the RBAC the watch needs
+/// (`rbac`), any other failure (the API server unreachable, a watch cut) says only what happened.
+pub fn explain_watch(e: &kube::runtime::watcher::Error, rbac: &str) -> String {
+    use kube::runtime::watcher::Error;
+    match e {
+        Error::InitialListFailed(e) | Error::WatchStartFailed(e) | Error::WatchFailed(e) => {
+            explain(e, rbac)
+        }
+        other => other.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::devices::{DeviceInfo, Inventory};

@@ -272,7 +272,10 @@ pub async fn publish(
                     }
                     Some(Err(e)) => {
                         // Said once per kind of failure: the watch is tried again with a backoff.
-                        let why = watch_error(&e);
+                        let why = crate::cluster::explain_watch(
+                            &e,
+                            "list and watch on resourceslices (resource.k8s.io/v1, Kubernetes 1.34+)",
+                        );
                         if said_watch_error.as_ref() != Some(&why) {
                             tracing::warn!(error = %why, "cannot watch this node's ResourceSlices: they are not written until it can (retrying)");
                             said_watch_error = Some(why);
@@ -362,18 +365,6 @@ enum Failed {
 }
 
 /// A failed watch in words an operator can act on.
-fn watch_error(e: &watcher::Error) -> String {
-    match e {
-        watcher::Error::InitialListFailed(e)
-        | watcher::Error::WatchStartFailed(e)
-        | watcher::Error::WatchFailed(e) => crate::cluster::explain(
-            e,
-            "list and watch on resourceslices (resource.k8s.io/v1, Kubernetes 1.34+)",
-        ),
-        other => other.to_string(),
-    }
-}
-
 async fn sleep_for(wait: Duration) {
     if wait == Duration::MAX {
         std::future::pending::<()>().await;

@@ -96,7 +96,8 @@ pub async fn follow(
             }
             Err(e) => {
                 if !failing {
-                    tracing::warn!(%node, error = %e, "cannot watch the node's fence annotation (RBAC needs list and watch on nodes); retrying with backoff");
+                    let why = crate::cluster::explain_watch(&e, "list and watch on nodes");
+                    tracing::warn!(%node, error = %why, "cannot watch the node's fence annotation; retrying with backoff");
                     failing = true;
                 }
                 continue;
