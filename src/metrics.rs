@@ -22,6 +22,11 @@ struct DeviceLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SocketLabels {
+    socket: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabels {
     kind: String,
 }
@@ -77,6 +82,8 @@ struct Recorders {
     events_dropped: Counter,
     http_open: Gauge,
     http_evicted: Counter,
+    socket_evicted: Family<SocketLabels, Counter>,
+    health_streams_ended: Counter,
 }
 
 /// One device's state for the per-device gauges.
@@ -202,6 +209,18 @@ impl Metrics {
             "HTTP connections closed to make room for a new one because every place was taken (the oldest first)",
             http_evicted.clone(),
         );
+        let socket_evicted = Family::<SocketLabels, Counter>::default();
+        registry.register(
+            "socket_connections_evicted",
+            "Connections to a socket the kubelet uses closed to make room for a new one (the oldest that had not sent the HTTP/2 preface first) or closed for not sending it within 10 s, by socket",
+            socket_evicted.clone(),
+        );
+        let health_streams_ended = Counter::default();
+        registry.register(
+            "dra_health_streams_ended",
+            "DRA health streams ended to make room for a new one past the cap of 8 (the oldest first)",
+            health_streams_ended.clone(),
+        );
         let build = Info::new(BuildLabels {
             version: env!("CARGO_PKG_VERSION").into(),
         });
@@ -223,6 +242,8 @@ impl Metrics {
             events_dropped,
             http_open,
             http_evicted,
+            socket_evicted,
+            health_streams_ended,
         }))
     }
 
@@ -329,6 +350,26 @@ impl Metrics {
             return;
         };
         m.http_evicted.inc();
+    }
+
+    /// A connection to the kubelet socket `socket` was closed by its bounds: to make room, or silent too long.
+    pub fn socket_connection_evicted(&self, socket: &str) {
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.socket_evicted
+            .get_or_create(&SocketLabels {
+                socket: socket.into(),
+            })
+            .inc();
+    }
+
+    /// A DRA health stream was ended to make room for a new one.
+    pub fn health_stream_ended(&self) {
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.health_streams_ended.inc();
     }
 
     /// `open` HTTP connections are being served (set when a scrape comes).

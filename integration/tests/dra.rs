@@ -581,6 +581,12 @@ async fn silent_connections_to_the_dra_socket_are_capped_and_closed_and_the_kube
             .any(|s| matches!(s.event, fake_kubelet::dra::StreamEvent::Ended(_))),
         "{streams:?}"
     );
+    // Each one closed is counted, and only those.
+    let addr = node.plugin.http_addr().await.ok_or("HTTP address")?;
+    let (_, metrics) = http::get(&addr, "/metrics").await?;
+    let metrics = String::from_utf8_lossy(&metrics);
+    let line = "gpu_device_plugin_socket_connections_evicted_total{socket=\"DRA socket\"} 150";
+    assert!(metrics.contains(line), "{line} not in\n{metrics}");
     Ok(())
 }
 

@@ -81,6 +81,7 @@ pub struct HealthService {
     config: Arc<HealthConfig>,
     shutdown: CancellationToken,
     open: Arc<OpenStreams>,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// The streams open, oldest first, each with the token that ends it.
@@ -103,7 +104,11 @@ impl OpenStreams {
 
     /// A place for one more stream, ended by the token given (or at `shutdown`); the oldest stream is ended
     /// to make room if [`MAX_STREAMS`] are open, said on the 1st, 2nd, 4th, 8th... time.
-    fn admit(self: &Arc<Self>, shutdown: &CancellationToken) -> (OpenStream, CancellationToken) {
+    fn admit(
+        self: &Arc<Self>,
+        shutdown: &CancellationToken,
+        metrics: &crate::metrics::Metrics,
+    ) -> (OpenStream, CancellationToken) {
         use std::sync::atomic::Ordering;
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let end = shutdown.child_token();
@@ -119,6 +124,7 @@ impl OpenStreams {
             list.push_back((id, end.clone()));
         }
         for _ in 0..ended {
+            metrics.health_stream_ended();
             let so_far = self.ended.fetch_add(1, Ordering::Relaxed) + 1;
             if so_far.is_power_of_two() {
                 tracing::warn!(
@@ -163,7 +169,14 @@ impl HealthService {
             config: Arc::new(config),
             shutdown,
             open: Arc::new(OpenStreams::default()),
+            metrics: crate::metrics::Metrics::off(),
         }
+    }
+
+    /// Counts the streams ended to make room in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// The reports of one stream until `end`: the list at once, after every change and on every heartbeat.
@@ -200,7 +213,7 @@ impl HealthService {
     /// One stream. The kubelet holds one (two across its restart); past [`MAX_STREAMS`] the oldest is
     /// ended, so that a kubelet opening its stream always gets one, whoever holds the others.
     fn stream<T: Send + 'static>(&self, into: fn(Vec<DeviceReport>) -> T) -> ReportStream<T> {
-        let (place, end) = self.open.admit(&self.shutdown);
+        let (place, end) = self.open.admit(&self.shutdown, &self.metrics);
         // Ends at shutdown or when ended to make room: the task behind it returns then; the place is given
         // back when tonic drops the stream.
         Box::pin(ReceiverStream::new(self.reports(end)).map(move |list| {
@@ -351,7 +364,9 @@ mod tests {
     #[tokio::test]
     async fn a_stream_past_the_cap_ends_the_oldest_and_a_closed_one_gives_its_place_back() {
         let (_tx, rx) = watch::channel(view(&inventory()));
-        let service = HealthService::new(rx, config(HEARTBEAT), CancellationToken::new());
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let service = HealthService::new(rx, config(HEARTBEAT), CancellationToken::new())
+            .with_metrics(metrics.clone());
         let mut open: std::collections::VecDeque<_> = (0..MAX_STREAMS)
             .map(|_| service.stream(v1_message))
             .collect();
@@ -373,6 +388,12 @@ mod tests {
         let still_open =
             tokio::time::timeout(Duration::from_millis(50), second_oldest.next()).await;
         assert!(still_open.is_err(), "a stream within the cap stays open");
+        // The one ended to make room is counted.
+        let text = metrics.render([], true, 0);
+        assert!(
+            text.contains("gpu_device_plugin_dra_health_streams_ended_total 1"),
+            "{text}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -343,6 +343,7 @@ impl Served {
         path: &Path,
         what: &'static str,
         router: tonic::transport::server::Router,
+        metrics: &Arc<Metrics>,
         shutdown: &CancellationToken,
     ) -> Result<Served, DraError> {
         if let Some(dir) = path.parent() {
@@ -354,7 +355,12 @@ impl Served {
         let (conns, incoming) = mpsc::channel(16);
         let socket = PluginSocket::bind(path, conns.clone())?;
         // Held to a cap, the oldest silent connection closed past it, a silent one closed after 10 s.
-        let incoming = crate::util::bounded::held_connections(incoming, what);
+        let metrics = metrics.clone();
+        let incoming = crate::util::bounded::held_connections(
+            incoming,
+            what,
+            Arc::new(move || metrics.socket_connection_evicted(what)),
+        );
         // Its own token under the process's: a server stopped on the DRA side's own failure stops at once.
         let stop = shutdown.child_token();
         let task = tokio::spawn(
@@ -465,7 +471,7 @@ pub async fn run(
         record_file,
     )
     .with_status(status.clone())
-    .with_metrics(metrics);
+    .with_metrics(metrics.clone());
     // The health streams end with the servers, whether the process stops or the DRA side fails on its own.
     let streams = shutdown.child_token();
     let health = HealthService::new(
@@ -476,7 +482,8 @@ pub async fn run(
             timeout: health::REPORT_TIMEOUT,
         },
         streams.clone(),
-    );
+    )
+    .with_metrics(metrics.clone());
     let endpoint = config.endpoint();
     remove_stale_sockets(&config);
     let dra = tonic::transport::Server::builder()
@@ -490,7 +497,7 @@ pub async fn run(
         .add_service(
             health_v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(health),
         );
-    let mut dra = Served::start(&endpoint, "DRA socket", dra, &shutdown)?;
+    let mut dra = Served::start(&endpoint, "DRA socket", dra, &metrics, &shutdown)?;
 
     let registration = RegistrationService::new(config.driver.clone(), endpoint.clone(), status);
     let reg =
@@ -499,6 +506,7 @@ pub async fn run(
         &config.registration_socket(),
         "DRA registration socket",
         reg,
+        &metrics,
         &shutdown,
     ) {
         Ok(reg) => reg,

@@ -352,7 +352,12 @@ impl Server {
                 .with_metrics(config.metrics.clone());
         let streams = service.streams();
         // Held to a cap, as the DRA sockets are: only the kubelet should connect here.
-        let incoming = crate::util::bounded::held_connections(conns, "device plugin socket");
+        let metrics = config.metrics.clone();
+        let incoming = crate::util::bounded::held_connections(
+            conns,
+            "device plugin socket",
+            std::sync::Arc::new(move || metrics.socket_connection_evicted("device plugin socket")),
+        );
         let task = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(DevicePluginServer::new(service))

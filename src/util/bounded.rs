@@ -249,7 +249,12 @@ pub struct Held<I> {
     silent_until: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     /// Bytes still to come before the client counts as having spoken.
     opening: usize,
+    /// Told once when the connection is closed for staying silent.
+    on_silent: Option<Closed>,
 }
+
+/// What is told when a connection is closed by its bounds (for a counter in `/metrics`).
+pub type Closed = Arc<dyn Fn() + Send + Sync>;
 
 /// What every gRPC client sends first: the HTTP/2 connection preface, 24 bytes.
 pub const HTTP2_PREFACE: usize = 24;
@@ -264,7 +269,14 @@ impl<I> Held<I> {
             closing,
             silent_until: Some(Box::pin(tokio::time::sleep(silent_for))),
             opening: opening.max(1),
+            on_silent: None,
         }
+    }
+
+    /// Tells `closed` when the connection is closed for staying silent.
+    pub fn on_silent(mut self, closed: Closed) -> Self {
+        self.on_silent = Some(closed);
+        self
     }
 
     /// Why the connection is to end now, if it is (registering the wake-ups that say so later).
@@ -281,12 +293,16 @@ impl<I> Held<I> {
                 .silent_until
                 .as_mut()
                 .is_some_and(|t| t.as_mut().poll(cx).is_ready());
-        silent.then(|| {
-            std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "the client sent nothing after connecting",
-            )
-        })
+        if !silent {
+            return None;
+        }
+        if let Some(closed) = self.on_silent.take() {
+            closed();
+        }
+        Some(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "the client did not send the HTTP/2 preface after connecting",
+        ))
     }
 }
 
@@ -399,12 +415,14 @@ pub const KUBELET_SOCKET_SILENT_FOR: Duration = Duration::from_secs(10);
 
 /// The connections of a gRPC server's Unix socket that the kubelet uses, each held at a gate of its own
 /// named `what`: at most [`KUBELET_SOCKET_CONNECTIONS`] at once, past it the oldest silent one closed to make
-/// room, and one that has not sent the HTTP/2 preface within [`KUBELET_SOCKET_SILENT_FOR`] closed. The
+/// room, and one that has not sent the HTTP/2 preface within [`KUBELET_SOCKET_SILENT_FOR`] closed; each one
+/// closed either way is told to `closed`. The
 /// kubelet sends it as soon as it connects, so its connection keeps its place through a flood of silent
 /// ones.
 pub fn held_connections(
     conns: tokio::sync::mpsc::Receiver<tokio::net::UnixStream>,
     what: &'static str,
+    closed: Closed,
 ) -> impl futures_util::Stream<Item = std::io::Result<Held<tokio::net::UnixStream>>> {
     use futures_util::StreamExt as _;
     let silent_for = KUBELET_SOCKET_SILENT_FOR;
@@ -416,10 +434,15 @@ pub fn held_connections(
         ),
     );
     tokio_stream::wrappers::ReceiverStream::new(conns).filter_map(move |stream| {
-        let gate = gate.clone();
+        let (gate, closed) = (gate.clone(), closed.clone());
         async move {
             let place = gate.admit().await?;
-            Some(Ok(Held::new(stream, place, silent_for, HTTP2_PREFACE)))
+            if place.evicted_another() {
+                closed();
+            }
+            Some(Ok(
+                Held::new(stream, place, silent_for, HTTP2_PREFACE).on_silent(closed)
+            ))
         }
     })
 }
