@@ -778,3 +778,28 @@ impl NvmlNode {
         self.wait_registered(next).await
     }
 }
+
+/// Waits until the plugin has closed every one of `connections` (end of stream, or a reset), each within
+/// [`WAIT`], and checks that `plugin` then holds at most a few more descriptors than `fds_before` (the API
+/// server's connections and a checkpoint save come and go meanwhile).
+pub async fn all_closed_by(
+    plugin: &PluginProcess,
+    connections: &mut [tokio::net::UnixStream],
+    fds_before: usize,
+) -> Result<(), String> {
+    use tokio::io::AsyncReadExt as _;
+    for (n, connection) in connections.iter_mut().enumerate() {
+        let mut sent = Vec::new();
+        tokio::time::timeout(WAIT, connection.read_to_end(&mut sent))
+            .await
+            .map_err(|_| format!("connection {n} still open"))?
+            .ok();
+    }
+    let fds_after = plugin.open_files().ok_or("no /proc fd count")?;
+    if fds_after > fds_before + 8 {
+        return Err(format!(
+            "{fds_before} descriptors before the flood, {fds_after} after"
+        ));
+    }
+    Ok(())
+}
