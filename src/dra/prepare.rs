@@ -20,7 +20,8 @@ use crate::devices::{Health, InventoryWatch};
 
 use super::claims::{Claim, ClaimReader};
 use super::names;
-use super::record::{PreparedClaim, PreparedDevice, Record, RecordFile, RecordLock, Stamp};
+use super::record::{PreparedClaim, PreparedDevice, Record, RecordFile, RecordLock};
+use crate::util::files::FileId;
 
 /// Claims read from the API server at once, at most, by all calls together: a flood of prepares of claims
 /// that do not exist is not a flood of requests to the API server.
@@ -124,7 +125,7 @@ pub struct Preparer {
     file: Arc<RecordFile>,
     /// The record file as this instance last read or wrote it: another instance (a rolling update's other
     /// pod) may have written it since.
-    seen: Arc<std::sync::Mutex<Option<Stamp>>>,
+    seen: Arc<std::sync::Mutex<Option<FileId>>>,
     /// Permits for reading claims from the API server ([`MAX_READS`]).
     reads: Arc<tokio::sync::Semaphore>,
     /// Refusals said in the log, and how many were left out since the last one said.
@@ -147,7 +148,7 @@ impl Preparer {
             devices,
             claims,
             record: Arc::new(Mutex::new(record)),
-            seen: Arc::new(std::sync::Mutex::new(file.stamp())),
+            seen: Arc::new(std::sync::Mutex::new(file.file_id())),
             reads: Arc::new(tokio::sync::Semaphore::new(MAX_READS)),
             said: Arc::new(std::sync::Mutex::new((
                 crate::cluster::TokenBucket::new(REFUSALS_SAID, tokio::time::Instant::now()),
@@ -326,7 +327,7 @@ impl Preparer {
         let boot = record.boot_id().map(str::to_string);
         let (lock, fresh) = tokio::task::spawn_blocking(move || -> Result<_, String> {
             let lock = file.lock()?;
-            let now = file.stamp();
+            let now = file.file_id();
             let fresh = (now.is_some() && now != seen).then(|| (file.load(boot), now));
             Ok((lock, fresh))
         })
@@ -357,14 +358,14 @@ impl Preparer {
         }
     }
 
-    fn seen(&self) -> Option<Stamp> {
+    fn seen(&self) -> Option<FileId> {
         *self
             .seen
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn set_seen(&self, stamp: Option<Stamp>) {
+    fn set_seen(&self, stamp: Option<FileId>) {
         *self
             .seen
             .lock()
@@ -374,7 +375,7 @@ impl Preparer {
     /// Writes the record off the async thread (a synced write waits on the disk).
     async fn save(&self, record: &Record) -> Result<(), String> {
         let (file, copy) = (self.file.clone(), record.clone());
-        let stamp = tokio::task::spawn_blocking(move || file.save(&copy).map(|()| file.stamp()))
+        let stamp = tokio::task::spawn_blocking(move || file.save(&copy).map(|()| file.file_id()))
             .await
             .map_err(|e| e.to_string())?
             .map_err(|e| e.to_string())?;

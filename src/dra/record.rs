@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::health::checkpoint::Durability;
 use crate::monitor::checkpoint::{self as files, CheckpointError};
+use crate::util::files::FileId;
 
 /// File name in the state directory.
 pub const FILE_NAME: &str = "dra-prepared-claims.json";
@@ -99,16 +100,6 @@ const LOCK_NAME: &str = ".dra-prepared-claims.lock";
 /// milliseconds; one stopped with the lock held must not hang this one).
 const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Which file the record's path held when it was last read or written here: another instance's write
-/// replaces the file, and so changes this.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stamp {
-    ino: u64,
-    len: u64,
-    mtime: i64,
-    mtime_nsec: i64,
-}
-
 /// The record's lock, held until dropped.
 #[derive(Debug)]
 pub struct RecordLock {
@@ -134,16 +125,9 @@ impl RecordFile {
         &self.path
     }
 
-    /// Which file is there now, if any.
-    pub fn stamp(&self) -> Option<Stamp> {
-        use std::os::unix::fs::MetadataExt as _;
-        let meta = std::fs::symlink_metadata(&self.path).ok()?;
-        Some(Stamp {
-            ino: meta.ino(),
-            len: meta.len(),
-            mtime: meta.mtime(),
-            mtime_nsec: meta.mtime_nsec(),
-        })
+    /// Which file is there now, if any: another instance's write replaces it.
+    pub fn file_id(&self) -> Option<FileId> {
+        FileId::of(&self.path)
     }
 
     /// Takes the record's lock, waiting at most [`LOCK_WAIT`] for another instance to give it back. Blocks:
@@ -153,11 +137,10 @@ impl RecordFile {
         use std::os::unix::fs::OpenOptionsExt as _;
         let path = self.path.with_file_name(LOCK_NAME);
         // Never a link followed, never a FIFO waited on.
-        let file = std::fs::OpenOptions::new()
+        let file = crate::util::files::unfollowed()
             .create(true)
             .append(true)
             .mode(0o600)
-            .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_NOCTTY)
             .open(&path)
             .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
         if !file.metadata().is_ok_and(|m| m.is_file()) {

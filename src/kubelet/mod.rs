@@ -401,7 +401,7 @@ struct Supervisor {
     registrar: Registrar,
     link: Link,
     /// The kubelet.sock of the latest accepted registration, to count kubelet restarts.
-    last_kubelet: Option<Option<socket::SocketId>>,
+    last_kubelet: Option<Option<crate::util::files::FileId>>,
 }
 
 impl Supervisor {
@@ -559,7 +559,7 @@ impl Supervisor {
     /// meanwhile.
     async fn register(&mut self) -> Result<ControlFlow<Stop>, KubeletError> {
         let before = self.streams.borrow().opened;
-        let target = socket::SocketId::of(&self.kubelet_socket);
+        let target = crate::util::files::FileId::of(&self.kubelet_socket);
         let (outcome, changed) = match self.attempt_watching().await? {
             ControlFlow::Continue(ran) => ran,
             ControlFlow::Break(stop) => return Ok(ControlFlow::Break(stop)),
@@ -602,13 +602,13 @@ impl Supervisor {
     fn settle(
         &mut self,
         outcome: Attempt,
-        target: Option<socket::SocketId>,
+        target: Option<crate::util::files::FileId>,
         before: u64,
         changed: bool,
     ) -> Link {
         // What kubelet.sock is now. If there was none when the attempt began, the one that appeared meanwhile
         // is the one the attempt reached.
-        let now_id = socket::SocketId::of(&self.kubelet_socket);
+        let now_id = crate::util::files::FileId::of(&self.kubelet_socket);
         match outcome {
             Attempt::Registered if target.is_some() && now_id != target => {
                 tracing::info!(
@@ -697,7 +697,7 @@ enum Link {
     /// The kubelet behind `kubelet` accepted our registration.
     Registered {
         /// Identity of `kubelet.sock` when we registered: a different one is a different kubelet.
-        kubelet: Option<socket::SocketId>,
+        kubelet: Option<crate::util::files::FileId>,
         /// When the kubelet accepted it.
         since: Instant,
         /// Until the kubelet opens its stream: the streams opened before the registration, and how long we
@@ -715,7 +715,7 @@ impl Link {
             Link::Registered { kubelet, lost, .. } => {
                 lost.is_none()
                     && kubelet.is_some()
-                    && *kubelet == socket::SocketId::of(kubelet_socket)
+                    && *kubelet == crate::util::files::FileId::of(kubelet_socket)
             }
             Link::Owed(_) => false,
         }

@@ -83,33 +83,6 @@ pub fn remove_stale_sockets_named(dir: &Path, ours: impl Fn(&str) -> bool) -> us
     removed
 }
 
-/// Which socket file is at a path: the same file keeps it, a file made again gets another. A kubelet restart
-/// makes `kubelet.sock` anew; a repeated or late directory event about the same file changes nothing.
-///
-/// The inode alone is not enough: a file system may give a new file the inode just freed. The modification
-/// time is set when a socket file is made and nothing but `utimes` changes it (a link or a chmod changes
-/// the ctime); a kubelet restart takes longer than the file system's timestamp granularity.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SocketId {
-    dev: u64,
-    ino: u64,
-    mtime: i64,
-    mtime_nsec: i64,
-}
-
-impl SocketId {
-    /// The identity of the file at `path`, or `None` when there is none.
-    pub fn of(path: &Path) -> Option<SocketId> {
-        let meta = std::fs::metadata(path).ok()?;
-        Some(SocketId {
-            dev: meta.dev(),
-            ino: meta.ino(),
-            mtime: meta.mtime(),
-            mtime_nsec: meta.mtime_nsec(),
-        })
-    }
-}
-
 /// The socket this process serves on, with the listener's accept loop.
 pub struct PluginSocket {
     path: PathBuf,
