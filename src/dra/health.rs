@@ -19,6 +19,7 @@ use tonic::{Request, Response, Status};
 
 use crate::api::dra::{health_v1, health_v1alpha1};
 use crate::health::message::truncate;
+use crate::util::bounded::Gate;
 
 use super::view::{DraDevice, DraView};
 
@@ -80,81 +81,9 @@ pub struct HealthService {
     devices: watch::Receiver<DraView>,
     config: Arc<HealthConfig>,
     shutdown: CancellationToken,
-    open: Arc<OpenStreams>,
+    /// The streams open: past [`MAX_STREAMS`] the oldest is ended.
+    open: Arc<Gate>,
     metrics: Arc<crate::metrics::Metrics>,
-}
-
-/// The streams open, oldest first, each with the token that ends it.
-#[derive(Default)]
-struct OpenStreams {
-    streams: std::sync::Mutex<std::collections::VecDeque<(u64, CancellationToken)>>,
-    next: std::sync::atomic::AtomicU64,
-    ended: std::sync::atomic::AtomicU64,
-}
-
-impl OpenStreams {
-    fn list(
-        &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u64, CancellationToken)>> {
-        // Every change is one push, pop or retain: a list whose lock was poisoned is whole all the same.
-        self.streams
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// A place for one more stream, ended by the token given (or at `shutdown`); the oldest stream is ended
-    /// to make room if [`MAX_STREAMS`] are open, said on the 1st, 2nd, 4th, 8th... time.
-    fn admit(
-        self: &Arc<Self>,
-        shutdown: &CancellationToken,
-        metrics: &crate::metrics::Metrics,
-    ) -> (OpenStream, CancellationToken) {
-        use std::sync::atomic::Ordering;
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let end = shutdown.child_token();
-        let mut ended = 0;
-        {
-            let mut list = self.list();
-            while list.len() >= MAX_STREAMS {
-                if let Some((_, oldest)) = list.pop_front() {
-                    oldest.cancel();
-                    ended += 1;
-                }
-            }
-            list.push_back((id, end.clone()));
-        }
-        for _ in 0..ended {
-            metrics.health_stream_ended();
-            let so_far = self.ended.fetch_add(1, Ordering::Relaxed) + 1;
-            if so_far.is_power_of_two() {
-                tracing::warn!(
-                    open = MAX_STREAMS,
-                    ended_so_far = so_far,
-                    "a new DRA health stream past the cap: the oldest is ended to make room (the kubelet \
-                     opens a new one when it restarts; a client that leaves streams open is not the kubelet)"
-                );
-            }
-        }
-        (
-            OpenStream {
-                id,
-                open: self.clone(),
-            },
-            end,
-        )
-    }
-}
-
-/// A stream's place among the open ones, given back when the stream goes.
-struct OpenStream {
-    id: u64,
-    open: Arc<OpenStreams>,
-}
-
-impl Drop for OpenStream {
-    fn drop(&mut self) {
-        self.open.list().retain(|(id, _)| *id != self.id);
-    }
 }
 
 impl HealthService {
@@ -168,7 +97,7 @@ impl HealthService {
             devices,
             config: Arc::new(config),
             shutdown,
-            open: Arc::new(OpenStreams::default()),
+            open: Gate::new("DRA health streams", MAX_STREAMS),
             metrics: crate::metrics::Metrics::off(),
         }
     }
@@ -179,20 +108,26 @@ impl HealthService {
         self
     }
 
-    /// The reports of one stream until `end`: the list at once, after every change and on every heartbeat.
-    /// A kubelet slower than the changes gets the newest list when it reads again, never a queue of old ones.
-    fn reports(&self, end: CancellationToken) -> mpsc::Receiver<Vec<DeviceReport>> {
+    /// The reports of one stream, until shutdown or `ended`: the list at once, after every change and on
+    /// every heartbeat. A kubelet slower than the changes gets the newest list when it reads again, never a
+    /// queue of old ones.
+    fn reports(
+        &self,
+        ended: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> mpsc::Receiver<Vec<DeviceReport>> {
         let (tx, rx) = mpsc::channel(1);
         let mut devices = self.devices.clone();
         let config = self.config.clone();
-        let shutdown = end;
+        let shutdown = self.shutdown.clone();
         tokio::spawn(async move {
+            tokio::pin!(ended);
             let mut beat = tokio::time::interval(config.heartbeat);
             beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut source_gone = false;
             loop {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
+                    () = &mut ended => return,
                     () = tx.closed() => return,
                     changed = devices.changed(), if !source_gone => {
                         // Without a source the last list stands: an ended stream would clear it.
@@ -213,10 +148,14 @@ impl HealthService {
     /// One stream. The kubelet holds one (two across its restart); past [`MAX_STREAMS`] the oldest is
     /// ended, so that a kubelet opening its stream always gets one, whoever holds the others.
     fn stream<T: Send + 'static>(&self, into: fn(Vec<DeviceReport>) -> T) -> ReportStream<T> {
-        let (place, end) = self.open.admit(&self.shutdown, &self.metrics);
-        // Ends at shutdown or when ended to make room: the task behind it returns then; the place is given
-        // back when tonic drops the stream.
-        Box::pin(ReceiverStream::new(self.reports(end)).map(move |list| {
+        let place = self.open.admit_now();
+        if place.evicted_another() {
+            self.metrics.health_stream_ended();
+        }
+        // Ends at shutdown or when its place is wanted back: the task behind it returns then; the place is
+        // given back when tonic drops the stream.
+        let ended = place.closing_owned();
+        Box::pin(ReceiverStream::new(self.reports(ended)).map(move |list| {
             let _place = &place;
             Ok(into(list))
         }))
@@ -330,7 +269,7 @@ mod tests {
         let (tx, rx) = watch::channel(view(&inventory()));
         let shutdown = CancellationToken::new();
         let service = HealthService::new(rx, config(Duration::from_secs(10)), shutdown.clone());
-        let mut reports = service.reports(service.shutdown.clone());
+        let mut reports = service.reports(std::future::pending());
         let first = reports.recv().await.expect("first list");
         assert!(first.iter().all(|d| d.health == 1));
 
@@ -379,10 +318,10 @@ mod tests {
         assert!(matches!(kubelet.next().await, Some(Ok(_))));
         let mut oldest = open.pop_front().expect("eight open");
         assert!(oldest.next().await.is_none(), "the oldest stream ended");
-        assert_eq!(service.open.list().len(), MAX_STREAMS);
+        assert_eq!(service.open.held(), MAX_STREAMS);
         // The others stay open; one closed frees its place, and the next stream ends none.
         drop(open.pop_back());
-        assert_eq!(service.open.list().len(), MAX_STREAMS - 1);
+        assert_eq!(service.open.held(), MAX_STREAMS - 1);
         let _another = service.stream(v1_message);
         let mut second_oldest = open.pop_front().expect("six open");
         let still_open =
@@ -404,7 +343,7 @@ mod tests {
             config(Duration::from_secs(10)),
             CancellationToken::new(),
         );
-        let mut reports = service.reports(service.shutdown.clone());
+        let mut reports = service.reports(std::future::pending());
         assert!(reports.recv().await.is_some());
         drop(tx);
         for _ in 0..3 {

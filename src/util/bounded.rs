@@ -123,6 +123,23 @@ impl Gate {
                 self.permits.clone().acquire_owned().await.ok()?
             }
         };
+        Some(self.place(Some(permit), evicted_another))
+    }
+
+    /// A place at once, for what holds no descriptor of its own (a stream on a connection already held):
+    /// when every place is taken the oldest is told to close, as [`Gate::admit`] does, but this does not wait
+    /// for it.
+    pub fn admit_now(self: &Arc<Self>) -> Place {
+        let evicted_another = self.held() >= self.max && self.evict_oldest();
+        let permit = self.permits.clone().try_acquire_owned().ok();
+        self.place(permit, evicted_another)
+    }
+
+    fn place(
+        self: &Arc<Self>,
+        permit: Option<OwnedSemaphorePermit>,
+        evicted_another: bool,
+    ) -> Place {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let close = CancellationToken::new();
         let spoke = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -131,14 +148,19 @@ impl Gate {
             close: close.clone(),
             spoke: spoke.clone(),
         });
-        Some(Place {
+        Place {
             id,
             close,
             spoke,
             evicted_another,
-            permit: Some(permit),
+            permit,
             gate: self.clone(),
-        })
+        }
+    }
+
+    /// Places held and not told to close.
+    pub fn held(&self) -> usize {
+        self.places().len()
     }
 
     /// Tells the oldest connection whose client has sent nothing yet to close, else the oldest; whether
@@ -163,7 +185,7 @@ impl Gate {
                 surface = self.what,
                 open = self.max,
                 evicted_so_far = evicted,
-                "every connection place is taken (a flood, or clients that never finish): closing the oldest to make room"
+                "every place is taken (a flood, or clients that never finish): closing the oldest to make room"
             );
         }
         true
@@ -232,6 +254,11 @@ impl Place {
         self.close.cancelled().await;
     }
 
+    /// As [`Place::closing`], for a task that does not hold the place.
+    pub fn closing_owned(&self) -> tokio_util::sync::WaitForCancellationFutureOwned {
+        self.close.clone().cancelled_owned()
+    }
+
     /// Notes that the client has sent something: it is closed to make room only after every silent one.
     pub fn spoke(&self) {
         self.spoke.store(true, Ordering::Relaxed);
@@ -262,7 +289,7 @@ pub const HTTP2_PREFACE: usize = 24;
 impl<I> Held<I> {
     /// `io`, holding `place`, with `silent_for` to send its first `opening` bytes.
     pub fn new(io: I, place: Place, silent_for: Duration, opening: usize) -> Self {
-        let closing = Box::pin(place.close.clone().cancelled_owned());
+        let closing = Box::pin(place.closing_owned());
         Held {
             io,
             place,
