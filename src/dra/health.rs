@@ -11,9 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::Stream;
-use tokio::sync::{mpsc, watch};
-use tokio_stream::StreamExt as _;
-use tokio_stream::wrappers::ReceiverStream;
+use futures_util::StreamExt as _;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
@@ -75,6 +74,15 @@ pub fn report(view: &[DraDevice], config: &HealthConfig, now: SystemTime) -> Vec
         .collect()
 }
 
+/// What one stream keeps between its reports.
+struct Reports {
+    devices: watch::Receiver<DraView>,
+    config: Arc<HealthConfig>,
+    beat: tokio::time::Interval,
+    /// The view's sender is gone: only heartbeats are left.
+    source_gone: bool,
+}
+
 /// The service, for both versions.
 #[derive(Clone)]
 pub struct HealthService {
@@ -108,41 +116,30 @@ impl HealthService {
         self
     }
 
-    /// The reports of one stream, until shutdown or `ended`: the list at once, after every change and on
-    /// every heartbeat. A kubelet slower than the changes gets the newest list when it reads again, never a
-    /// queue of old ones.
-    fn reports(
-        &self,
-        ended: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> mpsc::Receiver<Vec<DeviceReport>> {
-        let (tx, rx) = mpsc::channel(1);
-        let mut devices = self.devices.clone();
-        let config = self.config.clone();
-        let shutdown = self.shutdown.clone();
-        tokio::spawn(async move {
-            tokio::pin!(ended);
-            let mut beat = tokio::time::interval(config.heartbeat);
-            beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut source_gone = false;
-            loop {
-                tokio::select! {
-                    () = shutdown.cancelled() => return,
-                    () = &mut ended => return,
-                    () = tx.closed() => return,
-                    changed = devices.changed(), if !source_gone => {
-                        // Without a source the last list stands: an ended stream would clear it.
-                        source_gone = changed.is_err();
-                        beat.reset();
-                    }
-                    _ = beat.tick() => {}
+    /// The reports of one stream: the list at once, after every change and on every heartbeat. A kubelet
+    /// slower than the changes gets the newest list when it reads again, never a queue of old ones. Polled
+    /// by the stream's own connection task, no task or channel between the view and the kubelet.
+    fn reports(&self) -> impl Stream<Item = Vec<DeviceReport>> + Send + 'static {
+        let mut beat = tokio::time::interval(self.config.heartbeat);
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let state = Reports {
+            devices: self.devices.clone(),
+            config: self.config.clone(),
+            beat,
+            source_gone: false,
+        };
+        futures_util::stream::unfold(state, |mut s| async move {
+            tokio::select! {
+                changed = s.devices.changed(), if !s.source_gone => {
+                    // Without a source the last list stands: an ended stream would clear it.
+                    s.source_gone = changed.is_err();
+                    s.beat.reset();
                 }
-                let list = report(&devices.borrow_and_update(), &config, SystemTime::now());
-                if tx.send(list).await.is_err() {
-                    return;
-                }
+                _ = s.beat.tick() => {}
             }
-        });
-        rx
+            let list = report(&s.devices.borrow_and_update(), &s.config, SystemTime::now());
+            Some((list, s))
+        })
     }
 
     /// One stream. The kubelet holds one (two across its restart); past [`MAX_STREAMS`] the oldest is
@@ -155,10 +152,15 @@ impl HealthService {
         // Ends at shutdown or when its place is wanted back: the task behind it returns then; the place is
         // given back when tonic drops the stream.
         let ended = place.closing_owned();
-        Box::pin(ReceiverStream::new(self.reports(ended)).map(move |list| {
-            let _place = &place;
-            Ok(into(list))
-        }))
+        Box::pin(
+            self.reports()
+                .take_until(ended)
+                .take_until(self.shutdown.clone().cancelled_owned())
+                .map(move |list| {
+                    let _place = &place;
+                    Ok(into(list))
+                }),
+        )
     }
 }
 
@@ -264,25 +266,37 @@ mod tests {
         assert_eq!(list[1].pool, "node-a");
     }
 
+    /// A stream's reports as they are.
+    fn lists(list: Vec<DeviceReport>) -> Vec<DeviceReport> {
+        list
+    }
+
+    async fn next(stream: &mut ReportStream<Vec<DeviceReport>>) -> Option<Vec<DeviceReport>> {
+        stream
+            .next()
+            .await
+            .map(|r| r.expect("a stream never sends an error"))
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_stream_sends_the_list_at_once_on_every_change_and_on_each_heartbeat() {
         let (tx, rx) = watch::channel(view(&inventory()));
         let shutdown = CancellationToken::new();
         let service = HealthService::new(rx, config(Duration::from_secs(10)), shutdown.clone());
-        let mut reports = service.reports(std::future::pending());
-        let first = reports.recv().await.expect("first list");
+        let mut reports = service.stream(lists);
+        let first = next(&mut reports).await.expect("first list");
         assert!(first.iter().all(|d| d.health == 1));
 
         let mut inv = inventory();
         inv.set_health("GPU-0", Health::Unhealthy, Some("XID 48".into()));
         tx.send_replace(view(&inv));
-        let second = reports.recv().await.expect("list after the change");
+        let second = next(&mut reports).await.expect("list after the change");
         assert_eq!(second[0].health, 2);
         assert_eq!(second[0].message, "XID 48");
 
         // Nothing changes: the same list comes again, one heartbeat later and not before.
         let start = tokio::time::Instant::now();
-        let beat = reports.recv().await.expect("heartbeat");
+        let beat = next(&mut reports).await.expect("heartbeat");
         let again: Vec<DeviceReport> = second
             .iter()
             .map(|d| DeviceReport {
@@ -295,7 +309,7 @@ mod tests {
 
         shutdown.cancel();
         assert!(
-            reports.recv().await.is_none(),
+            next(&mut reports).await.is_none(),
             "the stream ends at shutdown"
         );
     }
@@ -343,11 +357,11 @@ mod tests {
             config(Duration::from_secs(10)),
             CancellationToken::new(),
         );
-        let mut reports = service.reports(std::future::pending());
-        assert!(reports.recv().await.is_some());
+        let mut reports = service.stream(lists);
+        assert!(next(&mut reports).await.is_some());
         drop(tx);
         for _ in 0..3 {
-            let list = reports.recv().await.expect("the stream stays open");
+            let list = next(&mut reports).await.expect("the stream stays open");
             assert_eq!(list.len(), 2);
         }
     }

@@ -327,6 +327,16 @@ fn watch_sockets(
 }
 
 /// One served socket and its gRPC server.
+/// Which `:authority` a served socket's requests may carry.
+#[derive(Debug, Clone, Copy)]
+enum Authority {
+    /// Only a valid URI authority (h2's own check): the client sends `localhost`.
+    Checked,
+    /// Any, as Go's gRPC server takes: each connection goes through a relay
+    /// ([`crate::util::authority::served_any`]).
+    Any,
+}
+
 struct Served {
     socket: PluginSocket,
     conns: mpsc::Sender<UnixStream>,
@@ -338,10 +348,12 @@ struct Served {
 }
 
 impl Served {
-    /// Serves `router` on a socket at `path`, its connections held at a gate named `what` (for the log).
+    /// Serves `router` on a socket at `path`, its connections held at a gate named `what` (for the log),
+    /// the requests' authorities taken as `authority` says.
     fn start(
         path: &Path,
         what: &'static str,
+        authority: Authority,
         router: tonic::transport::server::Router,
         metrics: &Arc<Metrics>,
         shutdown: &CancellationToken,
@@ -363,9 +375,17 @@ impl Served {
         );
         // Its own token under the process's: a server stopped on the DRA side's own failure stops at once.
         let stop = shutdown.child_token();
-        let task = tokio::spawn(
-            router.serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned()),
-        );
+        let stopped = stop.clone().cancelled_owned();
+        let task = match authority {
+            Authority::Checked => {
+                tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
+            }
+            Authority::Any => {
+                use futures_util::StreamExt as _;
+                let incoming = incoming.map(|conn| conn.map(crate::util::authority::served_any));
+                tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
+            }
+        };
         Ok(Served {
             socket,
             conns,
@@ -497,7 +517,15 @@ pub async fn run(
         .add_service(
             health_v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(health),
         );
-    let mut dra = Served::start(&endpoint, "DRA socket", dra, &metrics, &shutdown)?;
+    // The kubelet's DRA client (1.34+) dials `unix:<path>` and sends `localhost`: h2's check stands.
+    let mut dra = Served::start(
+        &endpoint,
+        "DRA socket",
+        Authority::Checked,
+        dra,
+        &metrics,
+        &shutdown,
+    )?;
 
     let registration = RegistrationService::new(config.driver.clone(), endpoint.clone(), status);
     let reg =
@@ -505,6 +533,8 @@ pub async fn run(
     let mut reg = match Served::start(
         &config.registration_socket(),
         "DRA registration socket",
+        // The plugin watcher dials the socket's path, which grpc-go then sends as the authority.
+        Authority::Any,
         reg,
         &metrics,
         &shutdown,

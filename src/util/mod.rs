@@ -2,6 +2,7 @@
 //! ([`runtime`]), the open-file limit ([`limits`]), connection caps and timeouts for a served socket
 //! ([`bounded`]) and Unix-socket gRPC channels ([`uds`]).
 
+pub mod authority;
 pub mod bounded;
 pub mod files;
 pub mod limits;

@@ -28,7 +28,9 @@ pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
         .await
 }
 
-async fn connect_stream(path: &Path) -> std::io::Result<UnixStream> {
+/// Connects to the Unix socket at `path`, a refusal tried again at once a few times (see
+/// [`REFUSED_RETRIES`]).
+pub async fn connect_stream(path: &Path) -> std::io::Result<UnixStream> {
     let mut refused = 0;
     loop {
         match UnixStream::connect(path).await {

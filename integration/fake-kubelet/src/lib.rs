@@ -19,7 +19,6 @@
 //! nothing here sleeps.
 
 pub mod apiserver;
-mod authority;
 pub mod dra;
 mod pod_resources;
 
@@ -39,7 +38,7 @@ use gpu_device_plugin::api::{
     RegisterRequest, VERSION,
 };
 use gpu_device_plugin::config::check_extended_resource_name;
-use gpu_device_plugin::util::uds;
+use gpu_device_plugin::util::{authority, uds};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
@@ -290,7 +289,7 @@ impl FakeKubelet {
                     accepted = listener.accept() => {
                         let Ok((client, _)) = accepted else { continue };
                         let Ok((ours, theirs)) = UnixStream::pair() else { continue };
-                        relays.spawn(authority::relay(client, ours));
+                        relays.spawn(authority::relay(client, ours, authority::usable_authority));
                         if to_server.send(theirs).await.is_err() {
                             return;
                         }

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use gpu_device_plugin::api::dra::registration::registration_client::RegistrationClient;
 use gpu_device_plugin::api::dra::registration::{InfoRequest, RegistrationStatus};
-use gpu_device_plugin::util::uds;
+use gpu_device_plugin::util::{authority, uds};
+use h2::frame::Headers;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::UnixStream;
@@ -239,6 +240,47 @@ pub(super) async fn register_socket(
     }
 }
 
+/// A channel to a registration socket as the kubelet's plugin watcher opens it: grpc-go dials the socket's
+/// path with no authority of its own (`operationexecutor`'s `dial`, in every kubelet version), so each request
+/// carries the path, percent-encoded, as its `:authority`. A plugin whose HTTP/2 server refuses that
+/// authority is never registered, as with the real kubelet.
+async fn dial_registration(socket: &Path) -> Result<Channel, tonic::transport::Error> {
+    let path = socket.to_owned();
+    let authority = grpc_go_authority(&path.to_string_lossy());
+    // The URI names nothing: the connector decides where to go, the relay what authority is sent.
+    Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let (path, authority) = (path.clone(), authority.clone());
+            async move {
+                let stream = uds::connect_stream(&path).await?;
+                let (ours, theirs) = tokio::io::duplex(64 * 1024);
+                tokio::spawn(async move {
+                    let _ended = authority::relay(theirs, stream, move |h: &mut Headers| {
+                        authority::set_authority(h, &authority)
+                    })
+                    .await;
+                });
+                Ok::<_, std::io::Error>(TokioIo::new(ours))
+            }
+        }))
+        .await
+}
+
+/// The `:authority` grpc-go sends for a target with no scheme: the target with every byte outside RFC 3986's
+/// unreserved characters, sub-delimiters and `:`, `[`, `]`, `@` percent-encoded (upper-case hex).
+pub(crate) fn grpc_go_authority(target: &str) -> String {
+    let mut out = String::with_capacity(target.len() * 2);
+    for b in target.bytes() {
+        let kept = b.is_ascii_alphanumeric() || b"-_.~!$&'()*+,;=:[]@".contains(&b);
+        if kept {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// One registration attempt, as the kubelet's operation generator makes it. Returns the driver name (empty
 /// before `GetInfo` answered) and the outcome.
 async fn attempt(
@@ -248,7 +290,7 @@ async fn attempt(
     life: &CancellationToken,
 ) -> (String, Outcome) {
     let info = async {
-        let channel = tokio::time::timeout(DIAL_TIMEOUT, uds::connect(socket))
+        let channel = tokio::time::timeout(DIAL_TIMEOUT, dial_registration(socket))
             .await
             .map_err(|_| format!("cannot dial {}: timed out", socket.display()))?
             .map_err(|e| format!("cannot dial {}: {e:?}", socket.display()))?;

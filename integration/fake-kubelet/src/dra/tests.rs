@@ -448,7 +448,10 @@ impl TestPlugin {
                 let dra = router.serve_with_incoming(UnixListenerStream::new(dra));
                 let registrar = tonic::transport::Server::builder()
                     .add_service(reg::registration_server::RegistrationServer::new(served))
-                    .serve_with_incoming(UnixListenerStream::new(registrar));
+                    // As the plugin does: the plugin watcher sends the socket's path as the authority.
+                    .serve_with_incoming(UnixListenerStream::new(registrar).map(|conn| {
+                        conn.map(gpu_device_plugin::util::authority::served_any)
+                    }));
                 tokio::select! {
                     () = stopped.cancelled() => {}
                     _ = dra => {}
