@@ -157,8 +157,15 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     let shutdown = CancellationToken::new();
     let reload = spawn_signal_handler(shutdown.clone())?;
     config::prepare_state_dir(&settings.state_dir)?;
-    // Settle the directory now, so that a bad one is reported before anything starts.
-    kubelet::socket_path_for(&plugin_config(&settings, &settings.resource_name))?;
+    // Settle the directory now, so that a bad one is reported before anything starts; with every GPU served
+    // through DRA the device plugin never registers, and the kubelet's device plugin directory is not needed.
+    let dra_only = settings
+        .dra
+        .as_ref()
+        .is_some_and(|d| matches!(d.gpus, gpu_device_plugin::dra::selection::DraSelection::All));
+    if !dra_only {
+        kubelet::socket_path_for(&plugin_config(&settings, &settings.resource_name))?;
+    }
 
     let source = open_source(&settings)?;
     log_start(&settings, source.driver_version());

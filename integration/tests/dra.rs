@@ -55,7 +55,12 @@ impl DraNode {
         extra: &[&str],
     ) -> Result<DraNode, Box<dyn std::error::Error>> {
         let root = tempfile::tempdir()?;
-        for dir in ["plugins_registry", "plugins", "device-plugins"] {
+        // With every GPU served through DRA the device plugin's directory is not needed: none is made.
+        let device_plugins = (dra != "all").then_some("device-plugins");
+        for dir in ["plugins_registry", "plugins"]
+            .into_iter()
+            .chain(device_plugins)
+        {
             std::fs::create_dir_all(root.path().join(dir))?;
         }
         let api = FakeApiServer::start().await?;
