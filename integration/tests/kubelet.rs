@@ -784,5 +784,10 @@ async fn silent_connections_to_the_plugin_socket_are_capped_and_closed_and_the_k
     );
     // Every silent one is closed by the plugin, and the descriptors given back.
     support::all_closed_by(&node.plugin, &mut silent, fds_before).await?;
+    // A client that sends requests and never reads the answers holds a bounded number of them open.
+    assert_eq!(
+        support::advertised_max_streams(&socket).await?,
+        Some(gpu_device_plugin::util::bounded::KUBELET_SOCKET_STREAMS)
+    );
     Ok(())
 }

@@ -31,7 +31,7 @@ use crate::api::dra::registration::registration_server::RegistrationServer;
 use crate::api::dra::{health_v1, health_v1alpha1, v1, v1beta1};
 use crate::devices::InventoryWatch;
 use crate::kubelet::KubeletError;
-use crate::kubelet::socket::PluginSocket;
+use crate::kubelet::socket::{PluginSocket, Staging};
 use crate::metrics::Metrics;
 use crate::util::runtime::{Priority, spawn_on_own_thread};
 
@@ -326,17 +326,21 @@ fn watch_sockets(
     }
 }
 
-/// One served socket and its gRPC server.
-/// Which `:authority` a served socket's requests may carry.
+/// Which of the two sockets a [`Served`] is: how its file is made and which `:authority` its requests may
+/// carry.
 #[derive(Debug, Clone, Copy)]
-enum Authority {
-    /// Only a valid URI authority (h2's own check): the client sends `localhost`.
-    Checked,
-    /// Any, as Go's gRPC server takes: each connection goes through a relay
+enum Role {
+    /// The DRA socket: made beside its place; only a valid URI authority (h2's own check), as the kubelet's
+    /// DRA client (1.34+) dials `unix:<path>` and sends `localhost`.
+    Service,
+    /// The registration socket, in the directory the kubelet's plugin watcher follows: made out of its sight
+    /// ([`Staging::HiddenDir`]); any authority, as Go's gRPC server takes (the watcher dials the socket's path,
+    /// which grpc-go sends as the authority), each connection through a relay
     /// ([`crate::util::authority::served_any`]).
-    Any,
+    Registration,
 }
 
+/// One served socket and its gRPC server.
 struct Served {
     socket: PluginSocket,
     conns: mpsc::Sender<UnixStream>,
@@ -349,11 +353,11 @@ struct Served {
 
 impl Served {
     /// Serves `router` on a socket at `path`, its connections held at a gate named `what` (for the log),
-    /// the requests' authorities taken as `authority` says.
+    /// made and its requests taken as its `role` says.
     fn start(
         path: &Path,
         what: &'static str,
-        authority: Authority,
+        role: Role,
         router: tonic::transport::server::Router,
         metrics: &Arc<Metrics>,
         shutdown: &CancellationToken,
@@ -365,7 +369,11 @@ impl Served {
             })?;
         }
         let (conns, incoming) = mpsc::channel(16);
-        let socket = PluginSocket::bind(path, conns.clone())?;
+        let staging = match role {
+            Role::Service => Staging::Beside,
+            Role::Registration => Staging::HiddenDir,
+        };
+        let socket = PluginSocket::bind_staged(path, staging, conns.clone())?;
         // Held to a cap, the oldest silent connection closed past it, a silent one closed after 10 s.
         let metrics = metrics.clone();
         let incoming = crate::util::bounded::held_connections(
@@ -376,11 +384,9 @@ impl Served {
         // Its own token under the process's: a server stopped on the DRA side's own failure stops at once.
         let stop = shutdown.child_token();
         let stopped = stop.clone().cancelled_owned();
-        let task = match authority {
-            Authority::Checked => {
-                tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
-            }
-            Authority::Any => {
+        let task = match role {
+            Role::Service => tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped)),
+            Role::Registration => {
                 use futures_util::StreamExt as _;
                 let incoming = incoming.map(|conn| conn.map(crate::util::authority::served_any));
                 tokio::spawn(router.serve_with_incoming_shutdown(incoming, stopped))
@@ -507,6 +513,7 @@ pub async fn run(
     let endpoint = config.endpoint();
     remove_stale_sockets(&config);
     let dra = tonic::transport::Server::builder()
+        .max_concurrent_streams(crate::util::bounded::KUBELET_SOCKET_STREAMS)
         .add_service(v1::dra_plugin_server::DraPluginServer::new(
             preparer.clone(),
         ))
@@ -517,24 +524,23 @@ pub async fn run(
         .add_service(
             health_v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(health),
         );
-    // The kubelet's DRA client (1.34+) dials `unix:<path>` and sends `localhost`: h2's check stands.
     let mut dra = Served::start(
         &endpoint,
         "DRA socket",
-        Authority::Checked,
+        Role::Service,
         dra,
         &metrics,
         &shutdown,
     )?;
 
     let registration = RegistrationService::new(config.driver.clone(), endpoint.clone(), status);
-    let reg =
-        tonic::transport::Server::builder().add_service(RegistrationServer::new(registration));
+    let reg = tonic::transport::Server::builder()
+        .max_concurrent_streams(crate::util::bounded::KUBELET_SOCKET_STREAMS)
+        .add_service(RegistrationServer::new(registration));
     let mut reg = match Served::start(
         &config.registration_socket(),
         "DRA registration socket",
-        // The plugin watcher dials the socket's path, which grpc-go then sends as the authority.
-        Authority::Any,
+        Role::Registration,
         reg,
         &metrics,
         &shutdown,

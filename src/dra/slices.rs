@@ -267,6 +267,7 @@ pub async fn publish(
                         if !matches!(event, watcher::Event::Init) {
                             said_watch_error = None;
                         }
+                        forget_gone(&event, &mut ours, &seen);
                         follow(event, &mut seen, &mut listed);
                         dirty = true;
                     }
@@ -382,9 +383,15 @@ fn follow(
 ) {
     let name = |o: &DynamicObject| o.metadata.name.clone().unwrap_or_default();
     match event {
-        watcher::Event::Init => seen.clear(),
+        // A list begun again (after the watch failed): what is known stands until it is complete, or a write
+        // meanwhile would take a slice not yet listed for one that is not there.
+        watcher::Event::Init => {
+            seen.clear();
+            return;
+        }
         watcher::Event::InitApply(o) => {
             seen.insert(name(&o), o);
+            return;
         }
         watcher::Event::InitDone => {
             *listed = Some(seen.clone());
@@ -399,6 +406,25 @@ fn follow(
     }
     if listed.is_some() {
         *listed = Some(seen.clone());
+    }
+}
+
+/// Forgets this plugin's writes of the slices `event` says are gone (deleted, or missing from a list just
+/// completed), so that they are made again; `seen` is the list being made, before `event` is applied. A slice
+/// this plugin wrote and the watch has not yet told of stays known: it is there, whatever the watch says yet.
+fn forget_gone(
+    event: &watcher::Event<DynamicObject>,
+    ours: &mut BTreeMap<String, Written>,
+    seen: &BTreeMap<String, DynamicObject>,
+) {
+    match event {
+        watcher::Event::Delete(o) => {
+            if let Some(name) = &o.metadata.name {
+                ours.remove(name);
+            }
+        }
+        watcher::Event::InitDone => ours.retain(|name, _| seen.contains_key(name)),
+        _ => {}
     }
 }
 
@@ -462,23 +488,27 @@ async fn write(
     for (name, spec) in names.iter().zip(specs) {
         let existing = current.get(name);
         let ours = written.get(name);
-        // Unchanged: as we wrote it (the API server may have added defaults), or as we want it.
-        let unchanged = existing.is_some_and(|o| {
-            let owned = owner.is_none()
-                || o.metadata
-                    .owner_references
-                    .as_ref()
-                    .is_some_and(|r| !r.is_empty());
-            owned
-                && (o.data["spec"] == spec
-                    || ours.is_some_and(|w| {
-                        w.spec == spec
-                            && o.metadata
-                                .resource_version
-                                .as_ref()
-                                .is_some_and(|v| w.wrote(v))
-                    }))
-        });
+        // Unchanged: as we wrote it (the API server may have added defaults), or as we want it; or written
+        // by us as we want it and not yet told of by the watch.
+        let unchanged = existing.map_or_else(
+            || ours.is_some_and(|w| w.spec == spec),
+            |o| {
+                let owned = owner.is_none()
+                    || o.metadata
+                        .owner_references
+                        .as_ref()
+                        .is_some_and(|r| !r.is_empty());
+                owned
+                    && (o.data["spec"] == spec
+                        || ours.is_some_and(|w| {
+                            w.spec == spec
+                                && o.metadata
+                                    .resource_version
+                                    .as_ref()
+                                    .is_some_and(|v| w.wrote(v))
+                        }))
+            },
+        );
         if unchanged {
             continue;
         }
@@ -495,17 +525,11 @@ async fn write(
             serde_json::from_value(object).map_err(|e| Failed::Other(e.to_string()))?;
         let sent_taints = has_taints(&object.data);
         calls += 1;
-        let result = match existing {
-            Some(before) => {
-                let mut object = object;
-                // Our own last write's version where the watch has not caught up with it yet.
-                object.metadata.resource_version = ours
-                    .map(|w| Some(w.version.clone()))
-                    .unwrap_or_else(|| before.metadata.resource_version.clone());
-                api.replace(name, &PostParams::default(), &object).await
-            }
-            None => api.create(&PostParams::default(), &object).await,
-        };
+        // Our own last write's version where the watch has not caught up with it yet.
+        let version = ours
+            .map(|w| w.version.clone())
+            .or_else(|| existing.and_then(|b| b.metadata.resource_version.clone()));
+        let result = upsert(api, name, object, version).await;
         let done = match result {
             Ok(done) => done,
             Err(e) => {
@@ -561,6 +585,33 @@ async fn write(
         }
     }
     Ok(Wrote { calls, dropped })
+}
+
+/// Replaces the slice `name` at `version` with `object`, or makes it when there is no version to replace.
+/// Made again when it is gone (a 404 on the replace); written over what is there when it exists after all
+/// (a 409 on the create: made by this plugin before the watch told of it, or by another instance).
+async fn upsert(
+    api: &Api<DynamicObject>,
+    name: &str,
+    mut object: DynamicObject,
+    version: Option<String>,
+) -> kube::Result<DynamicObject> {
+    let params = PostParams::default();
+    if version.is_some() {
+        object.metadata.resource_version = version;
+        match api.replace(name, &params, &object).await {
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            done => return done,
+        }
+        object.metadata.resource_version = None;
+    }
+    match api.create(&params, &object).await {
+        Err(kube::Error::Api(s)) if s.code == 409 && s.reason == "AlreadyExists" => {
+            object.metadata.resource_version = api.get(name).await?.metadata.resource_version;
+            api.replace(name, &params, &object).await
+        }
+        done => done,
+    }
 }
 
 /// What a reconcile did.

@@ -360,6 +360,7 @@ impl Server {
         );
         let task = tokio::spawn(
             tonic::transport::Server::builder()
+                .max_concurrent_streams(crate::util::bounded::KUBELET_SOCKET_STREAMS)
                 .add_service(DevicePluginServer::new(service))
                 .serve_with_incoming_shutdown(incoming, server_shutdown.clone().cancelled_owned()),
         );

@@ -83,9 +83,52 @@ pub fn remove_stale_sockets_named(dir: &Path, ours: impl Fn(&str) -> bool) -> us
     removed
 }
 
+/// Where a socket is made before it is renamed into place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Staging {
+    /// Beside it, under a hidden name (`.<name>.tmp`).
+    Beside,
+    /// In a hidden directory beside it ([`STAGING_DIR`]), under a hidden random name: for a directory the
+    /// kubelet's plugin watcher follows. The watcher logs an error for every file it is told of that is gone
+    /// when it looks (a temporary socket renamed at once), and looks into no directory whose name starts with
+    /// a dot; the rename into place is the one event it sees.
+    HiddenDir,
+}
+
+/// The hidden directory of [`Staging::HiddenDir`], made once with mode 0700 and left in place (removing it
+/// would be one more event for the watcher).
+pub const STAGING_DIR: &str = ".gpu-device-plugin";
+
+impl Staging {
+    /// The temporary path for a socket at `path`.
+    fn temporary(self, path: &Path) -> io::Result<PathBuf> {
+        let file_name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        match self {
+            Staging::Beside => Ok(path.with_file_name(format!(".{file_name}.tmp"))),
+            Staging::HiddenDir => {
+                use std::os::unix::fs::DirBuilderExt as _;
+                let dir = path.with_file_name(STAGING_DIR);
+                match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => {}
+                    Err(e) => return Err(e),
+                }
+                // Two instances of a rolling update may bind at the same moment: a name of its own each.
+                let mut bytes = [0u8; 4];
+                getrandom::fill(&mut bytes).map_err(|e| io::Error::other(e.to_string()))?;
+                Ok(dir.join(format!(".{:08x}", u32::from_be_bytes(bytes))))
+            }
+        }
+    }
+}
+
 /// The socket this process serves on, with the listener's accept loop.
 pub struct PluginSocket {
     path: PathBuf,
+    staging: Staging,
     /// Inode of the socket file we bound: a file at our path with another inode is not ours.
     inode: u64,
     acceptor: AbortOnDropHandle<()>,
@@ -94,18 +137,23 @@ pub struct PluginSocket {
 impl PluginSocket {
     /// Binds `path` and forwards every accepted connection into `conns`.
     ///
-    /// The socket is bound under a hidden temporary name, set to 0600, then renamed into place, so it never
-    /// exists with looser permissions and appears only once it accepts connections.
+    /// The socket is bound under a hidden temporary name beside it, set to 0600, then renamed into place, so
+    /// it never exists with looser permissions and appears only once it accepts connections.
     pub fn bind(path: &Path, conns: mpsc::Sender<UnixStream>) -> Result<Self, KubeletError> {
+        Self::bind_staged(path, Staging::Beside, conns)
+    }
+
+    /// As [`PluginSocket::bind`], the temporary socket made where `staging` says.
+    pub fn bind_staged(
+        path: &Path,
+        staging: Staging,
+        conns: mpsc::Sender<UnixStream>,
+    ) -> Result<Self, KubeletError> {
         let bind_err = |source| KubeletError::Bind {
             path: path.to_owned(),
             source,
         };
-        let file_name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let tmp = path.with_file_name(format!(".{file_name}.tmp"));
+        let tmp = staging.temporary(path).map_err(bind_err)?;
         let _absent = std::fs::remove_file(&tmp);
         let listener = UnixListener::bind(&tmp).map_err(bind_err)?;
         let finish = || -> io::Result<u64> {
@@ -124,6 +172,7 @@ impl PluginSocket {
         tracing::debug!(socket = %path.display(), "bound plugin socket");
         Ok(PluginSocket {
             path: path.to_owned(),
+            staging,
             inode,
             acceptor,
         })
@@ -134,7 +183,7 @@ impl PluginSocket {
     /// bind fails, it stays stopped.
     pub fn rebind(&mut self, conns: mpsc::Sender<UnixStream>) -> Result<(), KubeletError> {
         self.acceptor.abort();
-        *self = PluginSocket::bind(&self.path, conns)?;
+        *self = PluginSocket::bind_staged(&self.path, self.staging, conns)?;
         Ok(())
     }
 
@@ -214,6 +263,33 @@ mod tests {
             path.exists(),
             "a file that is not our socket must not be removed"
         );
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_socket_staged_in_the_hidden_directory_appears_in_its_directory_as_its_only_new_name()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("gpu.nvidia.com-reg.sock");
+        let (tx, _rx) = mpsc::channel(1);
+        let mut socket = PluginSocket::bind_staged(&path, Staging::HiddenDir, tx.clone())?;
+        let mode = std::fs::metadata(&path)?.permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let staging = dir.path().join(STAGING_DIR);
+        assert_eq!(
+            std::fs::metadata(&staging)?.permissions().mode() & 0o777,
+            0o700
+        );
+        // Bound again (the kubelet cleaned up): the same way, nothing left in the hidden directory.
+        std::fs::remove_file(&path)?;
+        socket.rebind(tx)?;
+        assert!(socket.is_in_place());
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())?
+            .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect::<Result<_, _>>()?;
+        names.sort();
+        assert_eq!(names, [STAGING_DIR, "gpu.nvidia.com-reg.sock"]);
+        assert_eq!(std::fs::read_dir(&staging)?.count(), 0);
         Ok(())
     }
 

@@ -71,10 +71,13 @@ where
                         format!("request headers past {MAX_HEADER_LIST} bytes"),
                     ));
                 }
-                Frame::Headers(mut headers) => {
+                Frame::Headers(headers) => {
+                    let mut headers = without_priority(headers);
                     rewrite(&mut headers);
                     Frame::Headers(headers)
                 }
+                // Advisory only (RFC 9113 deprecates it), and h2 cannot encode it again: left out.
+                Frame::Priority(_) => continue,
                 other => other,
             };
             to_server.send(frame).await.map_err(io::Error::other)?;
@@ -105,6 +108,18 @@ where
         }
     });
     theirs
+}
+
+/// `headers` without the priority a HEADERS frame may carry (RFC 9113 deprecates it): h2 keeps the flag of
+/// a decoded frame but not its five bytes, so a frame encoded again with it would be malformed.
+fn without_priority(headers: Headers) -> Headers {
+    let (stream, end_stream) = (headers.stream_id(), headers.is_end_stream());
+    let (pseudo, fields) = headers.into_parts();
+    let mut fresh = Headers::new(stream, pseudo, fields);
+    if end_stream {
+        fresh.set_end_stream();
+    }
+    fresh
 }
 
 /// For a server: `localhost` as the authority when the request's is not a valid URI authority (grpc-go's

@@ -437,6 +437,10 @@ where
 /// Connections to a socket the kubelet uses (the device plugin's, the DRA sockets) at once, at most (fewer
 /// under a small open-file limit): the kubelet holds one or two.
 pub const KUBELET_SOCKET_CONNECTIONS: usize = 64;
+/// Requests (HTTP/2 streams) open at once on one connection to such a socket: past it the client is refused
+/// (a gRPC client waits for a place). The kubelet holds a stream or two and calls one at a time per pod; a
+/// client that sends requests and never reads the answers holds them all open, each with its answer.
+pub const KUBELET_SOCKET_STREAMS: u32 = 64;
 /// How long a new connection to such a socket may stay silent before it is closed.
 pub const KUBELET_SOCKET_SILENT_FOR: Duration = Duration::from_secs(10);
 

@@ -529,6 +529,13 @@ impl FakeApiServer {
         self.with_state(|s| s.resource.drop_device_taints = drop);
     }
 
+    /// With `true`, ResourceSlice watches fall behind: the changes made from now on reach them only when
+    /// this is called again with `false` (an API server's watch cache behind its writes). Lists, reads and
+    /// writes answer at once.
+    pub fn lag_slice_watches(&self, lag: bool) {
+        self.with_state(|s| s.resource.lag_watches(lag));
+    }
+
     /// Forgets the ResourceSlice change history, as an etcd compaction does: a watch that resumes from a
     /// resource version before now gets `410 Gone` (kube-rs's `watcher` then lists again).
     pub fn compact_slice_history(&self) {

@@ -803,3 +803,30 @@ pub async fn all_closed_by(
     }
     Ok(())
 }
+
+/// The `MAX_CONCURRENT_STREAMS` the gRPC server on the Unix socket at `path` tells a new client (its first
+/// SETTINGS frame), `None` when it sets none (unlimited).
+pub async fn advertised_max_streams(path: &Path) -> Result<Option<u32>, String> {
+    use futures_util::StreamExt as _;
+    use tokio::io::AsyncWriteExt as _;
+    let mut stream = tokio::net::UnixStream::connect(path)
+        .await
+        .map_err(|e| format!("cannot connect to {}: {e}", path.display()))?;
+    // The preface and an empty SETTINGS frame, as every HTTP/2 client opens.
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    stream.write_all(&hello).await.map_err(|e| e.to_string())?;
+    let mut codec: h2::Codec<_, bytes::Bytes> = h2::Codec::new(stream);
+    loop {
+        let frame = tokio::time::timeout(WAIT, codec.next())
+            .await
+            .map_err(|_| "no SETTINGS within the wait".to_string())?
+            .ok_or("the server closed the connection")?
+            .map_err(|e| format!("{e:?}"))?;
+        if let h2::frame::Frame::Settings(settings) = frame {
+            if !settings.is_ack() {
+                return Ok(settings.max_concurrent_streams());
+            }
+        }
+    }
+}

@@ -146,3 +146,37 @@ async fn headers_past_the_bound_close_the_connection_and_reach_nothing() {
         "only the preface and the empty SETTINGS: {seen:?}"
     );
 }
+
+#[tokio::test]
+async fn priority_frames_are_left_out_and_a_request_with_priority_reaches_the_server_whole() {
+    let (mut client, relay_client) = UnixStream::pair().unwrap();
+    let (relay_server, mut server) = UnixStream::pair().unwrap();
+    let relayed = tokio::spawn(relay(relay_client, relay_server, usable_authority));
+    let mut bytes = PREFACE.to_vec();
+    bytes.extend(frame(0x4, 0, 0, &[]));
+    // A PRIORITY frame (stream 1 depends on 0, weight 16), which h2 cannot encode again.
+    bytes.extend(frame(0x2, 0, 1, &[0, 0, 0, 0, 15]));
+    // HEADERS with the PRIORITY flag: five bytes of priority before the block.
+    let mut with_priority = vec![0, 0, 0, 0, 15];
+    with_priority.extend(request(3, "localhost")[9..].to_vec());
+    bytes.extend(frame(0x1, 0x4 | 0x20, 3, &with_priority));
+    bytes.extend(request(
+        5,
+        "%2Fvar%2Flib%2Fkubelet%2Fplugins_registry%2Fx-reg.sock",
+    ));
+    client.write_all(&bytes).await.unwrap();
+
+    let mut preface = [0u8; 24];
+    server.read_exact(&mut preface).await.unwrap();
+    let mut codec = h2::Codec::new(server);
+    let mut first = next_headers(&mut codec).await;
+    assert_eq!(u32::from(first.stream_id()), 3);
+    assert_eq!(first.pseudo_mut().authority.as_deref(), Some("localhost"));
+    assert_eq!(
+        first.pseudo_mut().path.as_deref(),
+        Some("/v1beta1.Registration/Register")
+    );
+    let mut second = next_headers(&mut codec).await;
+    assert_eq!(second.pseudo_mut().authority.as_deref(), Some("localhost"));
+    assert!(!relayed.is_finished(), "the relay goes on");
+}

@@ -39,6 +39,8 @@ pub(super) struct ResourceState {
     watches: Vec<(Filter, mpsc::UnboundedSender<Value>)>,
     /// Models an API server with the `DRADeviceTaints` gate off: `taints` are dropped from devices on write.
     pub(super) drop_device_taints: bool,
+    /// Slice changes not yet sent to the open watches, while watches lag (`Some`); `None` when they do not.
+    lagging: Option<Vec<Change>>,
     /// Every slice, after each change: what [`super::FakeApiServer::wait_for_slices`] waits on.
     pub(super) snapshot: watch::Sender<Vec<Value>>,
 }
@@ -53,6 +55,7 @@ impl Default for ResourceState {
             compacted: 0,
             watches: Vec::new(),
             drop_device_taints: false,
+            lagging: None,
             snapshot: watch::Sender::new(Vec::new()),
         }
     }
@@ -457,13 +460,31 @@ impl ResourceState {
         Reply::Watch(rx, timeout)
     }
 
-    /// Records a change, sends it to the watches it concerns and refreshes the snapshot.
-    fn changed(&mut self, change: Change) {
+    /// While `lag` is true, slice changes reach the open watches only when it is set back to false (in
+    /// order): an API server's watch cache behind its writes. Lists, reads and writes are not held.
+    pub(super) fn lag_watches(&mut self, lag: bool) {
+        match (lag, self.lagging.take()) {
+            (true, held) => self.lagging = Some(held.unwrap_or_default()),
+            (false, Some(held)) => held.iter().for_each(|change| self.send(change)),
+            (false, None) => {}
+        }
+    }
+
+    /// Sends `change` to the watches it concerns.
+    fn send(&mut self, change: &Change) {
         self.watches
-            .retain(|(filter, tx)| match event_for(filter, &change) {
+            .retain(|(filter, tx)| match event_for(filter, change) {
                 Some(event) => tx.send(event).is_ok(),
                 None => !tx.is_closed(),
             });
+    }
+
+    /// Records a change, sends it to the watches it concerns and refreshes the snapshot.
+    fn changed(&mut self, change: Change) {
+        match &mut self.lagging {
+            Some(held) => held.push(change.clone()),
+            None => self.send(&change),
+        }
         self.history.push_back(change);
         while self.history.len() > HISTORY {
             if let Some(dropped) = self.history.pop_front() {

@@ -206,6 +206,8 @@ pub(crate) struct Shared {
     claims: watch::Sender<BTreeMap<String, pods::ClaimInfo>>,
     calls: watch::Sender<Vec<DraCall>>,
     wipes: watch::Sender<Vec<Wipe>>,
+    /// What the plugin watcher logged at error level (`Error when handling create event`), one line each.
+    watch_errors: Mutex<Vec<String>>,
     /// Whether each driver that had a plugin has a connection up.
     usable: watch::Sender<BTreeMap<String, bool>>,
 }
@@ -266,6 +268,7 @@ impl DraKubelet {
             claims: watch::Sender::new(BTreeMap::new()),
             calls: watch::Sender::new(Vec::new()),
             wipes: watch::Sender::new(Vec::new()),
+            watch_errors: Mutex::new(Vec::new()),
             usable: watch::Sender::new(BTreeMap::new()),
         });
         plugins::start(&shared);
@@ -393,6 +396,17 @@ impl DraKubelet {
     /// The prepare and unprepare calls made so far, oldest first.
     pub fn calls(&self) -> Vec<DraCall> {
         self.shared.calls.borrow().clone()
+    }
+
+    /// What the plugin watcher logged as errors so far: the kubelet logs `Error when handling create event`
+    /// for each file it was told of that is gone when it looks (a socket made under a temporary name in
+    /// its directory and renamed at once).
+    pub fn watcher_errors(&self) -> Vec<String> {
+        self.shared
+            .watch_errors
+            .lock()
+            .map(|e| e.clone())
+            .unwrap_or_else(|p| p.into_inner().clone())
     }
 
     /// The slice deletions made so far, oldest first.

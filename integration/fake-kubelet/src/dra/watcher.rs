@@ -39,7 +39,20 @@ pub(super) async fn watch_registry(shared: Arc<Shared>, life: CancellationToken)
     for socket in walk(&registry) {
         appeared(&shared, &life, &socket);
     }
-    while let Some(event) = events.recv().await {
+    // The kubelet watches no directory whose name starts with a dot (it ignores one when it appears): what
+    // happens under one is not seen. Our watch is recursive, so those paths are left out here.
+    let seen = |p: &Path| !p.parent().is_some_and(|dir| under_hidden(&registry, dir));
+    while let Some(mut event) = events.recv().await {
+        if let EventKind::Modify(ModifyKind::Name(RenameMode::Both)) = event.kind
+            && let [from, to] = event.paths.as_slice()
+        {
+            // A rename out of a hidden directory is, to the kubelet, a file created.
+            if !seen(from) && seen(to) {
+                appeared(&shared, &life, to);
+                continue;
+            }
+        }
+        event.paths.retain(|p| seen(p));
         match event.kind {
             EventKind::Create(_) | EventKind::Modify(ModifyKind::Name(RenameMode::To)) => {
                 for path in &event.paths {
@@ -105,19 +118,42 @@ fn hidden(path: &Path) -> bool {
         .is_some_and(|n| n.to_string_lossy().starts_with('.'))
 }
 
+/// Whether `dir` is, or is under, a directory below `registry` whose name starts with a dot.
+fn under_hidden(registry: &Path, dir: &Path) -> bool {
+    dir.strip_prefix(registry).is_ok_and(|rel| {
+        rel.components()
+            .any(|c| c.as_os_str().to_string_lossy().starts_with('.'))
+    })
+}
+
 /// A file appeared at `path`: a socket is registered (again, if it was another file before); a directory's
-/// sockets are.
+/// sockets are. As the kubelet, it looks at the file before at its name: one gone by then is an error in
+/// its log, whatever its name.
 fn appeared(shared: &Arc<Shared>, life: &CancellationToken, path: &Path) {
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) => {
+            let line = format!(
+                "Error when handling create event: stat file {} failed: {e}",
+                path.display()
+            );
+            if let Ok(mut errors) = shared.watch_errors.lock() {
+                errors.push(line);
+            }
+            return;
+        }
     };
+    // A dot-file is ignored, and a dot-directory neither walked nor watched (see `seen` above).
+    if hidden(path) {
+        return;
+    }
     if meta.is_dir() {
         for socket in walk(path) {
             appeared(shared, life, &socket);
         }
         return;
     }
-    if !meta.file_type().is_socket() || hidden(path) {
+    if !meta.file_type().is_socket() {
         return;
     }
     let id = FileId {
