@@ -1,9 +1,12 @@
 //! The kubelet's DRA side, for testing a DRA driver's kubelet plugin without a node. It behaves as kubelets
 //! 1.34 to 1.37 do where a plugin can tell:
 //!
-//! - **plugin watcher**: watches `<root>/plugins_registry` recursively (and walks it at start); dot-files and
-//!   anything but a socket are ignored; a socket made again is registered again, a removed one deregistered;
-//! - **registration**: `GetInfo` (1 s), type `DRAPlugin`, the first of the plugin's `supported_versions` this
+//! - **plugin watcher**: watches `<root>/plugins_registry` recursively (and walks it at start), but not
+//!   inside a directory whose name starts with a dot; dot-files and anything but a socket are ignored; a
+//!   socket made again is registered again, a removed one deregistered; a file it is told of that is gone
+//!   when it looks is an error in its log ([`DraKubelet::watcher_errors`]);
+//! - **registration**: dialled by the socket's path as grpc-go does, so each call carries the path,
+//!   percent-encoded, as its HTTP/2 `:authority`; `GetInfo` (1 s), type `DRAPlugin`, the first of the plugin's `supported_versions` this
 //!   kubelet knows ([`KubeletVersion`]), then `NotifyRegistrationStatus` (5 s); a refusal is notified with
 //!   its reason; a failed attempt is tried again with backoff from [`DraOptions::first_backoff`] doubling to
 //!   about 2 min; every attempt is recorded ([`DraKubelet::attempts`]);
@@ -20,7 +23,8 @@
 //!
 //! Not modelled: the periodic `GetInfo` liveness probe, gRPC's background reconnects to a plugin whose
 //! connection dropped (the next call or health stream reconnects), the 1 s pace of the kubelet's reconciler
-//! (an attempt starts as soon as the socket appears), `reservedFor` checks on claims.
+//! (an attempt starts as soon as the socket appears), `reservedFor` checks on claims; a socket renamed away
+//! is deregistered here, where the kubelet acts only on a removal.
 
 mod clock;
 mod health;
