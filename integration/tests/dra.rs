@@ -673,6 +673,71 @@ async fn two_pods_of_a_rolling_update_serve_side_by_side_from_one_record() -> Te
     Ok(())
 }
 
+/// The two pods of a rolling update each hear of faults for themselves, and may differ (a fault seen by one
+/// first, a fence set on one pod alone): only one writes the node's ResourceSlices at a time, the other
+/// waiting for it to stop, instead of both rewriting each other's.
+#[tokio::test]
+async fn of_the_two_pods_of_a_rolling_update_one_writes_the_slices_until_it_stops() -> TestResult {
+    let node =
+        DraNode::start_with_args(2, "all", |o| o, |_| {}, &["--dra-pod-uid", "0ld-pod"]).await?;
+    node.slice_devices("both GPUs published", |d| d.len() == 2)
+        .await?;
+    // The new pod, on the same state directory, with a fault file of its own: it hears of a fault the old
+    // pod does not.
+    let new_faults = node.root.path().join("new-faults");
+    std::fs::write(&new_faults, "")?;
+    let old_faults = node.faults.to_string_lossy().into_owned();
+    let args: Vec<String> = node
+        .args
+        .iter()
+        .map(|a| match a.as_str() {
+            "0ld-pod" => "new-pod".to_string(),
+            a if a == old_faults => new_faults.to_string_lossy().into_owned(),
+            a => a.to_string(),
+        })
+        .collect();
+    let mut new = spawn(node.root.path(), &args);
+    new.wait_log(WAIT, |l| l.contains("writes them once it stops"))
+        .await
+        .ok_or_else(|| format!("the new pod does not wait for the slices\n{}", new.log()))?;
+    append(&new_faults, &[format!("xid {} 79", simulated_uuid(0))]);
+    new.wait_log(WAIT, |l| l.contains("device health changed"))
+        .await
+        .ok_or("the new pod heard of the fault")?;
+    let tainted = |r: &[fake_kubelet::apiserver::Recorded]| {
+        r.iter().any(|r| {
+            r.path.contains("resourceslices") && r.body["spec"].to_string().contains("taints")
+        })
+    };
+    let written = node
+        .api
+        .wait_for(
+            "a taint written",
+            std::time::Duration::from_secs(1),
+            tainted,
+        )
+        .await;
+    assert!(
+        written.is_err(),
+        "the new pod wrote the slices while the old one runs"
+    );
+    // The old pod stops: the new one writes the slices, with its fault, at once.
+    node.plugin.signal(nix::sys::signal::Signal::SIGTERM);
+    let mut old = node.plugin;
+    old.wait_exit(WAIT)
+        .await
+        .ok_or("the old pod did not stop")?;
+    node.api
+        .wait_for("the new pod's taint written", WAIT, tainted)
+        .await
+        .map_err(|e| format!("{e}\n{}", new.log()))?;
+    new.signal(nix::sys::signal::Signal::SIGTERM);
+    new.wait_exit(WAIT)
+        .await
+        .ok_or("the new pod did not stop")?;
+    Ok(())
+}
+
 /// One GPU shared by two pods through one ResourceClaim (DRA's way to share a device between pods): both get
 /// the same GPU, a fault reaches both pods' status, and the claim stays prepared until the last pod ends.
 #[tokio::test]

@@ -151,6 +151,7 @@ pub fn spawn(
                         driver: config.driver.clone(),
                         node: config.pool.clone(),
                     },
+                    config.state_dir.join(SLICES_LOCK),
                     views.slices,
                     metrics.clone(),
                     shutdown.clone(),
@@ -174,17 +175,74 @@ pub fn spawn(
     Ok(stopped)
 }
 
+/// The lock the instance writing the node's ResourceSlices holds, in the state directory: during a rolling
+/// update the two pods would otherwise both write the same slices, each its own view (a fence set on one
+/// pod alone), and rewrite each other's.
+const SLICES_LOCK: &str = ".dra-slices.lock";
+/// How often an instance waiting for the slices' lock tries it again.
+const SLICES_LOCK_RETRY: Duration = Duration::from_millis(250);
+
+/// Waits until this instance may write the slices: it holds the lock at `path` (the returned file; another
+/// instance's lock goes with its process, so the wait ends within [`SLICES_LOCK_RETRY`] of its stop). `None`
+/// at shutdown. A lock that cannot be taken at all (not a regular file, an unwritable directory) is said
+/// once and the slices are written without it, rather than never.
+async fn slice_writer(path: &Path, shutdown: &CancellationToken) -> Option<Option<std::fs::File>> {
+    use rustix::fs::{FlockOperation, flock};
+    let file = match crate::util::files::open_lock_file(path) {
+        Ok(file) => file,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot take the ResourceSlices' lock: this instance writes them without it");
+            return Some(None);
+        }
+    };
+    let mut said = false;
+    loop {
+        match flock(&file, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {
+                if said {
+                    tracing::info!(
+                        "the other instance stopped: this one writes the ResourceSlices now"
+                    );
+                }
+                return Some(Some(file));
+            }
+            Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
+                if !said {
+                    tracing::info!(
+                        lock = %path.display(),
+                        "another instance of the plugin writes this node's ResourceSlices (a rolling update): \
+                         this one writes them once it stops"
+                    );
+                    said = true;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, lock = %path.display(), "cannot take the ResourceSlices' lock: this instance writes them without it");
+                return Some(None);
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return None,
+            () = tokio::time::sleep(SLICES_LOCK_RETRY) => {}
+        }
+    }
+}
+
 /// Keeps the node's ResourceSlices as `view` says, on a side thread of its own with its own API client: the
 /// JSON of the slices and the API server's answers are the scheduler's road, and never take a turn from the
 /// health stream and prepare on the DRA thread. Without that thread no slice is written, said once.
 fn publish_slices(
     api: kube::Config,
     config: slices::SliceConfig,
+    lock: PathBuf,
     view: watch::Receiver<view::DraView>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     let started = spawn_on_own_thread("dra-slices", Priority::Side, async move {
+        let Some(_writer) = slice_writer(&lock, &shutdown).await else {
+            return;
+        };
         let mut watch_api = api.clone();
         watch_api.read_timeout = None;
         match kube::Client::try_from(api).and_then(|c| Ok((c, kube::Client::try_from(watch_api)?)))

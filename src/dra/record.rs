@@ -134,18 +134,8 @@ impl RecordFile {
     /// call it off the async threads.
     pub fn lock(&self) -> Result<RecordLock, String> {
         use rustix::fs::{FlockOperation, flock};
-        use std::os::unix::fs::OpenOptionsExt as _;
         let path = self.path.with_file_name(LOCK_NAME);
-        // Never a link followed, never a FIFO waited on.
-        let file = crate::util::files::unfollowed()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-        if !file.metadata().is_ok_and(|m| m.is_file()) {
-            return Err(format!("{} is not a regular file", path.display()));
-        }
+        let file = crate::util::files::open_lock_file(&path)?;
         let deadline = std::time::Instant::now() + LOCK_WAIT;
         loop {
             match flock(&file, FlockOperation::NonBlockingLockExclusive) {

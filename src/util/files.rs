@@ -14,6 +14,22 @@ pub fn unfollowed() -> OpenOptions {
     options
 }
 
+/// Opens (making it, mode 0600, when missing) the lock file at `path`, which two instances of the plugin
+/// take turns on with `flock`: a regular file, never a link followed or a FIFO waited on.
+pub fn open_lock_file(path: &Path) -> Result<File, String> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = unfollowed()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    if !file.metadata().is_ok_and(|m| m.is_file()) {
+        return Err(format!("{} is not a regular file", path.display()));
+    }
+    Ok(file)
+}
+
 /// Opens `path` for reading as [`unfollowed`] does.
 pub fn open_unfollowed(path: &Path) -> std::io::Result<File> {
     unfollowed().read(true).open(path)
