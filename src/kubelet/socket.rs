@@ -111,10 +111,19 @@ impl Staging {
             Staging::HiddenDir => {
                 use std::os::unix::fs::DirBuilderExt as _;
                 let dir = path.with_file_name(STAGING_DIR);
-                match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => {}
-                    Err(e) => return Err(e),
+                let made = match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                    Ok(()) => true,
+                    // Ours from before only if a directory itself (a link could lead to another file
+                    // system, where the rename fails).
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                        std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir())
+                    }
+                    Err(_) => false,
+                };
+                if !made {
+                    // Something else has the name: beside, as any other socket (the watcher may log one
+                    // error for it), rather than no socket.
+                    return Staging::Beside.temporary(path);
                 }
                 // Two instances of a rolling update may bind at the same moment: a name of its own each.
                 let mut bytes = [0u8; 4];
@@ -290,6 +299,32 @@ mod tests {
         names.sort();
         assert_eq!(names, [STAGING_DIR, "gpu.nvidia.com-reg.sock"]);
         assert_eq!(std::fs::read_dir(&staging)?.count(), 0);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_file_or_link_in_the_hidden_directorys_place_stages_the_socket_beside_it()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let elsewhere = tempfile::tempdir()?;
+        for in_the_way in ["file", "link"] {
+            let staging = dir.path().join(STAGING_DIR);
+            let _gone = std::fs::remove_file(&staging);
+            match in_the_way {
+                "file" => std::fs::write(&staging, b"someone's")?,
+                _ => std::os::unix::fs::symlink(elsewhere.path(), &staging)?,
+            }
+            let path = dir.path().join("gpu.nvidia.com-reg.sock");
+            let (tx, _rx) = mpsc::channel(1);
+            let socket = PluginSocket::bind_staged(&path, Staging::HiddenDir, tx)?;
+            assert!(socket.is_in_place(), "{in_the_way}");
+            assert_eq!(
+                std::fs::read_dir(elsewhere.path())?.count(),
+                0,
+                "{in_the_way}"
+            );
+            socket.remove();
+        }
         Ok(())
     }
 
