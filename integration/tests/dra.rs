@@ -1299,6 +1299,42 @@ async fn a_slice_made_before_the_watch_tells_of_it_takes_the_next_change_at_once
     Ok(())
 }
 
+/// Someone else writes the plugin's slice (another writer, an operator's edit) while the plugin's watch is
+/// behind: the plugin's next write meets a conflict and writes over what is there at once, instead of trying
+/// again, after a growing backoff, at a version the watch has not caught up with.
+#[tokio::test]
+async fn a_slice_someone_else_wrote_takes_the_next_fault_at_once() -> TestResult {
+    let node = DraNode::start(2, "all").await?;
+    node.slice_devices("both GPUs published", |d| d.len() == 2)
+        .await?;
+    node.api.lag_slice_watches(true);
+    let name = node.api.slices()[0]["metadata"]["name"]
+        .as_str()
+        .ok_or("the slice's name")?
+        .to_string();
+    assert!(node.api.edit_slice(&name, |slice| {
+        slice["spec"]["devices"][0]["attributes"]["productName"] =
+            serde_json::json!({"string": "edited"});
+    }));
+    node.inject(format!("xid {} 79", simulated_uuid(0)));
+    let (devices, xid) = node.slice_taint("gpu-0", "gpu.nvidia.com/xid").await?;
+    assert_eq!(xid, (Some("79".into()), Some("NoSchedule".into())));
+    // The edit is gone with it: the plugin's view of its GPUs stands.
+    let gpu0 = device(&devices, "gpu-0").ok_or("gpu-0")?;
+    assert_ne!(gpu0["attributes"]["productName"]["string"], "edited");
+    // The conflict answered by writing over the edit at once: no failed write, no backoff.
+    assert!(
+        !node
+            .plugin
+            .log()
+            .contains("cannot write the ResourceSlices"),
+        "{}",
+        node.plugin.log()
+    );
+    node.api.lag_slice_watches(false);
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_fault_that_leaves_the_gpu_healthy_still_reaches_the_health_stream_and_the_slice()
 -> TestResult {

@@ -151,7 +151,7 @@ pub fn spawn(
                         driver: config.driver.clone(),
                         node: config.pool.clone(),
                     },
-                    config.state_dir.join(SLICES_LOCK),
+                    config.state_dir.clone(),
                     views.slices,
                     metrics.clone(),
                     shutdown.clone(),
@@ -175,51 +175,51 @@ pub fn spawn(
     Ok(stopped)
 }
 
-/// The lock the instance writing the node's ResourceSlices holds, in the state directory: during a rolling
-/// update the two pods would otherwise both write the same slices, each its own view (a fence set on one
-/// pod alone), and rewrite each other's.
-const SLICES_LOCK: &str = ".dra-slices.lock";
-/// How often an instance waiting for the slices' lock tries it again.
+/// How often an instance waiting to write the node's ResourceSlices tries the lock again.
 const SLICES_LOCK_RETRY: Duration = Duration::from_millis(250);
 
-/// Waits until this instance may write the slices: it holds the lock at `path` (the returned file; another
-/// instance's lock goes with its process, so the wait ends within [`SLICES_LOCK_RETRY`] of its stop). `None`
-/// at shutdown. A lock that cannot be taken at all (not a regular file, an unwritable directory) is said
-/// once and the slices are written without it, rather than never.
-async fn slice_writer(path: &Path, shutdown: &CancellationToken) -> Option<Option<std::fs::File>> {
+/// Waits until this instance may write the node's ResourceSlices: during a rolling update the two pods would
+/// otherwise both write them, each its own view (a fault heard first by one, a fence set on one pod alone),
+/// and rewrite each other's. The writer holds an `flock` on the state directory itself (the returned handle),
+/// which no one can swap for a FIFO or delete while it is held; another instance's lock goes with its
+/// process, so the wait ends within [`SLICES_LOCK_RETRY`] of its stop. `None` at shutdown. A lock that
+/// cannot be taken at all is said once and the slices are written without it, rather than never.
+async fn slice_writer(
+    state_dir: &Path,
+    shutdown: &CancellationToken,
+) -> Option<Option<std::fs::File>> {
     use rustix::fs::{FlockOperation, flock};
-    let file = match crate::util::files::open_lock_file(path) {
-        Ok(file) => file,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot take the ResourceSlices' lock: this instance writes them without it");
-            return Some(None);
-        }
+    let without = |e: &dyn std::fmt::Display| {
+        tracing::warn!(error = %e, dir = %state_dir.display(), "cannot take the ResourceSlices' lock on the state directory: this instance writes them without it");
+        Some(None)
+    };
+    let dir = match std::fs::File::open(state_dir) {
+        Ok(dir) if dir.metadata().is_ok_and(|m| m.is_dir()) => dir,
+        Ok(_) => return without(&"not a directory"),
+        Err(e) => return without(&e),
     };
     let mut said = false;
     loop {
-        match flock(&file, FlockOperation::NonBlockingLockExclusive) {
+        match flock(&dir, FlockOperation::NonBlockingLockExclusive) {
             Ok(()) => {
                 if said {
                     tracing::info!(
                         "the other instance stopped: this one writes the ResourceSlices now"
                     );
                 }
-                return Some(Some(file));
+                return Some(Some(dir));
             }
             Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
                 if !said {
                     tracing::info!(
-                        lock = %path.display(),
+                        dir = %state_dir.display(),
                         "another instance of the plugin writes this node's ResourceSlices (a rolling update): \
                          this one writes them once it stops"
                     );
                     said = true;
                 }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, lock = %path.display(), "cannot take the ResourceSlices' lock: this instance writes them without it");
-                return Some(None);
-            }
+            Err(e) => return without(&e),
         }
         tokio::select! {
             () = shutdown.cancelled() => return None,
@@ -234,13 +234,13 @@ async fn slice_writer(path: &Path, shutdown: &CancellationToken) -> Option<Optio
 fn publish_slices(
     api: kube::Config,
     config: slices::SliceConfig,
-    lock: PathBuf,
+    state_dir: PathBuf,
     view: watch::Receiver<view::DraView>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     let started = spawn_on_own_thread("dra-slices", Priority::Side, async move {
-        let Some(_writer) = slice_writer(&lock, &shutdown).await else {
+        let Some(_writer) = slice_writer(&state_dir, &shutdown).await else {
             return;
         };
         let mut watch_api = api.clone();

@@ -588,8 +588,9 @@ async fn write(
 }
 
 /// Replaces the slice `name` at `version` with `object`, or makes it when there is no version to replace.
-/// Made again when it is gone (a 404 on the replace); written over what is there when it exists after all
-/// (a 409 on the create: made by this plugin before the watch told of it, or by another instance).
+/// Made again when it is gone (a 404 on the replace); written over what is there when someone else wrote it
+/// since (a 409 on the replace) or when it exists after all (a 409 on the create: made by this plugin before
+/// the watch told of it, or by another instance).
 async fn upsert(
     api: &Api<DynamicObject>,
     name: &str,
@@ -601,6 +602,12 @@ async fn upsert(
         object.metadata.resource_version = version;
         match api.replace(name, &params, &object).await {
             Err(kube::Error::Api(s)) if s.code == 404 => {}
+            // Someone else wrote it since (or the watch is behind): over what is there now, at once, rather
+            // than again at a version the watch has not caught up with, after a backoff.
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                object.metadata.resource_version = api.get(name).await?.metadata.resource_version;
+                return api.replace(name, &params, &object).await;
+            }
             done => return done,
         }
         object.metadata.resource_version = None;

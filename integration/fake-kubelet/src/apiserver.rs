@@ -505,6 +505,16 @@ impl FakeApiServer {
         })
     }
 
+    /// Someone else's update of the ResourceSlice `name` (another writer, an operator's `kubectl edit`):
+    /// `edit` applied to the stored slice, which gets a new resource version. Whether there was one.
+    pub fn edit_slice(&self, name: &str, edit: impl FnOnce(&mut Value)) -> bool {
+        self.with_state(|s| {
+            s.version += 1;
+            let version = s.version;
+            s.resource.edit_slice(version, name, edit)
+        })
+    }
+
     /// Waits until the stored slices satisfy `pred`; returns them.
     pub async fn wait_for_slices(
         &self,

@@ -376,6 +376,23 @@ impl ResourceState {
         self.compacted = version;
     }
 
+    /// Someone else's update of the stored slice `name`: `edit` applied to it, stored as a write would store
+    /// it (a new resource version, watches told). Whether there was such a slice.
+    pub(super) fn edit_slice(
+        &mut self,
+        version: u64,
+        name: &str,
+        edit: impl FnOnce(&mut Value),
+    ) -> bool {
+        let Some(mut slice) = self.slices.get(name).cloned() else {
+            return false;
+        };
+        edit(&mut slice);
+        self.store_update(version, name, slice, false)
+            .0
+            .is_success()
+    }
+
     /// Number of open watches on slices.
     pub(super) fn watching(&self) -> usize {
         self.watches
