@@ -570,8 +570,7 @@ pub async fn run(
     .with_metrics(metrics.clone());
     let endpoint = config.endpoint();
     remove_stale_sockets(&config);
-    let dra = tonic::transport::Server::builder()
-        .max_concurrent_streams(crate::util::bounded::KUBELET_SOCKET_STREAMS)
+    let dra = crate::util::bounded::kubelet_server()
         .add_service(v1::dra_plugin_server::DraPluginServer::new(
             preparer.clone(),
         ))
@@ -592,9 +591,8 @@ pub async fn run(
     )?;
 
     let registration = RegistrationService::new(config.driver.clone(), endpoint.clone(), status);
-    let reg = tonic::transport::Server::builder()
-        .max_concurrent_streams(crate::util::bounded::KUBELET_SOCKET_STREAMS)
-        .add_service(RegistrationServer::new(registration));
+    let reg =
+        crate::util::bounded::kubelet_server().add_service(RegistrationServer::new(registration));
     let mut reg = match Served::start(
         &config.registration_socket(),
         "DRA registration socket",

@@ -359,8 +359,7 @@ impl Server {
             std::sync::Arc::new(move || metrics.socket_connection_evicted("device plugin socket")),
         );
         let task = tokio::spawn(
-            tonic::transport::Server::builder()
-                .max_concurrent_streams(crate::util::bounded::KUBELET_SOCKET_STREAMS)
+            crate::util::bounded::kubelet_server()
                 .add_service(DevicePluginServer::new(service))
                 .serve_with_incoming_shutdown(incoming, server_shutdown.clone().cancelled_owned()),
         );

@@ -441,6 +441,12 @@ pub const KUBELET_SOCKET_CONNECTIONS: usize = 64;
 /// (a gRPC client waits for a place). The kubelet holds a stream or two and calls one at a time per pod; a
 /// client that sends requests and never reads the answers holds them all open, each with its answer.
 pub const KUBELET_SOCKET_STREAMS: u32 = 64;
+
+/// The gRPC server for a socket the kubelet uses, with its bounds (at most [`KUBELET_SOCKET_STREAMS`]
+/// requests open per connection); its connections come from [`held_connections`].
+pub fn kubelet_server() -> tonic::transport::Server {
+    tonic::transport::Server::builder().max_concurrent_streams(KUBELET_SOCKET_STREAMS)
+}
 /// How long a new connection to such a socket may stay silent before it is closed.
 pub const KUBELET_SOCKET_SILENT_FOR: Duration = Duration::from_secs(10);
 
