@@ -74,6 +74,15 @@ pub fn report(view: &[DraDevice], config: &HealthConfig, now: SystemTime) -> Vec
         .collect()
 }
 
+/// Whether two lists tell the kubelet the same, whenever each was made.
+fn same_but_the_time(a: &[DeviceReport], b: &[DeviceReport]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(a, b)| {
+            (&a.pool, &a.device, a.health, a.timeout_seconds, &a.message)
+                == (&b.pool, &b.device, b.health, b.timeout_seconds, &b.message)
+        })
+}
+
 /// What one stream keeps between its reports.
 struct Reports {
     devices: watch::Receiver<DraView>,
@@ -81,6 +90,8 @@ struct Reports {
     beat: tokio::time::Interval,
     /// The view's sender is gone: only heartbeats are left.
     source_gone: bool,
+    /// The last list sent.
+    sent: Option<Vec<DeviceReport>>,
 }
 
 /// The service, for both versions.
@@ -116,9 +127,11 @@ impl HealthService {
         self
     }
 
-    /// The reports of one stream: the list at once, after every change and on every heartbeat. A kubelet
-    /// slower than the changes gets the newest list when it reads again, never a queue of old ones. Polled
-    /// by the stream's own connection task, no task or channel between the view and the kubelet.
+    /// The reports of one stream: the list at once, after every change the kubelet can see and on every
+    /// heartbeat. A change it cannot see (a device's taints, a condition that leaves its health and message
+    /// as they are) is not sent: the work would only compete with the next fault. A kubelet slower than the
+    /// changes gets the newest list when it reads again, never a queue of old ones. Polled by the stream's
+    /// own connection task, no task or channel between the view and the kubelet.
     fn reports(&self) -> impl Stream<Item = Vec<DeviceReport>> + Send + 'static {
         let mut beat = tokio::time::interval(self.config.heartbeat);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -127,18 +140,28 @@ impl HealthService {
             config: self.config.clone(),
             beat,
             source_gone: false,
+            sent: None,
         };
         futures_util::stream::unfold(state, |mut s| async move {
-            tokio::select! {
-                changed = s.devices.changed(), if !s.source_gone => {
-                    // Without a source the last list stands: an ended stream would clear it.
-                    s.source_gone = changed.is_err();
+            loop {
+                let changed = tokio::select! {
+                    changed = s.devices.changed(), if !s.source_gone => {
+                        // Without a source the last list stands: an ended stream would clear it.
+                        s.source_gone = changed.is_err();
+                        true
+                    }
+                    _ = s.beat.tick() => false,
+                };
+                let list = report(&s.devices.borrow_and_update(), &s.config, SystemTime::now());
+                if changed {
+                    if s.sent.as_deref().is_some_and(|sent| same_but_the_time(sent, &list)) {
+                        continue;
+                    }
                     s.beat.reset();
                 }
-                _ = s.beat.tick() => {}
+                s.sent = Some(list.clone());
+                return Some((list, s));
             }
-            let list = report(&s.devices.borrow_and_update(), &s.config, SystemTime::now());
-            Some((list, s))
         })
     }
 
@@ -312,6 +335,35 @@ mod tests {
             next(&mut reports).await.is_none(),
             "the stream ends at shutdown"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_change_the_kubelet_cannot_see_waits_for_the_heartbeat() {
+        let mut inv = inventory();
+        inv.set_health("GPU-0", Health::Unhealthy, Some("XID 79".into()));
+        let (tx, rx) = watch::channel(view(&inv));
+        let service = HealthService::new(rx, config(Duration::from_secs(10)), CancellationToken::new());
+        let mut reports = service.stream(lists);
+        let first = next(&mut reports).await.expect("first list");
+        assert_eq!(first[0].health, 2);
+
+        // The monitor's conditions arrive: the device's taints change, its health and message do not.
+        let mut tainted = build(&inv, None, "gpu.nvidia.com");
+        tainted[0].taints[0].key = "gpu.nvidia.com/xid".into();
+        tainted[0].taints[0].value = Some("79".into());
+        tx.send_replace(Arc::new(tainted));
+        let start = tokio::time::Instant::now();
+        let beat = next(&mut reports).await.expect("heartbeat");
+        assert_eq!(start.elapsed(), Duration::from_secs(10), "not sent before the heartbeat");
+        assert_eq!((beat[0].health, beat[0].message.as_str()), (2, "XID 79"));
+
+        // A change it can see goes at once.
+        inv.set_health("GPU-1", Health::Unhealthy, Some("XID 48".into()));
+        tx.send_replace(view(&inv));
+        let start = tokio::time::Instant::now();
+        let changed = next(&mut reports).await.expect("the change");
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        assert_eq!((changed[1].health, changed[1].message.as_str()), (2, "XID 48"));
     }
 
     #[tokio::test]

@@ -3,6 +3,8 @@
 //! conditions put on it in the ResourceSlice. Built from the DRA side's view of the inventory, with the
 //! monitor's conditions; the health stream and the slices both read it, so they never disagree.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -136,8 +138,10 @@ pub struct Views {
 
 /// Keeps [`Views`] of `devices` current until `devices`' sender is gone: rebuilt on every change of the
 /// inventory and of the conditions, and every `refresh` (a message's count and times move on without a
-/// change of conditions). A fault reaches the health stream without waiting for the monitor's answer. Must be
-/// called inside a tokio runtime.
+/// change of conditions). A change of the inventory reaches the health stream at once, with the conditions
+/// last known, whether or not the monitor is still to answer a question asked before it (on a refresh, or
+/// for the fault before): the monitor answers between events, and waiting for it would hold the fault back
+/// until the monitor is done logging and checkpointing it. Must be called inside a tokio runtime.
 pub fn follow(
     mut devices: InventoryWatch,
     conditions: Option<Conditions>,
@@ -155,23 +159,39 @@ pub fn follow(
         let mut known: Option<Vec<DeviceSnapshot>> = None;
         let mut tick = tokio::time::interval(refresh);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The question to the monitor in flight, and whether something changed since it was asked.
+        let mut asking: Option<Pin<Box<dyn Future<Output = Answer> + Send>>> = None;
+        let mut ask = true;
         loop {
-            let inventory = devices.borrow_and_update().clone();
-            if let Some(changes) = &mut changes {
-                changes.borrow_and_update();
-            }
-            // At once, with the conditions last known (a device whose health changed shows its reason).
-            publish(&health, build(&inventory, known.as_deref(), &driver));
-            if let Some(monitor) = &monitor {
-                if let Ok(Some(answer)) =
-                    tokio::time::timeout(MONITOR_ANSWER, monitor.devices()).await
-                {
-                    known = Some(answer);
+            if ask && asking.is_none() {
+                ask = false;
+                if let Some(changes) = &mut changes {
+                    changes.borrow_and_update();
+                }
+                match &monitor {
+                    Some(monitor) => {
+                        let monitor = monitor.clone();
+                        asking = Some(Box::pin(async move {
+                            tokio::time::timeout(MONITOR_ANSWER, monitor.devices())
+                                .await
+                                .ok()
+                                .flatten()
+                        }));
+                    }
+                    // Nothing to ask: the inventory is all there is.
+                    None => {
+                        let view = build(&devices.borrow_and_update(), None, &driver);
+                        publish(&health, view.clone());
+                        publish(&slices, view);
+                    }
                 }
             }
-            let view = build(&inventory, known.as_deref(), &driver);
-            publish(&health, view.clone());
-            publish(&slices, view);
+            let answered = async {
+                match &mut asking {
+                    Some(answer) => answer.await,
+                    None => std::future::pending().await,
+                }
+            };
             let conditions_changed = async {
                 let gone = match &mut changes {
                     Some(changes) => changes.changed().await.is_err(),
@@ -182,13 +202,32 @@ pub fn follow(
                 }
             };
             tokio::select! {
+                biased;
                 changed = devices.changed() => {
                     if changed.is_err() {
                         return;
                     }
+                    // At once, with the conditions last known (a device whose health changed shows its
+                    // reason); the slices wait for the monitor's answer, their taints name the condition.
+                    publish(&health, build(&devices.borrow_and_update(), known.as_deref(), &driver));
+                    ask = true;
+                    // The health stream writes the change before the monitor is asked: its answer takes
+                    // the monitor's thread while the kubelet reads.
+                    tokio::task::yield_now().await;
                 }
-                () = conditions_changed => {}
-                _ = tick.tick() => {}
+                answer = answered => {
+                    asking = None;
+                    // A monitor past its time leaves the conditions last known: the view is built from the
+                    // inventory's health and reasons all the same.
+                    if let Some(answer) = answer {
+                        known = Some(answer);
+                    }
+                    let view = build(&devices.borrow_and_update(), known.as_deref(), &driver);
+                    publish(&health, view.clone());
+                    publish(&slices, view);
+                }
+                () = conditions_changed => ask = true,
+                _ = tick.tick() => ask = true,
                 () = health.closed() => return,
             }
         }
@@ -198,6 +237,9 @@ pub fn follow(
         slices: slices_rx,
     }
 }
+
+/// The monitor's answer: every device's snapshot, or `None` if it did not answer in time or is gone.
+type Answer = Option<Vec<DeviceSnapshot>>;
 
 /// Sends `view` if it differs from the current one.
 fn publish(tx: &watch::Sender<DraView>, view: Vec<DraDevice>) {
@@ -337,6 +379,58 @@ mod tests {
         );
         assert_eq!(view[2].taints[0].key, "gpu.nvidia.com/unhealthy");
         assert!(view[0].taints.is_empty() && view[0].message.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fault_reaches_the_health_view_while_the_monitor_is_still_to_answer() {
+        let (tx, rx) = watch::channel(Arc::new(inventory()));
+        let (changes_tx, changes) = watch::channel(0_u64);
+        let (monitor, _busy) = MonitorHandle::unanswered();
+        let views = follow(
+            rx,
+            Some(Conditions { monitor, changes }),
+            "gpu.nvidia.com".into(),
+            Duration::from_secs(10),
+        );
+        let mut health = views.health;
+        health.borrow_and_update();
+        // A question to the monitor is in flight (a refresh, the fault before) and the monitor is busy: it
+        // stays unanswered.
+        changes_tx.send_replace(1);
+        tokio::task::yield_now().await;
+        let asked = tokio::time::Instant::now();
+        let mut inv = inventory();
+        inv.set_health("GPU-1", Health::Unhealthy, Some("XID 79".into()));
+        tx.send_replace(Arc::new(inv));
+        let view = tokio::time::timeout(
+            Duration::from_secs(5),
+            health.wait_for(|v| v[1].health == HealthStatus::Unhealthy),
+        )
+        .await
+        .expect("in time")
+        .expect("the view goes on")
+        .clone();
+        // Paused time moves only while everything waits: a view held back for the monitor's answer would
+        // come after its wait for it.
+        assert!(
+            asked.elapsed() < MONITOR_ANSWER,
+            "the fault waited {:?} for the monitor",
+            asked.elapsed()
+        );
+        assert_eq!(view[1].message, "XID 79");
+        assert_eq!(view[1].taints[0].effect, "NoSchedule");
+        // The slices still wait for the monitor's conditions, and take the fault without them when it is
+        // late, rather than never.
+        let mut slices = views.slices;
+        let late = tokio::time::timeout(
+            Duration::from_secs(5),
+            slices.wait_for(|v| v[1].health == HealthStatus::Unhealthy),
+        )
+        .await
+        .expect("in time")
+        .expect("the view goes on")
+        .clone();
+        assert_eq!(late[1].taints[0].key, "gpu.nvidia.com/unhealthy");
     }
 
     #[tokio::test]

@@ -160,6 +160,14 @@ impl MonitorHandle {
         answer.await.unwrap_or(Err(OperatorError::Stopping))
     }
 
+    /// A handle whose questions are taken but never answered while the returned guard lives: a monitor
+    /// busy with something else.
+    #[cfg(test)]
+    pub(crate) fn unanswered() -> (MonitorHandle, impl Send) {
+        let (tx, rx) = mpsc::channel(64);
+        (MonitorHandle(tx), rx)
+    }
+
     /// Every device as the monitor sees it now, or `None` if the monitor is gone.
     pub async fn devices(&self) -> Option<Vec<DeviceSnapshot>> {
         let (reply, answer) = oneshot::channel();
@@ -622,6 +630,7 @@ impl Monitor {
                 at: SystemTime::now(),
             };
             if let Some(after) = self.handle(event) {
+                self.tell_conditions_changed();
                 log(&after.id, &after.observation, &after.outcome);
             }
             changed.push(Operated {
@@ -705,9 +714,6 @@ impl Monitor {
                     }
                 }
                 if outcome.is_transition() || outcome.conditions_changed {
-                    // A condition that changes no health (an XID recorded only) still changes what the
-                    // conditions' readers show.
-                    self.changes.send_modify(|n| *n = n.wrapping_add(1));
                     return Some(Recorded {
                         id,
                         observation,
@@ -732,10 +738,18 @@ impl Monitor {
         }
     }
 
-    /// Logs a change of health or conditions and saves the checkpoint.
+    /// Tells the conditions' readers, logs a change of health or conditions and saves the checkpoint. A
+    /// condition that changes no health (an XID recorded only) still changes what those readers show; they
+    /// learn of it after the kubelet has the change, which their questions to this task would delay.
     fn record(&self, recorded: Recorded) {
+        self.tell_conditions_changed();
         log(&recorded.id, &recorded.observation, &recorded.outcome);
         self.save();
+    }
+
+    /// Wakes the readers of the conditions ([`Monitored::changes`]).
+    fn tell_conditions_changed(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// Applies `change` to the inventory and publishes it if it changed anything. The inventory is copied
