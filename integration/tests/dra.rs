@@ -738,6 +738,84 @@ async fn of_the_two_pods_of_a_rolling_update_one_writes_the_slices_until_it_stop
     Ok(())
 }
 
+/// The kubelet forgets a driver's whole health when one of its instances' streams ends: at the end of a
+/// rolling update, the old pod's stop takes the new pod's reports with it. The new pod sends its list again
+/// as soon as the old one is gone, so a faulty GPU's pod shows the fault again at once, not one heartbeat
+/// (10 s) later.
+#[tokio::test]
+async fn at_the_end_of_a_rolling_update_the_new_pod_tells_the_kubelet_its_health_again()
+-> TestResult {
+    let node =
+        DraNode::start_with_args(2, "all", |o| o, |_| {}, &["--dra-pod-uid", "0ld-pod"]).await?;
+    node.inject(format!("xid {} 79", simulated_uuid(0)));
+    node.kubelet
+        .wait_device_health((DRIVER, NODE, "gpu-0"), WAIT, |h| {
+            h.health == Health::Unhealthy
+        })
+        .await?;
+    let mut args = node.args.clone();
+    let at = args
+        .iter()
+        .position(|a| a == "0ld-pod")
+        .ok_or("the old pod's UID")?;
+    args[at] = "new-pod".into();
+    let mut new = spawn(node.root.path(), &args);
+    let new_endpoint = node
+        .root
+        .path()
+        .join("plugins")
+        .join(DRIVER)
+        .join("dra-new-pod.sock");
+    node.kubelet
+        .wait_health_streams("the new pod's stream", WAIT, |events| {
+            events.iter().any(|e| {
+                e.endpoint == new_endpoint
+                    && matches!(e.event, fake_kubelet::dra::StreamEvent::Report(_))
+            })
+        })
+        .await
+        .map_err(|e| {
+            format!(
+                "{e}
+{}",
+                new.log()
+            )
+        })?;
+    // The new pod has the fault too (from the checkpoint the old one wrote).
+    node.kubelet
+        .wait_device_health((DRIVER, NODE, "gpu-0"), WAIT, |h| {
+            h.health == Health::Unhealthy
+        })
+        .await?;
+
+    let stopping = std::time::Instant::now();
+    node.plugin.signal(nix::sys::signal::Signal::SIGTERM);
+    let mut old = node.plugin;
+    old.wait_exit(WAIT)
+        .await
+        .ok_or("the old pod did not stop")?;
+    // Well within the new pod's heartbeat: its list came at once, after the old pod's stream had ended.
+    let (health, since) = node
+        .kubelet
+        .wait_device_health_since(
+            (DRIVER, NODE, "gpu-0"),
+            std::time::Duration::from_secs(5),
+            |h| h.health == Health::Unhealthy,
+        )
+        .await
+        .map_err(|e| format!("{e}\n{}", new.log()))?;
+    assert!(
+        since.is_some_and(|since| since > stopping),
+        "the health shown is from before the old pod stopped: the kubelet did not forget it"
+    );
+    assert!(health.message.contains("79"), "{health:?}");
+    new.signal(nix::sys::signal::Signal::SIGTERM);
+    new.wait_exit(WAIT)
+        .await
+        .ok_or("the new pod did not stop")?;
+    Ok(())
+}
+
 /// One GPU shared by two pods through one ResourceClaim (DRA's way to share a device between pods): both get
 /// the same GPU, a fault reaches both pods' status, and the claim stays prepared until the last pod ends.
 #[tokio::test]

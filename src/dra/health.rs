@@ -26,6 +26,10 @@ use super::view::{DraDevice, DraView};
 pub const HEARTBEAT: Duration = Duration::from_secs(10);
 /// Health streams open at once, at most: past it, a new stream ends the oldest.
 pub const MAX_STREAMS: usize = 8;
+/// After another instance has gone, the list is sent at once and again this much later: the kubelet may
+/// forget the driver's health when that instance's stream ends or when its reconciler, about a second
+/// after the socket went, deregisters it.
+pub const RESEND_AGAIN: Duration = Duration::from_secs(2);
 /// How long the kubelet is told to trust a report: three heartbeats, so one late one is no gap.
 pub const REPORT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -74,6 +78,14 @@ pub fn report(view: &[DraDevice], config: &HealthConfig, now: SystemTime) -> Vec
         .collect()
 }
 
+/// Sleeps until `at`, or for ever if there is none.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Whether two lists tell the kubelet the same, whenever each was made.
 fn same_but_the_time(a: &[DeviceReport], b: &[DeviceReport]) -> bool {
     a.len() == b.len()
@@ -92,6 +104,12 @@ struct Reports {
     source_gone: bool,
     /// The last list sent.
     sent: Option<Vec<DeviceReport>>,
+    /// Bumped when another instance of this driver goes ([`HealthService::with_resend`]).
+    resend: watch::Receiver<u64>,
+    /// Whether anyone still bumps `resend`.
+    resend_told: bool,
+    /// When the list goes again after such a bump.
+    again: Option<tokio::time::Instant>,
 }
 
 /// The service, for both versions.
@@ -103,6 +121,7 @@ pub struct HealthService {
     /// The streams open: past [`MAX_STREAMS`] the oldest is ended.
     open: Arc<Gate>,
     metrics: Arc<crate::metrics::Metrics>,
+    resend: watch::Receiver<u64>,
 }
 
 impl HealthService {
@@ -118,7 +137,17 @@ impl HealthService {
             shutdown,
             open: Gate::new("DRA health streams", MAX_STREAMS),
             metrics: crate::metrics::Metrics::off(),
+            resend: watch::channel(0).1,
         }
+    }
+
+    /// Sends the list again, unchanged, whenever `resend` changes, and once more [`RESEND_AGAIN`] later:
+    /// for when another instance of this driver on the node has gone (the other pod of a rolling update).
+    /// The kubelet forgets a driver's whole health when any of its instances' streams ends, this one's
+    /// reports with it, and would otherwise show the pods' devices without health until the next heartbeat.
+    pub fn with_resend(mut self, resend: watch::Receiver<u64>) -> Self {
+        self.resend = resend;
+        self
     }
 
     /// Counts the streams ended to make room in `metrics`.
@@ -141,9 +170,13 @@ impl HealthService {
             beat,
             source_gone: false,
             sent: None,
+            resend: self.resend.clone(),
+            resend_told: true,
+            again: None,
         };
         futures_util::stream::unfold(state, |mut s| async move {
             loop {
+                let again = s.again;
                 let changed = tokio::select! {
                     changed = s.devices.changed(), if !s.source_gone => {
                         // Without a source the last list stands: an ended stream would clear it.
@@ -151,10 +184,26 @@ impl HealthService {
                         true
                     }
                     _ = s.beat.tick() => false,
+                    gone = s.resend.changed(), if s.resend_told => {
+                        if gone.is_err() {
+                            // No one tells of other instances (any more): the view and the beat are left.
+                            s.resend_told = false;
+                            continue;
+                        }
+                        s.again = Some(tokio::time::Instant::now() + RESEND_AGAIN);
+                        false
+                    }
+                    () = sleep_until_some(again) => {
+                        s.again = None;
+                        false
+                    }
                 };
                 let list = report(&s.devices.borrow_and_update(), &s.config, SystemTime::now());
                 if changed {
-                    if s.sent.as_deref().is_some_and(|sent| same_but_the_time(sent, &list)) {
+                    if s.sent
+                        .as_deref()
+                        .is_some_and(|sent| same_but_the_time(sent, &list))
+                    {
                         continue;
                     }
                     s.beat.reset();
@@ -338,11 +387,49 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn when_another_instance_has_gone_the_list_goes_again_at_once_and_once_more_later() {
+        let mut inv = inventory();
+        inv.set_health("GPU-0", Health::Unhealthy, Some("XID 79".into()));
+        let (_tx, rx) = watch::channel(view(&inv));
+        let (gone, resend) = watch::channel(0_u64);
+        let service = HealthService::new(
+            rx,
+            config(Duration::from_secs(10)),
+            CancellationToken::new(),
+        )
+        .with_resend(resend);
+        let mut reports = service.stream(lists);
+        let first = next(&mut reports).await.expect("first list");
+        let start = tokio::time::Instant::now();
+        // The other pod of a rolling update stops: the kubelet forgets the driver's health.
+        gone.send_modify(|n| *n += 1);
+        let now = next(&mut reports).await.expect("sent again");
+        assert_eq!(start.elapsed(), Duration::ZERO, "at once");
+        let later = next(&mut reports).await.expect("and once more");
+        assert_eq!(start.elapsed(), RESEND_AGAIN);
+        for list in [&now, &later] {
+            assert!(same_but_the_time(&first, list), "the same list: {list:?}");
+        }
+        let beat = next(&mut reports).await.expect("then the heartbeat");
+        assert_eq!(start.elapsed(), Duration::from_secs(10));
+        assert_eq!((beat[0].health, beat[0].message.as_str()), (2, "XID 79"));
+        // Nobody left to tell of others: the stream goes on with its heartbeat.
+        drop(gone);
+        let beat = next(&mut reports).await.expect("the next heartbeat");
+        assert_eq!(start.elapsed(), Duration::from_secs(20));
+        assert_eq!(beat[0].health, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_change_the_kubelet_cannot_see_waits_for_the_heartbeat() {
         let mut inv = inventory();
         inv.set_health("GPU-0", Health::Unhealthy, Some("XID 79".into()));
         let (tx, rx) = watch::channel(view(&inv));
-        let service = HealthService::new(rx, config(Duration::from_secs(10)), CancellationToken::new());
+        let service = HealthService::new(
+            rx,
+            config(Duration::from_secs(10)),
+            CancellationToken::new(),
+        );
         let mut reports = service.stream(lists);
         let first = next(&mut reports).await.expect("first list");
         assert_eq!(first[0].health, 2);
@@ -354,7 +441,11 @@ mod tests {
         tx.send_replace(Arc::new(tainted));
         let start = tokio::time::Instant::now();
         let beat = next(&mut reports).await.expect("heartbeat");
-        assert_eq!(start.elapsed(), Duration::from_secs(10), "not sent before the heartbeat");
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_secs(10),
+            "not sent before the heartbeat"
+        );
         assert_eq!((beat[0].health, beat[0].message.as_str()), (2, "XID 79"));
 
         // A change it can see goes at once.
@@ -363,7 +454,10 @@ mod tests {
         let start = tokio::time::Instant::now();
         let changed = next(&mut reports).await.expect("the change");
         assert_eq!(start.elapsed(), Duration::ZERO);
-        assert_eq!((changed[1].health, changed[1].message.as_str()), (2, "XID 48"));
+        assert_eq!(
+            (changed[1].health, changed[1].message.as_str()),
+            (2, "XID 48")
+        );
     }
 
     #[tokio::test]

@@ -135,6 +135,8 @@ pub fn spawn(
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
     let (done, stopped) = tokio::sync::oneshot::channel();
     let slices_api = api.clone();
+    // Bumped when another instance of this driver on the node has gone.
+    let (others_gone, resend) = watch::channel(0_u64);
     spawn_on_own_thread("dra", Priority::FaultPath, async move {
         let result = match kube::Client::try_from(api) {
             Ok(client) => {
@@ -153,6 +155,7 @@ pub fn spawn(
                     },
                     config.state_dir.clone(),
                     views.slices,
+                    others_gone,
                     metrics.clone(),
                     shutdown.clone(),
                 );
@@ -160,7 +163,7 @@ pub fn spawn(
                 run(
                     config,
                     devices,
-                    views.health,
+                    (views.health, resend),
                     claims,
                     status,
                     metrics,
@@ -183,9 +186,11 @@ const SLICES_LOCK_RETRY: Duration = Duration::from_millis(250);
 /// and rewrite each other's. The writer holds an `flock` on the state directory itself (the returned handle),
 /// which no one can swap for a FIFO or delete while it is held; another instance's lock goes with its
 /// process, so the wait ends within [`SLICES_LOCK_RETRY`] of its stop. `None` at shutdown. A lock that
-/// cannot be taken at all is said once and the slices are written without it, rather than never.
+/// cannot be taken at all is said once and the slices are written without it, rather than never. Bumps
+/// `others_gone` when it took the lock from another instance, which has gone then.
 async fn slice_writer(
     state_dir: &Path,
+    others_gone: &watch::Sender<u64>,
     shutdown: &CancellationToken,
 ) -> Option<Option<std::fs::File>> {
     use rustix::fs::{FlockOperation, flock};
@@ -206,6 +211,7 @@ async fn slice_writer(
                     tracing::info!(
                         "the other instance stopped: this one writes the ResourceSlices now"
                     );
+                    others_gone.send_modify(|n| *n = n.wrapping_add(1));
                 }
                 return Some(Some(dir));
             }
@@ -236,11 +242,12 @@ fn publish_slices(
     config: slices::SliceConfig,
     state_dir: PathBuf,
     view: watch::Receiver<view::DraView>,
+    others_gone: watch::Sender<u64>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     let started = spawn_on_own_thread("dra-slices", Priority::Side, async move {
-        let Some(_writer) = slice_writer(&state_dir, &shutdown).await else {
+        let Some(_writer) = slice_writer(&state_dir, &others_gone, &shutdown).await else {
             return;
         };
         let mut watch_api = api.clone();
@@ -520,12 +527,13 @@ impl Served {
 }
 
 /// Serves `devices` through DRA until `shutdown`: the DRA API, then the registration the kubelet finds.
-/// Prepare reads `devices`; the health stream reports `view`. `status` follows what the kubelet says of the
+/// Prepare reads `devices`; the health stream reports `view`, and sends it again when `resend` says another
+/// instance of the driver has gone. `status` follows what the kubelet says of the
 /// registration and which claims are prepared.
 pub async fn run(
     config: DraConfig,
     devices: InventoryWatch,
-    view: watch::Receiver<view::DraView>,
+    (view, resend): (watch::Receiver<view::DraView>, watch::Receiver<u64>),
     claims: Arc<dyn ClaimReader>,
     status: watch::Sender<DraStatus>,
     metrics: Arc<Metrics>,
@@ -567,7 +575,8 @@ pub async fn run(
         },
         streams.clone(),
     )
-    .with_metrics(metrics.clone());
+    .with_metrics(metrics.clone())
+    .with_resend(resend);
     let endpoint = config.endpoint();
     remove_stale_sockets(&config);
     let dra = crate::util::bounded::kubelet_server()
