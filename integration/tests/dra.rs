@@ -816,6 +816,68 @@ async fn at_the_end_of_a_rolling_update_the_new_pod_tells_the_kubelet_its_health
     Ok(())
 }
 
+/// A new pod that fails beside the old one (a bad rollout, killed over and over): each time its stream ends
+/// the kubelet forgets the driver's health, the old pod's reports with it. While another instance serves
+/// beside it, the old pod sends its list every second, so the GPUs' health is back within a second, not one
+/// heartbeat (10 s) later.
+#[tokio::test]
+async fn a_new_pod_that_dies_beside_the_old_one_costs_the_kubelet_its_health_for_a_second_at_most()
+-> TestResult {
+    let node =
+        DraNode::start_with_args(2, "all", |o| o, |_| {}, &["--dra-pod-uid", "0ld-pod"]).await?;
+    let mut args = node.args.clone();
+    let at = args
+        .iter()
+        .position(|a| a == "0ld-pod")
+        .ok_or("the old pod's UID")?;
+    args[at] = "new-pod".into();
+    let mut new = spawn(node.root.path(), &args);
+    let new_endpoint = node
+        .root
+        .path()
+        .join("plugins")
+        .join(DRIVER)
+        .join("dra-new-pod.sock");
+    node.kubelet
+        .wait_health_streams("the new pod's stream", WAIT, |events| {
+            events.iter().any(|e| {
+                e.endpoint == new_endpoint
+                    && matches!(e.event, fake_kubelet::dra::StreamEvent::Report(_))
+            })
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", new.log()))?;
+    // A fault both pods hear of: each sends it, and the old pod's next heartbeat would be 10 s away.
+    node.inject(format!("xid {} 79", simulated_uuid(0)));
+    node.kubelet
+        .wait_device_health((DRIVER, NODE, "gpu-0"), WAIT, |h| {
+            h.health == Health::Unhealthy
+        })
+        .await?;
+    new.wait_log(WAIT, |l| l.contains("device health changed"))
+        .await
+        .ok_or("the new pod heard of the fault")?;
+
+    let killed = std::time::Instant::now();
+    new.signal(nix::sys::signal::Signal::SIGKILL);
+    new.wait_exit(WAIT).await.ok_or("the new pod did not die")?;
+    let (health, since) = node
+        .kubelet
+        .wait_device_health_since(
+            (DRIVER, NODE, "gpu-0"),
+            std::time::Duration::from_secs(5),
+            |h| h.health == Health::Unhealthy,
+        )
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    assert!(
+        since.is_some_and(|since| since > killed),
+        "the health shown is from before the new pod died: the kubelet did not forget it"
+    );
+    assert!(health.message.contains("79"), "{health:?}");
+    Ok(())
+}
+
 /// One GPU shared by two pods through one ResourceClaim (DRA's way to share a device between pods): both get
 /// the same GPU, a fault reaches both pods' status, and the claim stays prepared until the last pod ends.
 #[tokio::test]

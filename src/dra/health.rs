@@ -26,6 +26,10 @@ use super::view::{DraDevice, DraView};
 pub const HEARTBEAT: Duration = Duration::from_secs(10);
 /// Health streams open at once, at most: past it, a new stream ends the oldest.
 pub const MAX_STREAMS: usize = 8;
+/// The heartbeat while another instance of this driver serves on the node: the kubelet forgets the
+/// driver's whole health whenever either instance's stream ends (one of them stopping, or failing over and
+/// over), and each list fills it again.
+pub const HEARTBEAT_BESIDE_ANOTHER: Duration = Duration::from_secs(1);
 /// After another instance has gone, the list is sent at once and again this much later: the kubelet may
 /// forget the driver's health when that instance's stream ends or when its reconciler, about a second
 /// after the socket went, deregisters it.
@@ -108,6 +112,12 @@ struct Reports {
     resend: watch::Receiver<u64>,
     /// Whether anyone still bumps `resend`.
     resend_told: bool,
+    /// Whether another instance of the driver serves beside this one ([`HealthService::with_others`]).
+    others: watch::Receiver<bool>,
+    /// Whether anyone still tells of `others`.
+    others_told: bool,
+    /// The heartbeat meanwhile.
+    quick: tokio::time::Interval,
     /// When the list goes again after such a bump.
     again: Option<tokio::time::Instant>,
 }
@@ -122,6 +132,7 @@ pub struct HealthService {
     open: Arc<Gate>,
     metrics: Arc<crate::metrics::Metrics>,
     resend: watch::Receiver<u64>,
+    others: watch::Receiver<bool>,
 }
 
 impl HealthService {
@@ -138,7 +149,15 @@ impl HealthService {
             open: Gate::new("DRA health streams", MAX_STREAMS),
             metrics: crate::metrics::Metrics::off(),
             resend: watch::channel(0).1,
+            others: watch::channel(false).1,
         }
+    }
+
+    /// Sends the list every [`HEARTBEAT_BESIDE_ANOTHER`] while `others` is true (another instance of this
+    /// driver serves on the node), and at once and once more [`RESEND_AGAIN`] later when it turns false.
+    pub fn with_others(mut self, others: watch::Receiver<bool>) -> Self {
+        self.others = others;
+        self
     }
 
     /// Sends the list again, unchanged, whenever `resend` changes, and once more [`RESEND_AGAIN`] later:
@@ -164,6 +183,9 @@ impl HealthService {
     fn reports(&self) -> impl Stream<Item = Vec<DeviceReport>> + Send + 'static {
         let mut beat = tokio::time::interval(self.config.heartbeat);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let period = HEARTBEAT_BESIDE_ANOTHER.min(self.config.heartbeat);
+        let mut quick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        quick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let state = Reports {
             devices: self.devices.clone(),
             config: self.config.clone(),
@@ -172,6 +194,9 @@ impl HealthService {
             sent: None,
             resend: self.resend.clone(),
             resend_told: true,
+            others: self.others.clone(),
+            others_told: true,
+            quick,
             again: None,
         };
         futures_util::stream::unfold(state, |mut s| async move {
@@ -197,6 +222,21 @@ impl HealthService {
                         s.again = None;
                         false
                     }
+                    beside = s.others.changed(), if s.others_told => {
+                        if beside.is_err() {
+                            // No one tells (any more): the last word stands.
+                            s.others_told = false;
+                            continue;
+                        }
+                        if *s.others.borrow_and_update() {
+                            s.quick.reset();
+                            continue;
+                        }
+                        // The other instance is gone: the kubelet may have forgotten this one's reports.
+                        s.again = Some(tokio::time::Instant::now() + RESEND_AGAIN);
+                        false
+                    }
+                    _ = s.quick.tick(), if *s.others.borrow() => false,
                 };
                 let list = report(&s.devices.borrow_and_update(), &s.config, SystemTime::now());
                 if changed {
@@ -418,6 +458,34 @@ mod tests {
         let beat = next(&mut reports).await.expect("the next heartbeat");
         assert_eq!(start.elapsed(), Duration::from_secs(20));
         assert_eq!(beat[0].health, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn beside_another_instance_the_list_goes_every_second_and_again_when_it_has_gone() {
+        let (_tx, rx) = watch::channel(view(&inventory()));
+        let (others, others_rx) = watch::channel(false);
+        let service = HealthService::new(
+            rx,
+            config(Duration::from_secs(10)),
+            CancellationToken::new(),
+        )
+        .with_others(others_rx);
+        let mut reports = service.stream(lists);
+        next(&mut reports).await.expect("first list");
+        let start = tokio::time::Instant::now();
+        others.send_replace(true);
+        for second in 1..=3 {
+            next(&mut reports).await.expect("a quick heartbeat");
+            assert_eq!(start.elapsed(), Duration::from_secs(second));
+        }
+        // It goes: the list at once, once more later, then the usual heartbeat (10 s from the first list).
+        others.send_replace(false);
+        next(&mut reports).await.expect("at once");
+        assert_eq!(start.elapsed(), Duration::from_secs(3));
+        next(&mut reports).await.expect("once more");
+        assert_eq!(start.elapsed(), Duration::from_secs(3) + RESEND_AGAIN);
+        next(&mut reports).await.expect("the heartbeat");
+        assert_eq!(start.elapsed(), Duration::from_secs(10));
     }
 
     #[tokio::test(start_paused = true)]

@@ -280,10 +280,56 @@ fn remove_stale_sockets(config: &DraConfig) {
     });
 }
 
+/// Whether `name` is a registration socket's name of `driver` (this instance's or another's).
+fn is_registration_of(driver: &str, name: &str) -> bool {
+    name.strip_prefix(driver)
+        .is_some_and(|rest| rest.starts_with('-') && rest.ends_with("-reg.sock"))
+}
+
+/// The most entries of the registry directory looked at for other instances.
+const REGISTRY_ENTRIES_LOOKED_AT: usize = 4096;
+/// How long a connect to another instance's socket is waited for; past it, someone is there.
+const OTHER_INSTANCE_CONNECT: Duration = Duration::from_millis(100);
+
+/// Whether another instance of this driver serves on the node: a registration socket of the driver's other
+/// than this one's that answers a connect (the other pod of a rolling update, or a new pod failing beside
+/// this one). One that refuses is a dead pod's, left behind.
+async fn another_instance(config: &DraConfig) -> bool {
+    use std::os::unix::fs::FileTypeExt as _;
+    let own = config.registration_socket();
+    let Ok(entries) = std::fs::read_dir(&config.registry_dir) else {
+        return false;
+    };
+    let others: Vec<PathBuf> = entries
+        .take(REGISTRY_ENTRIES_LOOKED_AT)
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| is_registration_of(&config.driver, n))
+                && e.file_type().is_ok_and(|t| t.is_socket())
+                && e.path() != own
+        })
+        .map(|e| e.path())
+        .collect();
+    for path in others {
+        let refused = matches!(
+            tokio::time::timeout(OTHER_INSTANCE_CONNECT, UnixStream::connect(&path)).await,
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
+        );
+        if !refused {
+            return true;
+        }
+    }
+    false
+}
+
 /// The inotify watch on the sockets' directories, made again when a directory is replaced (moved away,
 /// deleted and made again): a watch follows the directory it was put on, not its path.
 struct SocketWatch {
     sockets: Vec<PathBuf>,
+    /// The driver: another instance's registration socket coming or going wakes the loop too.
+    driver: String,
     moved: Arc<tokio::sync::Notify>,
     watcher: Option<notify::RecommendedWatcher>,
     /// Each directory's device and inode when the watch was put on it (`None`: not there).
@@ -291,9 +337,10 @@ struct SocketWatch {
 }
 
 impl SocketWatch {
-    fn new(sockets: &[&Path], moved: Arc<tokio::sync::Notify>) -> Self {
+    fn new(sockets: &[&Path], driver: &str, moved: Arc<tokio::sync::Notify>) -> Self {
         let mut watch = SocketWatch {
             sockets: sockets.iter().map(|s| s.to_path_buf()).collect(),
+            driver: driver.to_string(),
             moved,
             watcher: None,
             dirs: Vec::new(),
@@ -318,7 +365,7 @@ impl SocketWatch {
         self.watcher = None;
         self.dirs = self.identities();
         let sockets: Vec<&Path> = self.sockets.iter().map(PathBuf::as_path).collect();
-        self.watcher = watch_sockets(&sockets, self.moved.clone());
+        self.watcher = watch_sockets(&sockets, &self.driver, self.moved.clone());
     }
 
     /// Puts the watch on the directories again if one of them is not the one watched; whether it did.
@@ -342,8 +389,10 @@ impl SocketWatch {
 /// read. `None` (said) if the watch cannot be set up: the caller then looks every second.
 fn watch_sockets(
     sockets: &[&Path],
+    driver: &str,
     moved: Arc<tokio::sync::Notify>,
 ) -> Option<notify::RecommendedWatcher> {
+    let driver = driver.to_string();
     use notify::event::{EventKind, ModifyKind};
     use notify::{RecursiveMode, Watcher as _};
     let names: Vec<std::ffi::OsString> = sockets
@@ -366,7 +415,10 @@ fn watch_sockets(
                             | EventKind::Modify(ModifyKind::Name(_))
                     ) && event.paths.iter().any(|p| {
                         watched.iter().any(|d| d == p)
-                            || p.file_name().is_some_and(|n| names.iter().any(|o| o == n))
+                            || p.file_name().is_some_and(|n| {
+                                names.iter().any(|o| o == n)
+                                    || n.to_str().is_some_and(|n| is_registration_of(&driver, n))
+                            })
                     })
             }
             Err(_) => true,
@@ -566,6 +618,7 @@ pub async fn run(
     .with_metrics(metrics.clone());
     // The health streams end with the servers, whether the process stops or the DRA side fails on its own.
     let streams = shutdown.child_token();
+    let (others, others_rx) = watch::channel(false);
     let health = HealthService::new(
         view,
         HealthConfig {
@@ -576,7 +629,8 @@ pub async fn run(
         streams.clone(),
     )
     .with_metrics(metrics.clone())
-    .with_resend(resend);
+    .with_resend(resend)
+    .with_others(others_rx);
     let endpoint = config.endpoint();
     remove_stale_sockets(&config);
     let dra = crate::util::bounded::kubelet_server()
@@ -625,9 +679,15 @@ pub async fn run(
     );
 
     let moved = Arc::new(tokio::sync::Notify::new());
-    let mut watch = SocketWatch::new(&[&endpoint, &config.registration_socket()], moved.clone());
+    let mut watch = SocketWatch::new(
+        &[&endpoint, &config.registration_socket()],
+        &config.driver,
+        moved.clone(),
+    );
     let mut in_place = true;
     loop {
+        let there = another_instance(&config).await;
+        others.send_if_modified(|was| std::mem::replace(was, there) != there);
         // Looked at every second while a socket cannot be bound or nothing watches them.
         let check = if in_place && watch.is_watching() {
             SOCKET_CHECK
@@ -668,5 +728,31 @@ pub(crate) mod fixtures {
             device_nodes: vec![PathBuf::from(format!("/dev/nvidia{i}"))],
             ..DeviceInfo::default()
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registration_sockets_of_the_driver_are_told_from_other_drivers_and_files() {
+        let driver = "gpu.nvidia.com";
+        for ours in [
+            "gpu.nvidia.com-reg.sock",
+            "gpu.nvidia.com-0ld-pod-reg.sock",
+            "gpu.nvidia.com-8d3c2a41-5b6e-4f0a-9c1d-2e7f3a4b5c6d-reg.sock",
+        ] {
+            assert!(is_registration_of(driver, ours), "{ours}");
+        }
+        for theirs in [
+            "gpu.nvidia.comreg.sock",
+            "compute-domain.nvidia.com-reg.sock",
+            "gpu.nvidia.com-reg.sock.tmp",
+            ".gpu.nvidia.com-reg.sock",
+            "gpu.nvidia.com",
+        ] {
+            assert!(!is_registration_of(driver, theirs), "{theirs}");
+        }
     }
 }
