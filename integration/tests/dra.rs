@@ -857,6 +857,12 @@ async fn a_new_pod_that_dies_beside_the_old_one_costs_the_kubelet_its_health_for
     new.wait_log(WAIT, |l| l.contains("device health changed"))
         .await
         .ok_or("the new pod heard of the fault")?;
+    node.plugin
+        .wait_log(WAIT, |l| {
+            l.contains("another instance of the driver serves")
+        })
+        .await
+        .ok_or("the old pod did not see the new one")?;
 
     let killed = std::time::Instant::now();
     new.signal(nix::sys::signal::Signal::SIGKILL);

@@ -288,6 +288,8 @@ fn is_registration_of(driver: &str, name: &str) -> bool {
 
 /// The most entries of the registry directory looked at for other instances.
 const REGISTRY_ENTRIES_LOOKED_AT: usize = 4096;
+/// The most of them connected to: two pods of a rolling update are two sockets.
+const OTHER_SOCKETS_TRIED: usize = 16;
 /// How long a connect to another instance's socket is waited for; past it, someone is there.
 const OTHER_INSTANCE_CONNECT: Duration = Duration::from_millis(100);
 
@@ -311,6 +313,7 @@ async fn another_instance(config: &DraConfig) -> bool {
                 && e.path() != own
         })
         .map(|e| e.path())
+        .take(OTHER_SOCKETS_TRIED)
         .collect();
     for path in others {
         let refused = matches!(
@@ -320,28 +323,76 @@ async fn another_instance(config: &DraConfig) -> bool {
         if !refused {
             return true;
         }
+        // A refused connect does not wait: the health stream and prepare get their turn between two.
+        tokio::task::yield_now().await;
     }
     false
+}
+
+/// The least time between two looks at the other instances: a burst of events in the registry directory
+/// (a script making and removing sockets in a loop) costs two looks a second, not one per event.
+const OTHERS_PACE: Duration = Duration::from_millis(500);
+
+/// Keeps `others` saying whether another instance of the driver serves beside this one: looked at when a
+/// registration socket of the driver comes or goes (`woken`), at most every [`OTHERS_PACE`], and every
+/// [`SOCKET_CHECK`] (a pod killed leaves its socket, which then refuses) until `until`.
+async fn follow_others(
+    config: DraConfig,
+    woken: Arc<tokio::sync::Notify>,
+    others: watch::Sender<bool>,
+    until: CancellationToken,
+) {
+    loop {
+        let there = another_instance(&config).await;
+        let looked = tokio::time::Instant::now();
+        if others.send_if_modified(|was| std::mem::replace(was, there) != there) {
+            if there {
+                tracing::info!(
+                    driver = %config.driver,
+                    "another instance of the driver serves on this node (a rolling update?): health goes to \
+                     the kubelet every second meanwhile"
+                );
+            } else {
+                tracing::info!(driver = %config.driver, "the other instance of the driver has gone");
+            }
+        }
+        tokio::select! {
+            () = until.cancelled() => return,
+            () = woken.notified() => {}
+            () = tokio::time::sleep(SOCKET_CHECK) => {}
+        }
+        tokio::select! {
+            () = until.cancelled() => return,
+            () = tokio::time::sleep_until(looked + OTHERS_PACE) => {}
+        }
+    }
 }
 
 /// The inotify watch on the sockets' directories, made again when a directory is replaced (moved away,
 /// deleted and made again): a watch follows the directory it was put on, not its path.
 struct SocketWatch {
     sockets: Vec<PathBuf>,
-    /// The driver: another instance's registration socket coming or going wakes the loop too.
+    /// The driver: another instance's registration socket coming or going wakes `others`.
     driver: String,
     moved: Arc<tokio::sync::Notify>,
+    others: Arc<tokio::sync::Notify>,
     watcher: Option<notify::RecommendedWatcher>,
     /// Each directory's device and inode when the watch was put on it (`None`: not there).
     dirs: Vec<Option<(u64, u64)>>,
 }
 
 impl SocketWatch {
-    fn new(sockets: &[&Path], driver: &str, moved: Arc<tokio::sync::Notify>) -> Self {
+    fn new(
+        sockets: &[&Path],
+        driver: &str,
+        moved: Arc<tokio::sync::Notify>,
+        others: Arc<tokio::sync::Notify>,
+    ) -> Self {
         let mut watch = SocketWatch {
             sockets: sockets.iter().map(|s| s.to_path_buf()).collect(),
             driver: driver.to_string(),
             moved,
+            others,
             watcher: None,
             dirs: Vec::new(),
         };
@@ -365,7 +416,11 @@ impl SocketWatch {
         self.watcher = None;
         self.dirs = self.identities();
         let sockets: Vec<&Path> = self.sockets.iter().map(PathBuf::as_path).collect();
-        self.watcher = watch_sockets(&sockets, &self.driver, self.moved.clone());
+        self.watcher = watch_sockets(
+            &sockets,
+            (&self.driver, self.others.clone()),
+            self.moved.clone(),
+        );
     }
 
     /// Puts the watch on the directories again if one of them is not the one watched; whether it did.
@@ -389,7 +444,7 @@ impl SocketWatch {
 /// read. `None` (said) if the watch cannot be set up: the caller then looks every second.
 fn watch_sockets(
     sockets: &[&Path],
-    driver: &str,
+    (driver, others): (&str, Arc<tokio::sync::Notify>),
     moved: Arc<tokio::sync::Notify>,
 ) -> Option<notify::RecommendedWatcher> {
     let driver = driver.to_string();
@@ -405,26 +460,33 @@ fn watch_sockets(
         .collect();
     let watched = dirs.clone();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        let relevant = match event {
+        let (ours, theirs) = match event {
             Ok(event) => {
-                event.need_rescan()
-                    || matches!(
-                        event.kind,
-                        EventKind::Create(_)
-                            | EventKind::Remove(_)
-                            | EventKind::Modify(ModifyKind::Name(_))
-                    ) && event.paths.iter().any(|p| {
-                        watched.iter().any(|d| d == p)
-                            || p.file_name().is_some_and(|n| {
-                                names.iter().any(|o| o == n)
-                                    || n.to_str().is_some_and(|n| is_registration_of(&driver, n))
-                            })
-                    })
+                let kind = matches!(
+                    event.kind,
+                    EventKind::Create(_)
+                        | EventKind::Remove(_)
+                        | EventKind::Modify(ModifyKind::Name(_))
+                );
+                let rescan = event.need_rescan();
+                let ours = event.paths.iter().any(|p| {
+                    watched.iter().any(|d| d == p)
+                        || p.file_name().is_some_and(|n| names.iter().any(|o| o == n))
+                });
+                let theirs = event.paths.iter().any(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| is_registration_of(&driver, n))
+                });
+                (rescan || kind && ours, rescan || kind && theirs)
             }
-            Err(_) => true,
+            Err(_) => (true, true),
         };
-        if relevant {
+        if ours {
             moved.notify_one();
+        }
+        if theirs {
+            others.notify_one();
         }
     })
     .map_err(|e| e.to_string());
@@ -679,15 +741,21 @@ pub async fn run(
     );
 
     let moved = Arc::new(tokio::sync::Notify::new());
+    let others_moved = Arc::new(tokio::sync::Notify::new());
     let mut watch = SocketWatch::new(
         &[&endpoint, &config.registration_socket()],
         &config.driver,
         moved.clone(),
+        others_moved.clone(),
     );
+    tokio::spawn(follow_others(
+        config.clone(),
+        others_moved,
+        others,
+        streams.clone(),
+    ));
     let mut in_place = true;
     loop {
-        let there = another_instance(&config).await;
-        others.send_if_modified(|was| std::mem::replace(was, there) != there);
         // Looked at every second while a socket cannot be bound or nothing watches them.
         let check = if in_place && watch.is_watching() {
             SOCKET_CHECK
