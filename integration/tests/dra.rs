@@ -738,6 +738,39 @@ async fn of_the_two_pods_of_a_rolling_update_one_writes_the_slices_until_it_stop
     Ok(())
 }
 
+/// The new pod of a rolling update beside `node`'s (started with `--dra-pod-uid 0ld-pod`), on the same state
+/// directory under its own UID, once the kubelet has its health stream's first report.
+async fn new_pod_streaming(node: &DraNode) -> Result<PluginProcess, String> {
+    let args: Vec<String> = node
+        .args
+        .iter()
+        .map(|a| {
+            if a == "0ld-pod" {
+                "new-pod".to_string()
+            } else {
+                a.clone()
+            }
+        })
+        .collect();
+    let new = spawn(node.root.path(), &args);
+    let endpoint = node
+        .root
+        .path()
+        .join("plugins")
+        .join(DRIVER)
+        .join("dra-new-pod.sock");
+    node.kubelet
+        .wait_health_streams("the new pod's stream", WAIT, |events| {
+            events.iter().any(|e| {
+                e.endpoint == endpoint
+                    && matches!(e.event, fake_kubelet::dra::StreamEvent::Report(_))
+            })
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", new.log()))?;
+    Ok(new)
+}
+
 /// The kubelet forgets a driver's whole health when one of its instances' streams ends: at the end of a
 /// rolling update, the old pod's stop takes the new pod's reports with it. The new pod sends its list again
 /// as soon as the old one is gone, so a faulty GPU's pod shows the fault again at once, not one heartbeat
@@ -753,34 +786,7 @@ async fn at_the_end_of_a_rolling_update_the_new_pod_tells_the_kubelet_its_health
             h.health == Health::Unhealthy
         })
         .await?;
-    let mut args = node.args.clone();
-    let at = args
-        .iter()
-        .position(|a| a == "0ld-pod")
-        .ok_or("the old pod's UID")?;
-    args[at] = "new-pod".into();
-    let mut new = spawn(node.root.path(), &args);
-    let new_endpoint = node
-        .root
-        .path()
-        .join("plugins")
-        .join(DRIVER)
-        .join("dra-new-pod.sock");
-    node.kubelet
-        .wait_health_streams("the new pod's stream", WAIT, |events| {
-            events.iter().any(|e| {
-                e.endpoint == new_endpoint
-                    && matches!(e.event, fake_kubelet::dra::StreamEvent::Report(_))
-            })
-        })
-        .await
-        .map_err(|e| {
-            format!(
-                "{e}
-{}",
-                new.log()
-            )
-        })?;
+    let mut new = new_pod_streaming(&node).await?;
     // The new pod has the fault too (from the checkpoint the old one wrote).
     node.kubelet
         .wait_device_health((DRIVER, NODE, "gpu-0"), WAIT, |h| {
@@ -825,28 +831,7 @@ async fn a_new_pod_that_dies_beside_the_old_one_costs_the_kubelet_its_health_for
 -> TestResult {
     let node =
         DraNode::start_with_args(2, "all", |o| o, |_| {}, &["--dra-pod-uid", "0ld-pod"]).await?;
-    let mut args = node.args.clone();
-    let at = args
-        .iter()
-        .position(|a| a == "0ld-pod")
-        .ok_or("the old pod's UID")?;
-    args[at] = "new-pod".into();
-    let mut new = spawn(node.root.path(), &args);
-    let new_endpoint = node
-        .root
-        .path()
-        .join("plugins")
-        .join(DRIVER)
-        .join("dra-new-pod.sock");
-    node.kubelet
-        .wait_health_streams("the new pod's stream", WAIT, |events| {
-            events.iter().any(|e| {
-                e.endpoint == new_endpoint
-                    && matches!(e.event, fake_kubelet::dra::StreamEvent::Report(_))
-            })
-        })
-        .await
-        .map_err(|e| format!("{e}\n{}", new.log()))?;
+    let mut new = new_pod_streaming(&node).await?;
     // A fault both pods hear of: each sends it, and the old pod's next heartbeat would be 10 s away.
     node.inject(format!("xid {} 79", simulated_uuid(0)));
     node.kubelet
