@@ -271,9 +271,8 @@ fn publish_slices(
 /// answers the connect and is kept.
 fn remove_stale_sockets(config: &DraConfig) {
     use crate::kubelet::socket::remove_stale_sockets_named;
-    let registration = format!("{}-", config.driver);
     remove_stale_sockets_named(&config.registry_dir, |name| {
-        name.starts_with(&registration) && name.ends_with("-reg.sock")
+        is_registration_of(&config.driver, name)
     });
     remove_stale_sockets_named(&config.plugins_dir.join(&config.driver), |name| {
         name.starts_with("dra") && name.ends_with(".sock")
@@ -447,9 +446,9 @@ fn watch_sockets(
     (driver, others): (&str, Arc<tokio::sync::Notify>),
     moved: Arc<tokio::sync::Notify>,
 ) -> Option<notify::RecommendedWatcher> {
-    let driver = driver.to_string();
     use notify::event::{EventKind, ModifyKind};
     use notify::{RecursiveMode, Watcher as _};
+    let driver = driver.to_string();
     let names: Vec<std::ffi::OsString> = sockets
         .iter()
         .filter_map(|s| s.file_name().map(|n| n.to_os_string()))

@@ -447,6 +447,7 @@ pub const KUBELET_SOCKET_STREAMS: u32 = 64;
 pub fn kubelet_server() -> tonic::transport::Server {
     tonic::transport::Server::builder().max_concurrent_streams(KUBELET_SOCKET_STREAMS)
 }
+
 /// How long a new connection to such a socket may stay silent before it is closed.
 pub const KUBELET_SOCKET_SILENT_FOR: Duration = Duration::from_secs(10);
 
