@@ -135,8 +135,9 @@ pub fn spawn(
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
     let (done, stopped) = tokio::sync::oneshot::channel();
     let slices_api = api.clone();
-    // Bumped when another instance of this driver on the node has gone.
-    let (others_gone, resend) = watch::channel(0_u64);
+    // Wakes the look for other instances of this driver on the node: their registration sockets coming or
+    // going, or the slices' lock taken from one (it has gone then, even if killed and its socket left).
+    let look_again = Arc::new(tokio::sync::Notify::new());
     spawn_on_own_thread("dra", Priority::FaultPath, async move {
         let result = match kube::Client::try_from(api) {
             Ok(client) => {
@@ -155,7 +156,7 @@ pub fn spawn(
                     },
                     config.state_dir.clone(),
                     views.slices,
-                    others_gone,
+                    look_again.clone(),
                     metrics.clone(),
                     shutdown.clone(),
                 );
@@ -163,7 +164,7 @@ pub fn spawn(
                 run(
                     config,
                     devices,
-                    (views.health, resend),
+                    (views.health, look_again),
                     claims,
                     status,
                     metrics,
@@ -186,11 +187,11 @@ const SLICES_LOCK_RETRY: Duration = Duration::from_millis(250);
 /// and rewrite each other's. The writer holds an `flock` on the state directory itself (the returned handle),
 /// which no one can swap for a FIFO or delete while it is held; another instance's lock goes with its
 /// process, so the wait ends within [`SLICES_LOCK_RETRY`] of its stop. `None` at shutdown. A lock that
-/// cannot be taken at all is said once and the slices are written without it, rather than never. Bumps
-/// `others_gone` when it took the lock from another instance, which has gone then.
+/// cannot be taken at all is said once and the slices are written without it, rather than never. Wakes
+/// `look_again` when it took the lock from another instance, which has gone then.
 async fn slice_writer(
     state_dir: &Path,
-    others_gone: &watch::Sender<u64>,
+    look_again: &tokio::sync::Notify,
     shutdown: &CancellationToken,
 ) -> Option<Option<std::fs::File>> {
     use rustix::fs::{FlockOperation, flock};
@@ -211,7 +212,7 @@ async fn slice_writer(
                     tracing::info!(
                         "the other instance stopped: this one writes the ResourceSlices now"
                     );
-                    others_gone.send_modify(|n| *n = n.wrapping_add(1));
+                    look_again.notify_one();
                 }
                 return Some(Some(dir));
             }
@@ -242,12 +243,12 @@ fn publish_slices(
     config: slices::SliceConfig,
     state_dir: PathBuf,
     view: watch::Receiver<view::DraView>,
-    others_gone: watch::Sender<u64>,
+    look_again: Arc<tokio::sync::Notify>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     let started = spawn_on_own_thread("dra-slices", Priority::Side, async move {
-        let Some(_writer) = slice_writer(&state_dir, &others_gone, &shutdown).await else {
+        let Some(_writer) = slice_writer(&state_dir, &look_again, &shutdown).await else {
             return;
         };
         let mut watch_api = api.clone();
@@ -332,9 +333,10 @@ async fn another_instance(config: &DraConfig) -> bool {
 /// (a script making and removing sockets in a loop) costs two looks a second, not one per event.
 const OTHERS_PACE: Duration = Duration::from_millis(500);
 
-/// Keeps `others` saying whether another instance of the driver serves beside this one: looked at when a
-/// registration socket of the driver comes or goes (`woken`), at most every [`OTHERS_PACE`], and every
-/// [`SOCKET_CHECK`] (a pod killed leaves its socket, which then refuses) until `until`.
+/// Keeps `others` saying whether another instance of the driver serves beside this one: looked at when
+/// `woken` (a registration socket of the driver comes or goes; the slices' lock is taken from another
+/// instance, which may have been killed and left its socket, refusing now), at most every [`OTHERS_PACE`],
+/// and every [`SOCKET_CHECK`] until `until`.
 async fn follow_others(
     config: DraConfig,
     woken: Arc<tokio::sync::Notify>,
@@ -640,13 +642,14 @@ impl Served {
 }
 
 /// Serves `devices` through DRA until `shutdown`: the DRA API, then the registration the kubelet finds.
-/// Prepare reads `devices`; the health stream reports `view`, and sends it again when `resend` says another
-/// instance of the driver has gone. `status` follows what the kubelet says of the
+/// Prepare reads `devices`; the health stream reports `view`, every second while another instance of the
+/// driver serves on the node and again when it has gone, looked for whenever `look_again` is woken (and
+/// the driver's registration sockets come or go). `status` follows what the kubelet says of the
 /// registration and which claims are prepared.
 pub async fn run(
     config: DraConfig,
     devices: InventoryWatch,
-    (view, resend): (watch::Receiver<view::DraView>, watch::Receiver<u64>),
+    (view, look_again): (watch::Receiver<view::DraView>, Arc<tokio::sync::Notify>),
     claims: Arc<dyn ClaimReader>,
     status: watch::Sender<DraStatus>,
     metrics: Arc<Metrics>,
@@ -690,7 +693,6 @@ pub async fn run(
         streams.clone(),
     )
     .with_metrics(metrics.clone())
-    .with_resend(resend)
     .with_others(others_rx);
     let endpoint = config.endpoint();
     remove_stale_sockets(&config);
@@ -740,16 +742,15 @@ pub async fn run(
     );
 
     let moved = Arc::new(tokio::sync::Notify::new());
-    let others_moved = Arc::new(tokio::sync::Notify::new());
     let mut watch = SocketWatch::new(
         &[&endpoint, &config.registration_socket()],
         &config.driver,
         moved.clone(),
-        others_moved.clone(),
+        look_again.clone(),
     );
     tokio::spawn(follow_others(
         config.clone(),
-        others_moved,
+        look_again,
         others,
         streams.clone(),
     ));
