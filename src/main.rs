@@ -159,10 +159,12 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     config::prepare_state_dir(&settings.state_dir)?;
     // Settle the directory now, so that a bad one is reported before anything starts; with every GPU served
     // through DRA the device plugin never registers, and the kubelet's device plugin directory is not needed.
-    let dra_only = settings
-        .dra
-        .as_ref()
-        .is_some_and(|d| matches!(d.gpus, gpu_device_plugin::dra::selection::DraSelection::All));
+    let dra_only = settings.dra.as_ref().is_some_and(|d| {
+        matches!(
+            d.gpus,
+            gpu_device_plugin::devices::selection::DraSelection::All
+        )
+    });
     if !dra_only {
         kubelet::socket_path_for(&plugin_config(&settings, &settings.resource_name))?;
     }

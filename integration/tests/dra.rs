@@ -904,6 +904,53 @@ async fn a_claim_shared_by_two_pods_gives_both_the_gpu_and_its_fault() -> TestRe
     Ok(())
 }
 
+/// A claim written for NVIDIA's DRA driver that asks for MPS through its `GpuConfig`: this plugin does not
+/// serve MPS, so the pod does not start, with what to change, instead of getting a GPU without it; a claim
+/// whose configuration asks for nothing to be done (time-slicing at the GPU's default) gets the same GPU.
+#[tokio::test]
+async fn a_claim_asking_for_mps_is_refused_with_what_to_change_and_one_asking_nothing_is_served()
+-> TestResult {
+    let node = DraNode::start(1, "all").await?;
+    let gpu_config = |source: &str, sharing: Value| {
+        serde_json::json!({"source": source, "requests": [], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": sharing}}})
+    };
+    let mps = node.pod_with_claim("mps", "gpu-0");
+    assert!(node.api.configure_claim(
+        "ml",
+        "mps-gpu",
+        vec![gpu_config(
+            "FromClaim",
+            serde_json::json!({"strategy": "MPS"})
+        )]
+    ));
+    let why = node
+        .kubelet
+        .prepare_pod(&mps)
+        .await
+        .expect_err("MPS is not served")
+        .to_string();
+    assert!(
+        why.contains("has a GpuConfig that asks for MPS") && why.contains("change the claim"),
+        "{why}"
+    );
+    // The DeviceClass asks for MPS, the claim for time-slicing at the default: the claim's wins.
+    let shared = node.pod_with_claim("shared", "gpu-0");
+    assert!(node.api.configure_claim(
+        "ml",
+        "shared-gpu",
+        vec![
+            gpu_config("FromClass", serde_json::json!({"strategy": "MPS"})),
+            gpu_config(
+                "FromClaim",
+                serde_json::json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Default"}})
+            ),
+        ]
+    ));
+    node.prepared_with_gpu(&shared, 0).await?;
+    Ok(())
+}
+
 /// A call that names claims the API server does not hold (a flood of them, or a kubelet racing a deletion):
 /// every claim is refused with why, but the log says at most 20 of a burst, not one line each.
 #[tokio::test]

@@ -604,3 +604,78 @@ async fn mig_devices_carry_their_placement_engines_and_their_gpus_facts() -> Tes
     );
     Ok(())
 }
+
+/// `check-config` on the fake library's GPUs (`config`, JSON) with `extra` arguments: its output.
+fn check_config_on(config: &str, extra: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let gpus = dir.path().join("gpus.json");
+    std::fs::write(&gpus, config).unwrap();
+    write_mig_minors(dir.path());
+    let lib = fake_nvml_lib();
+    let state = dir.path().join("state");
+    let proc_root = dir.path().join("proc");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+        .arg("check-config")
+        .args([
+            OsStr::new("--nvml-lib"),
+            lib.as_os_str(),
+            OsStr::new("--proc-root"),
+            proc_root.as_os_str(),
+            OsStr::new("--state-dir"),
+            state.as_os_str(),
+            OsStr::new("--node-name"),
+            OsStr::new("node-a"),
+        ])
+        .args(extra)
+        .env("FAKE_NVML_CONFIG", &gpus)
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// DRA has no MIG strategy: a GPU in MIG mode served through DRA is published as its MIG devices, as NVIDIA's
+/// DRA driver publishes it (claims for the `mig.nvidia.com` class find them), whatever `migStrategy` says of
+/// the GPUs the device plugin serves; those keep the strategy's meaning.
+#[test]
+fn through_dra_a_gpu_in_mig_mode_is_its_mig_devices_whatever_the_device_plugins_strategy() {
+    let all = check_config_on(&two_profiles_on_gpu0(), &["--dra", "all"]);
+    let line = all
+        .lines()
+        .find(|l| l.starts_with("serves through DRA"))
+        .unwrap_or_else(|| panic!("no DRA line in:\n{all}"));
+    assert!(line.contains(": 4 devices ("), "{line}");
+    assert_eq!(line.matches("gpu-0-mig-").count(), 3, "{line}");
+    assert!(line.contains("gpu-1)"), "GPU 1 whole: {line}");
+    assert!(
+        !line.contains("gpu-0,") && !line.contains("(gpu-0)"),
+        "{line}"
+    );
+
+    // Split: GPU 0 through DRA as its MIG devices; GPU 1 through the device plugin, migStrategy none.
+    let split = check_config_on(&two_profiles_on_gpu0(), &["--dra", "0"]);
+    assert!(
+        split.contains("serves through DRA as gpu.nvidia.com: 3 devices (gpu-0-mig-"),
+        "{split}"
+    );
+    assert!(
+        split.contains("serves nvidia.com/gpu: 1 devices, 1 listed to the kubelet"),
+        "{split}"
+    );
+    // And the other way round: GPU 0 in MIG mode through the device plugin is whole under migStrategy none.
+    let other_way = check_config_on(&two_profiles_on_gpu0(), &["--dra", "1"]);
+    assert!(
+        other_way.contains("serves through DRA as gpu.nvidia.com: 1 devices (gpu-1)"),
+        "{other_way}"
+    );
+    assert!(
+        other_way.contains("serves nvidia.com/gpu: 1 devices, 1 listed to the kubelet"),
+        "{other_way}"
+    );
+}

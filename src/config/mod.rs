@@ -552,7 +552,7 @@ pub struct Settings {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DraSettings {
     /// Which GPUs.
-    pub gpus: crate::dra::selection::DraSelection,
+    pub gpus: crate::devices::selection::DraSelection,
     /// The driver name.
     pub driver: String,
     /// The kubelet's plugin registration directory.
@@ -610,6 +610,8 @@ impl Settings {
         let allocate = allocate_settings(&args, &file, &nvidia, &mut warnings)?;
         let surfaces = surface_settings(&args, &file)?;
         let dra = dra_settings(&args, &file, &surfaces.cluster)?;
+        let mut nvml = gpus.nvml;
+        nvml.dra = dra.as_ref().map(|d| d.gpus.clone());
         if dra.is_some() && nvidia.applied.sharing.is_some() {
             warnings.push(
                 "sharing (time-slicing, MPS) applies to the GPUs served through the device plugin only; \
@@ -627,7 +629,7 @@ impl Settings {
             simulate: trying_out.simulate,
             simulate_events: trying_out.simulate_events,
             socket_name: trying_out.socket_name,
-            nvml: gpus.nvml,
+            nvml,
             fail_on_init_error: gpus.fail_on_init_error,
             monitor: gpus.monitor,
             allocate,
@@ -1027,6 +1029,8 @@ fn gpu_and_health_settings(
             sysfs_root: or_file(&args.sysfs_root, &file.sysfs_root)
                 .unwrap_or(nvml_defaults.sysfs_root),
             proc_root: or_file(&args.proc_root, &file.proc_root).unwrap_or(nvml_defaults.proc_root),
+            // Set once the DRA settings are read.
+            dra: None,
         },
         fail_on_init_error: args
             .fail_on_init_error
@@ -1155,7 +1159,8 @@ fn dra_settings(
         value: value.clone(),
         why,
     };
-    let Some(gpus) = crate::dra::selection::DraSelection::parse(&value).map_err(invalid)? else {
+    let Some(gpus) = crate::devices::selection::DraSelection::parse(&value).map_err(invalid)?
+    else {
         return Ok(None);
     };
     if !cluster.enabled {
@@ -1913,7 +1918,7 @@ mod tests {
         assert_eq!(
             on,
             Ok(Some(DraSettings {
-                gpus: crate::dra::selection::DraSelection::All,
+                gpus: crate::devices::selection::DraSelection::All,
                 driver: "gpu.nvidia.com".into(),
                 registry_dir: PathBuf::from("/var/lib/kubelet/plugins_registry"),
                 plugins_dir: PathBuf::from("/var/lib/kubelet/plugins"),
@@ -1992,7 +1997,7 @@ mod tests {
         let dra = s.dra.clone().ok_or("DRA on")?;
         assert_eq!(
             dra.gpus,
-            crate::dra::selection::DraSelection::Gpus(vec!["1".into(), "GPU-abc".into()])
+            crate::devices::selection::DraSelection::Gpus(vec!["1".into(), "GPU-abc".into()])
         );
         assert_eq!(dra.driver, "gpu.example.com");
         assert_eq!(dra.registry_dir, PathBuf::from("/reg"));

@@ -12,6 +12,7 @@ pub mod facts;
 pub mod mig;
 pub mod naming;
 pub mod resources;
+pub mod selection;
 pub mod sharing;
 
 use std::collections::HashMap;

@@ -9,6 +9,8 @@ use std::time::Duration;
 use kube::api::{Api, ApiResource, DynamicObject};
 use serde::Deserialize;
 
+pub use super::device_config::AllocatedConfig;
+
 /// The longest a claim is waited for; the kubelet gives a whole prepare call 45 s.
 pub const GET_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -32,6 +34,9 @@ pub struct Claim {
     /// The devices allocated to it, of every driver; `None` while it is not allocated.
     #[serde(default)]
     pub allocated: Option<Vec<Allocated>>,
+    /// The device configuration of its allocation (`status.allocation.devices.config`), every driver's.
+    #[serde(default)]
+    pub config: Vec<AllocatedConfig>,
     /// The pods it is reserved for (`status.reservedFor`), by name: they are in the claim's namespace.
     #[serde(default)]
     pub pods: Vec<String>,
@@ -100,6 +105,8 @@ struct Allocation {
 struct Devices {
     #[serde(default)]
     results: Vec<Allocated>,
+    #[serde(default)]
+    config: Vec<AllocatedConfig>,
 }
 
 impl Claim {
@@ -111,9 +118,17 @@ impl Claim {
             .status
             .map(|s| (s.allocation, s.reserved_for))
             .unwrap_or_default();
+        let (allocated, config) = match allocation {
+            Some(a) => {
+                let devices = a.devices.map(|d| (d.results, d.config)).unwrap_or_default();
+                (Some(devices.0), devices.1)
+            }
+            None => (None, Vec::new()),
+        };
         Ok(Claim {
             uid: object.metadata.uid.unwrap_or_default(),
-            allocated: allocation.map(|a| a.devices.map(|d| d.results).unwrap_or_default()),
+            allocated,
+            config,
             pods: reserved_for
                 .into_iter()
                 .filter(|c| c.api_group.is_empty() && c.resource == "pods" && !c.name.is_empty())
@@ -217,6 +232,9 @@ mod tests {
             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}},
             "status": {"allocation": {"devices": {"results": [
                 {"request": "gpu", "driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-0"}
+            ], "config": [
+                {"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": "gpu.nvidia.com",
+                 "parameters": {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}}}
             ]}}, "reservedFor": [
                 {"resource": "pods", "name": "train-0", "uid": "p-1"},
                 {"apiGroup": "example.com", "resource": "pods", "name": "not-a-pod", "uid": "x"},
@@ -232,6 +250,16 @@ mod tests {
             (devices[0].driver.as_str(), devices[0].device.as_str()),
             ("gpu.nvidia.com", "gpu-0")
         );
+        assert_eq!(claim.config.len(), 1);
+        assert_eq!(
+            (
+                claim.config[0].source.as_str(),
+                &claim.config[0].requests[..]
+            ),
+            ("FromClaim", &["gpu".to_string()][..])
+        );
+        let opaque = claim.config[0].opaque.as_ref().expect("opaque");
+        assert_eq!(opaque.parameters["kind"], "GpuConfig");
     }
 
     #[test]

@@ -10,12 +10,12 @@
 //! while the plugin runs is bound again; both are removed when it stops.
 
 pub mod claims;
+pub mod device_config;
 pub mod health;
 pub mod names;
 pub mod prepare;
 pub mod record;
 pub mod registration;
-pub mod selection;
 pub mod slices;
 pub mod view;
 
@@ -822,5 +822,52 @@ mod tests {
         ] {
             assert!(!is_registration_of(driver, theirs), "{theirs}");
         }
+    }
+
+    /// Anything under a registration socket's name that is not one (a FIFO, whose open would block; a file;
+    /// a link, even to a live socket) or a dead pod's socket is no other instance, and is looked at without
+    /// waiting on it; a live socket is one.
+    #[tokio::test]
+    async fn only_a_live_registration_socket_of_the_driver_is_another_instance() {
+        let dir = tempfile::tempdir().expect("dir");
+        let config = DraConfig {
+            driver: DEFAULT_DRIVER.into(),
+            registry_dir: dir.path().join("registry"),
+            plugins_dir: dir.path().join("plugins"),
+            pool: "node-a".into(),
+            cdi_kind: "nvidia.com/gpu".into(),
+            state_dir: dir.path().into(),
+            boot_id: None,
+            heartbeat: health::HEARTBEAT,
+            pod_uid: Some("this-pod".into()),
+        };
+        let registry = &config.registry_dir;
+        std::fs::create_dir(registry).expect("registry");
+        let name = |who: &str| registry.join(format!("{DEFAULT_DRIVER}-{who}-reg.sock"));
+        let _own = tokio::net::UnixListener::bind(config.registration_socket()).expect("own");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            name("fifo"),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .expect("fifo");
+        std::fs::write(name("file"), "not a socket").expect("file");
+        drop(tokio::net::UnixListener::bind(name("dead")).expect("dead"));
+        let elsewhere = dir.path().join("live-elsewhere.sock");
+        let _elsewhere = tokio::net::UnixListener::bind(&elsewhere).expect("elsewhere");
+        std::os::unix::fs::symlink(&elsewhere, name("link")).expect("link");
+        let look = tokio::time::timeout(Duration::from_secs(5), another_instance(&config));
+        assert!(
+            !look.await.expect("looked without waiting"),
+            "none of them is another instance"
+        );
+
+        let _other = tokio::net::UnixListener::bind(name("other-pod")).expect("other");
+        assert!(
+            another_instance(&config).await,
+            "the other pod's live socket"
+        );
     }
 }

@@ -19,6 +19,7 @@ use crate::api::dra::{v1, v1beta1};
 use crate::devices::{Health, InventoryWatch};
 
 use super::claims::{Claim, ClaimReader};
+use super::device_config::{ClaimConfig, DeviceType};
 use super::names;
 use super::record::{PreparedClaim, PreparedDevice, Record, RecordFile, RecordLock};
 use crate::util::files::FileId;
@@ -407,6 +408,8 @@ impl Preparer {
             ));
         };
         let config = &self.config;
+        let settings = ClaimConfig::read(&object.config, &config.driver)
+            .map_err(|e| format!("{name}: {e}"))?;
         let inventory = self.devices.borrow().clone();
         let mut devices: Vec<PreparedDevice> = Vec::new();
         for result in allocated.iter().filter(|r| r.driver == config.driver) {
@@ -433,6 +436,13 @@ impl Preparer {
                     device.reason.as_deref().unwrap_or("no reason recorded")
                 ));
             }
+            let of = match device.info.mig {
+                Some(_) => DeviceType::Mig,
+                None => DeviceType::Gpu,
+            };
+            settings
+                .check(&result.request, of)
+                .map_err(|e| format!("{name}: {e}"))?;
             if let Some((uid, holder)) = record.holder(&config.pool, &result.device, &claim.uid) {
                 return Err(format!(
                     "{name} was given device {}, which is prepared for ResourceClaim {}/{} (UID {uid}); a \

@@ -96,7 +96,7 @@ pub struct Context {
 #[derive(Debug, Clone)]
 pub struct DraSurface {
     /// The GPUs served through DRA.
-    pub gpus: crate::dra::selection::DraSelection,
+    pub gpus: crate::devices::selection::DraSelection,
     /// The DRA side's own account: registration, prepared claims.
     pub status: watch::Receiver<crate::dra::registration::DraStatus>,
 }

@@ -434,6 +434,28 @@ impl FakeApiServer {
         uid
     }
 
+    /// Gives ResourceClaim `namespace/name`'s allocation the device configuration `config` (entries of
+    /// `status.allocation.devices.config`, as the scheduler copies them from the claim's DeviceClass and
+    /// the claim); the `FromClaim` ones go into `spec.devices.config` too. Returns whether the claim is there.
+    pub fn configure_claim(&self, namespace: &str, name: &str, config: Vec<Value>) -> bool {
+        self.with_state(|s| {
+            s.version += 1;
+            let version = s.version.to_string();
+            let Some(claim) = s.resource.claims.get_mut(&(namespace.into(), name.into())) else {
+                return false;
+            };
+            let from_claim: Vec<Value> = config
+                .iter()
+                .filter(|c| c["source"] == "FromClaim")
+                .map(|c| json!({"requests": c["requests"], "opaque": c["opaque"]}))
+                .collect();
+            claim["spec"]["devices"]["config"] = Value::Array(from_claim);
+            claim["status"]["allocation"]["devices"]["config"] = Value::Array(config);
+            claim["metadata"]["resourceVersion"] = Value::String(version);
+            true
+        })
+    }
+
     /// The stored ResourceClaim `namespace/name`.
     pub fn claim(&self, namespace: &str, name: &str) -> Option<Value> {
         self.with_state(|s| {

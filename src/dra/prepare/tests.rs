@@ -28,6 +28,7 @@ impl Claims {
         let claim = Claim {
             uid: uid.into(),
             allocated: Some(allocated),
+            config: Vec::new(),
             pods: Vec::new(),
         };
         self.claims.lock().expect("lock").insert(name.into(), claim);
@@ -166,6 +167,7 @@ async fn each_claim_that_cannot_be_prepared_says_why_and_what_to_do() {
         Claim {
             uid: "u-4".into(),
             allocated: None,
+            config: Vec::new(),
             pods: Vec::new(),
         },
     );
@@ -210,6 +212,44 @@ async fn each_claim_that_cannot_be_prepared_says_why_and_what_to_do() {
         why("u-6")
     );
     assert_eq!(answer.len(), 6, "every claim has its answer");
+}
+
+#[tokio::test]
+async fn a_claim_whose_device_configuration_asks_for_what_this_plugin_does_not_do_is_refused_and_nothing_held()
+ {
+    use crate::dra::device_config::{API_VERSION, AllocatedConfig, Opaque};
+    let s = setup();
+    let configure = |name: &str, uid: &str, sharing: serde_json::Value| {
+        s.claims.allocate(name, uid, &[("gpu", "node-a", "gpu-0")]);
+        let mut claims = s.claims.claims.lock().expect("lock");
+        let claim = claims.get_mut(name).expect("just made");
+        claim.config = vec![AllocatedConfig {
+            source: "FromClaim".into(),
+            requests: Vec::new(),
+            opaque: Some(Opaque {
+                driver: "gpu.nvidia.com".into(),
+                parameters: serde_json::json!({
+                    "apiVersion": API_VERSION, "kind": "GpuConfig", "sharing": sharing
+                }),
+            }),
+        }];
+    };
+    configure("mps", "u-1", serde_json::json!({"strategy": "MPS"}));
+    configure(
+        "shared",
+        "u-2",
+        serde_json::json!({"strategy": "TimeSlicing"}),
+    );
+    let preparer = s.preparer();
+    let refused = preparer.prepare(vec![claim("mps", "u-1")]).await["u-1"].clone();
+    let why = refused.expect_err("MPS is not served");
+    assert!(
+        why.starts_with("ResourceClaim ns/mps: request \"gpu\" has a GpuConfig that asks for MPS"),
+        "{why}"
+    );
+    // Nothing was held for it: the GPU goes to the next claim, whose configuration asks for nothing.
+    let devices = preparer.prepare(vec![claim("shared", "u-2")]).await["u-2"].clone();
+    assert_eq!(devices.expect("prepared")[0].device, "gpu-0");
 }
 
 #[tokio::test]

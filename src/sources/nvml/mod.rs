@@ -38,6 +38,7 @@ use tokio::sync::mpsc;
 
 use crate::devices::DeviceInfo;
 use crate::devices::mig::{self, GpuLayout, MigAttributes, MigInfo, MigStrategy, ProfileFacts};
+use crate::devices::selection::DraSelection;
 use crate::health::{Observation, ProbeResult};
 use crate::sources::{Beat, DeviceEvent, DeviceSource, Heartbeat, SourceError};
 
@@ -101,8 +102,12 @@ pub struct NvmlOptions {
     pub sysfs_root: PathBuf,
     /// Root of procfs, for the driver's GPU list when NVML cannot be loaded and its MIG capability minors.
     pub proc_root: PathBuf,
-    /// Whether GPUs in MIG mode are served whole or as their MIG devices.
+    /// Whether GPUs in MIG mode are served whole or as their MIG devices, through the device plugin.
     pub mig_strategy: MigStrategy,
+    /// The GPUs served through DRA, if any: a GPU of them in MIG mode is served as its MIG devices whatever
+    /// `mig_strategy` says (DRA has no strategy: NVIDIA's DRA driver publishes a GPU in MIG mode as its MIG
+    /// devices, and claims written for it ask for those), and the strategy's rules leave it out.
+    pub dra: Option<DraSelection>,
 }
 
 impl Default for NvmlOptions {
@@ -112,6 +117,7 @@ impl Default for NvmlOptions {
             sysfs_root: PathBuf::from("/sys"),
             proc_root: PathBuf::from("/proc"),
             mig_strategy: MigStrategy::None,
+            dra: None,
         }
     }
 }
@@ -232,8 +238,9 @@ impl DeviceSource for NvmlGpus {
             .device_count()
             .map_err(|e| SourceError::Discovery(format!("NVML cannot count GPUs: {e}")))?;
         let strategy = self.options.mig_strategy;
-        let minors = match strategy {
-            MigStrategy::None => HashMap::new(),
+        let dra = self.options.dra.as_ref();
+        let minors = match (strategy, dra) {
+            (MigStrategy::None, None) => HashMap::new(),
             _ => mig::read_mig_minors(&self.options.proc_root),
         };
         let system = facts::system(&self.nvml);
@@ -263,14 +270,17 @@ impl DeviceSource for NvmlGpus {
                 index,
                 &system,
             );
-            let mig_enabled = strategy != MigStrategy::None
+            let through_dra = dra.is_some_and(|d| d.serves(&info));
+            let mig_enabled = (through_dra || strategy != MigStrategy::None)
                 && device.mig_mode().is_ok_and(|m| m.current == MIG_ENABLED);
+            // The strategy's rules are the device plugin's: a GPU served through DRA is not in its layout.
+            let layout_of = |gpu: GpuLayout| (!through_dra).then_some(gpu);
             if !mig_enabled {
-                layout.push(GpuLayout {
+                layout.extend(layout_of(GpuLayout {
                     id: uuid.clone(),
                     mig_enabled: false,
                     migs: Vec::new(),
-                });
+                }));
                 self.gpus.push(Watched {
                     index,
                     id: uuid.clone(),
@@ -298,19 +308,28 @@ impl DeviceSource for NvmlGpus {
                 found.push(mig_info);
             }
             if watched.devices.is_empty() {
+                if through_dra {
+                    tracing::warn!(device = %uuid, "GPU served through DRA has MIG mode on but no MIG devices: it publishes nothing until its instances are created");
+                }
+                let served_as = if through_dra {
+                    "served through DRA, a GPU in MIG mode is published as its MIG devices"
+                        .to_string()
+                } else {
+                    format!("migStrategy {strategy} serves its MIG devices")
+                };
                 self.unserved.push(crate::devices::Unserved {
                     index: usize::try_from(index).ok(),
                     id: Some(uuid.clone()),
                     why: format!(
-                        "MIG mode is on and no MIG device of it can be served (migStrategy {strategy} serves its MIG devices, not the whole GPU): create MIG devices, or turn MIG mode off"
+                        "MIG mode is on and no MIG device of it can be served ({served_as}, not the whole GPU): create MIG devices, or turn MIG mode off"
                     ),
                 });
             }
-            layout.push(GpuLayout {
+            layout.extend(layout_of(GpuLayout {
                 id: uuid,
                 mig_enabled: true,
                 migs: kinds,
-            });
+            }));
             self.gpus.push(watched);
         }
         if !unreadable.is_empty() {

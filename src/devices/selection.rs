@@ -5,7 +5,7 @@
 //! (`0`) or GPU UUIDs (`GPU-…`); a MIG device cannot be named on its own, and an entry that names no GPU of
 //! the node stops the plugin at start, so that a typo never leaves a GPU on the wrong road.
 
-use crate::devices::{DeviceInfo, Inventory};
+use super::{DeviceInfo, Inventory};
 
 /// The GPUs served through DRA.
 #[derive(Debug, Clone, PartialEq, Eq)]
