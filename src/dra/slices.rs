@@ -9,7 +9,7 @@
 //! devices change, so that the scheduler never mixes slices of two versions of the pool. An Unhealthy device
 //! carries a `NoSchedule` taint, so that the scheduler stops giving it to new claims.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
@@ -21,6 +21,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::view::{DraDevice, DraView};
+use crate::devices::DeviceInfo;
 
 /// Devices per slice: the API's limit for slices whose devices carry taints.
 pub const DEVICES_PER_SLICE: usize = 64;
@@ -71,7 +72,11 @@ impl SliceConfig {
 /// (see `crate::devices::facts`), each left out where the source does not know it; `index` (as `nvidia-smi`
 /// numbers the GPU) is ours.
 pub fn device(device: &DraDevice, none_effect: bool) -> Value {
-    let info = &device.info;
+    with_taints(described(&device.name, &device.info), device, none_effect)
+}
+
+/// A device's name, attributes and capacity: what stays as it is while the device is present.
+fn described(name: &str, info: &DeviceInfo) -> Value {
     let facts = info.facts.as_deref().cloned().unwrap_or_default();
     let mut attributes = serde_json::Map::new();
     let mut put = |name: &str, value: Value| {
@@ -141,12 +146,17 @@ pub fn device(device: &DraDevice, none_effect: bool) -> Value {
         }
     }
     let mut published = json!({
-        "name": device.name,
+        "name": name,
         "attributes": attributes,
     });
     if !capacity.is_empty() {
         published["capacity"] = Value::Object(capacity);
     }
+    published
+}
+
+/// `published` (the device as [`described`]) with `device`'s taints.
+fn with_taints(mut published: Value, device: &DraDevice, none_effect: bool) -> Value {
     let taints: Vec<Value> = device
         .taints
         .iter()
@@ -182,13 +192,43 @@ pub fn semver(version: &str) -> Option<String> {
 
 /// The devices of `view`, in slices.
 pub fn devices(view: &[DraDevice], none_effect: bool) -> Vec<Vec<Value>> {
-    let all: Vec<Value> = view.iter().map(|d| device(d, none_effect)).collect();
-    if all.is_empty() {
-        return vec![Vec::new()];
+    Described::default().devices(view, none_effect)
+}
+
+/// Each device's [`described`] form, kept while the device stays as it is: a fault's slice write builds only
+/// the taints, not every device's attributes again.
+#[derive(Default)]
+pub struct Described {
+    by_name: HashMap<String, (DeviceInfo, Value)>,
+}
+
+impl Described {
+    /// The devices of `view`, in slices; forgets the devices no longer in it.
+    pub fn devices(&mut self, view: &[DraDevice], none_effect: bool) -> Vec<Vec<Value>> {
+        let names: HashSet<&str> = view.iter().map(|d| d.name.as_str()).collect();
+        self.by_name.retain(|name, _| names.contains(name.as_str()));
+        let all: Vec<Value> = view
+            .iter()
+            .map(|d| {
+                let base = match self.by_name.get(&d.name) {
+                    Some((info, base)) if *info == d.info => base.clone(),
+                    _ => {
+                        let base = described(&d.name, &d.info);
+                        self.by_name
+                            .insert(d.name.clone(), (d.info.clone(), base.clone()));
+                        base
+                    }
+                };
+                with_taints(base, d, none_effect)
+            })
+            .collect();
+        if all.is_empty() {
+            return vec![Vec::new()];
+        }
+        all.chunks(DEVICES_PER_SLICE)
+            .map(<[Value]>::to_vec)
+            .collect()
     }
-    all.chunks(DEVICES_PER_SLICE)
-        .map(<[Value]>::to_vec)
-        .collect()
 }
 
 /// The slices' specs for `devices` at `generation`.
@@ -243,6 +283,7 @@ pub async fn publish(
     // telling of our own write) does not hold back the next change.
     let mut writes = crate::cluster::TokenBucket::new(WRITES, tokio::time::Instant::now());
     let mut ours: BTreeMap<String, Written> = BTreeMap::new();
+    let mut described = Described::default();
     // Taints with effect None need a 1.35 API server; an older one refuses the slice, and they are left out.
     let mut none_effect = true;
     loop {
@@ -292,7 +333,7 @@ pub async fn publish(
         if owner.is_none() {
             owner = node_owner(&client, &config.node, &mut said_no_owner).await;
         }
-        let devices = devices(&view.borrow_and_update(), none_effect);
+        let devices = described.devices(&view.borrow_and_update(), none_effect);
         let started = tokio::time::Instant::now();
         let generation = match &published {
             Some((before, generation)) if *before == devices => *generation,
@@ -512,17 +553,14 @@ async fn write(
         if unchanged {
             continue;
         }
-        let mut object = json!({
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceSlice",
-            "metadata": {"name": name},
-            "spec": spec,
-        });
+        // Built as the object it is: no round trip of the whole slice through JSON values.
+        let mut object = DynamicObject::new(name, &slice_resource());
         if let Some(owner) = owner {
-            object["metadata"]["ownerReferences"] = json!([owner]);
+            let owner =
+                serde_json::from_value(owner.clone()).map_err(|e| Failed::Other(e.to_string()))?;
+            object.metadata.owner_references = Some(vec![owner]);
         }
-        let object: DynamicObject =
-            serde_json::from_value(object).map_err(|e| Failed::Other(e.to_string()))?;
+        object.data = Value::Object(serde_json::Map::from_iter([("spec".into(), spec.clone())]));
         let sent_taints = has_taints(&object.data);
         calls += 1;
         // Our own last write's version where the watch has not caught up with it yet.
@@ -739,6 +777,32 @@ mod tests {
         assert_eq!(attributes["resource.kubernetes.io/numaNode"]["int"], 1);
         assert_eq!(published["capacity"]["memory"]["value"], "85520809984");
         assert!(attributes.as_object().expect("map").len() <= 32);
+    }
+
+    #[test]
+    fn devices_described_once_are_published_as_if_described_anew() {
+        let mut inv = inventory(3);
+        let mut described = Described::default();
+        assert_eq!(
+            described.devices(&view(&inv), true),
+            devices(&view(&inv), true)
+        );
+        // A fault: only the taints change.
+        inv.set_health("GPU-1", Health::Unhealthy, Some("XID 79".into()));
+        let after_fault = described.devices(&view(&inv), true);
+        assert_eq!(after_fault, devices(&view(&inv), true));
+        assert!(after_fault[0][1].get("taints").is_some());
+        // A device whose facts change (a restart's new driver) is described again, one gone is forgotten.
+        let mut changed = view(&inv);
+        changed[0].info.numa_node = Some(1);
+        changed.remove(2);
+        let published = described.devices(&changed, true);
+        assert_eq!(published, devices(&changed, true));
+        assert_eq!(
+            published[0][0]["attributes"]["resource.kubernetes.io/numaNode"],
+            json!({"int": 1})
+        );
+        assert_eq!(described.by_name.len(), 2);
     }
 
     #[test]
