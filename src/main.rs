@@ -178,7 +178,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         .context("cannot start the device source")?;
 
     // One road per GPU: those served through DRA are not in the device plugin's view.
-    let roads = Roads::split(&settings, &monitored.inventory)?;
+    let roads = Roads::split(&settings, &monitored.inventory, &monitored.unserved)?;
     let (plan, plugins) = plugins_for(&settings, &roads.device_plugin, &metrics)?;
     let links: Vec<_> = plugins.iter().map(|(p, _)| p.status.subscribe()).collect();
 
@@ -339,7 +339,11 @@ struct Roads {
 
 impl Roads {
     /// Splits the inventory by `--dra`; a selection naming a GPU the node does not have stops the start.
-    fn split(settings: &Settings, inventory: &devices::InventoryWatch) -> anyhow::Result<Roads> {
+    fn split(
+        settings: &Settings,
+        inventory: &devices::InventoryWatch,
+        unserved: &[devices::Unserved],
+    ) -> anyhow::Result<Roads> {
         let Some(dra) = &settings.dra else {
             return Ok(Roads {
                 device_plugin: inventory.clone(),
@@ -347,7 +351,7 @@ impl Roads {
             });
         };
         dra.gpus
-            .check(&inventory.borrow())
+            .check(&inventory.borrow(), unserved)
             .map_err(|why| anyhow::anyhow!("{why}"))?;
         let (mine, theirs) = (dra.gpus.clone(), dra.gpus.clone());
         Ok(Roads {
@@ -904,7 +908,7 @@ fn plan_on_gpus(settings: &Settings) -> anyhow::Result<String> {
     let inventory = match &settings.dra {
         Some(dra) => {
             dra.gpus
-                .check(&found)
+                .check(&found, &source.unserved())
                 .map_err(|why| anyhow::anyhow!("{why}"))?;
             let through_dra = found.subset(|i| dra.gpus.serves(i), None);
             let names: Vec<String> = through_dra

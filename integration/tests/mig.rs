@@ -668,6 +668,17 @@ fn through_dra_a_gpu_in_mig_mode_is_its_mig_devices_whatever_the_device_plugins_
         split.contains("serves nvidia.com/gpu: 1 devices, 1 listed to the kubelet"),
         "{split}"
     );
+    // A GPU in MIG mode without MIG devices publishes nothing, but it is on the node: naming it is no typo.
+    let empty = format!(
+        r#"{{"devices":[{{"uuid":"{}","mig":[]}},{{"uuid":"{}"}}]}}"#,
+        gpu(0),
+        gpu(1)
+    );
+    let nothing = check_config_on(&empty, &["--dra", "0"]);
+    assert!(
+        nothing.contains("serves through DRA as gpu.nvidia.com: 0 devices"),
+        "{nothing}"
+    );
     // And the other way round: GPU 0 in MIG mode through the device plugin is whole under migStrategy none.
     let other_way = check_config_on(&two_profiles_on_gpu0(), &["--dra", "1"]);
     assert!(

@@ -5,7 +5,7 @@
 //! (`0`) or GPU UUIDs (`GPU-…`); a MIG device cannot be named on its own, and an entry that names no GPU of
 //! the node stops the plugin at start, so that a typo never leaves a GPU on the wrong road.
 
-use super::{DeviceInfo, Inventory};
+use super::{DeviceInfo, Inventory, Unserved};
 
 /// The GPUs served through DRA.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,13 +57,19 @@ impl DraSelection {
         }
     }
 
-    /// Checks the selection against the node's devices: an entry that names none of them is refused.
-    pub fn check(&self, inventory: &Inventory) -> Result<(), String> {
+    /// Checks the selection against the node's devices: an entry that names none of them, nor a GPU present
+    /// but serving nothing (`unserved`: in MIG mode without MIG devices, say), is refused.
+    pub fn check(&self, inventory: &Inventory, unserved: &[Unserved]) -> Result<(), String> {
         let DraSelection::Gpus(gpus) = self else {
             return Ok(());
         };
+        let present_unserved = |gpu: &str| {
+            unserved.iter().any(|u| {
+                u.id.as_deref() == Some(gpu) || u.index.is_some_and(|i| i.to_string() == gpu)
+            })
+        };
         for gpu in gpus {
-            if !inventory.devices().iter().any(|d| names(&d.info, gpu)) {
+            if !inventory.devices().iter().any(|d| names(&d.info, gpu)) && !present_unserved(gpu) {
                 let present: Vec<String> = inventory
                     .devices()
                     .iter()
@@ -171,15 +177,27 @@ mod tests {
     fn a_gpu_the_node_does_not_have_is_refused_naming_the_ones_it_has() {
         let inventory = Inventory::new([gpu(0), gpu(1)]);
         assert_eq!(
-            DraSelection::Gpus(vec!["1".into()]).check(&inventory),
+            DraSelection::Gpus(vec!["1".into()]).check(&inventory, &[]),
             Ok(())
         );
         let why = DraSelection::Gpus(vec!["7".into()])
-            .check(&inventory)
+            .check(&inventory, &[])
             .expect_err("no GPU 7");
         assert!(
             why.contains("GPU 7") && why.contains("0 (GPU-0), 1 (GPU-1)"),
             "{why}"
         );
+        // Present but serving nothing (MIG mode without MIG devices): on the node, so not a typo.
+        let unserved = [Unserved {
+            index: Some(7),
+            id: Some("GPU-7".into()),
+            why: "MIG mode is on and no MIG device of it can be served".into(),
+        }];
+        for entry in ["7", "GPU-7"] {
+            assert_eq!(
+                DraSelection::Gpus(vec![entry.into()]).check(&inventory, &unserved),
+                Ok(())
+            );
+        }
     }
 }
