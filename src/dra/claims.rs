@@ -120,8 +120,9 @@ impl Claim {
             .unwrap_or_default();
         let (allocated, config) = match allocation {
             Some(a) => {
-                let devices = a.devices.map(|d| (d.results, d.config)).unwrap_or_default();
-                (Some(devices.0), devices.1)
+                let (results, config) =
+                    a.devices.map(|d| (d.results, d.config)).unwrap_or_default();
+                (Some(results), config)
             }
             None => (None, Vec::new()),
         };
