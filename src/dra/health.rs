@@ -108,13 +108,17 @@ struct Reports {
     source_gone: bool,
     /// The last list sent.
     sent: Option<Vec<DeviceReport>>,
+    /// Bumped when another instance of this driver goes ([`HealthService::with_resend`]).
+    resend: watch::Receiver<u64>,
+    /// Whether anyone still bumps `resend`.
+    resend_told: bool,
     /// Whether another instance of the driver serves beside this one ([`HealthService::with_others`]).
     others: watch::Receiver<bool>,
     /// Whether anyone still tells of `others`.
     others_told: bool,
     /// The heartbeat meanwhile.
     quick: tokio::time::Interval,
-    /// When the list goes again after another instance has gone.
+    /// When the list goes again after such a bump.
     again: Option<tokio::time::Instant>,
 }
 
@@ -127,6 +131,7 @@ pub struct HealthService {
     /// The streams open: past [`MAX_STREAMS`] the oldest is ended.
     open: Arc<Gate>,
     metrics: Arc<crate::metrics::Metrics>,
+    resend: watch::Receiver<u64>,
     others: watch::Receiver<bool>,
 }
 
@@ -143,17 +148,24 @@ impl HealthService {
             shutdown,
             open: Gate::new("DRA health streams", MAX_STREAMS),
             metrics: crate::metrics::Metrics::off(),
+            resend: watch::channel(0).1,
             others: watch::channel(false).1,
         }
     }
 
     /// Sends the list every [`HEARTBEAT_BESIDE_ANOTHER`] while `others` is true (another instance of this
-    /// driver serves on the node), and, unchanged, at once and once more [`RESEND_AGAIN`] later when it turns
-    /// false (the other pod of a rolling update has gone). The kubelet forgets a driver's whole health when
-    /// any of its instances' streams ends, this one's reports with it, and would otherwise show the pods'
-    /// devices without health until the next heartbeat.
+    /// driver serves on the node), and at once and once more [`RESEND_AGAIN`] later when it turns false.
     pub fn with_others(mut self, others: watch::Receiver<bool>) -> Self {
         self.others = others;
+        self
+    }
+
+    /// Sends the list again, unchanged, whenever `resend` changes, and once more [`RESEND_AGAIN`] later:
+    /// for when another instance of this driver on the node has gone (the other pod of a rolling update).
+    /// The kubelet forgets a driver's whole health when any of its instances' streams ends, this one's
+    /// reports with it, and would otherwise show the pods' devices without health until the next heartbeat.
+    pub fn with_resend(mut self, resend: watch::Receiver<u64>) -> Self {
+        self.resend = resend;
         self
     }
 
@@ -180,6 +192,8 @@ impl HealthService {
             beat,
             source_gone: false,
             sent: None,
+            resend: self.resend.clone(),
+            resend_told: true,
             others: self.others.clone(),
             others_told: true,
             quick,
@@ -195,6 +209,15 @@ impl HealthService {
                         true
                     }
                     _ = s.beat.tick() => false,
+                    gone = s.resend.changed(), if s.resend_told => {
+                        if gone.is_err() {
+                            // No one tells of other instances (any more): the view and the beat are left.
+                            s.resend_told = false;
+                            continue;
+                        }
+                        s.again = Some(tokio::time::Instant::now() + RESEND_AGAIN);
+                        false
+                    }
                     () = sleep_until_some(again) => {
                         s.again = None;
                         false
@@ -404,10 +427,42 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn beside_another_instance_the_list_goes_every_second_and_again_when_it_has_gone() {
+    async fn when_another_instance_has_gone_the_list_goes_again_at_once_and_once_more_later() {
         let mut inv = inventory();
         inv.set_health("GPU-0", Health::Unhealthy, Some("XID 79".into()));
         let (_tx, rx) = watch::channel(view(&inv));
+        let (gone, resend) = watch::channel(0_u64);
+        let service = HealthService::new(
+            rx,
+            config(Duration::from_secs(10)),
+            CancellationToken::new(),
+        )
+        .with_resend(resend);
+        let mut reports = service.stream(lists);
+        let first = next(&mut reports).await.expect("first list");
+        let start = tokio::time::Instant::now();
+        // The other pod of a rolling update stops: the kubelet forgets the driver's health.
+        gone.send_modify(|n| *n += 1);
+        let now = next(&mut reports).await.expect("sent again");
+        assert_eq!(start.elapsed(), Duration::ZERO, "at once");
+        let later = next(&mut reports).await.expect("and once more");
+        assert_eq!(start.elapsed(), RESEND_AGAIN);
+        for list in [&now, &later] {
+            assert!(same_but_the_time(&first, list), "the same list: {list:?}");
+        }
+        let beat = next(&mut reports).await.expect("then the heartbeat");
+        assert_eq!(start.elapsed(), Duration::from_secs(10));
+        assert_eq!((beat[0].health, beat[0].message.as_str()), (2, "XID 79"));
+        // Nobody left to tell of others: the stream goes on with its heartbeat.
+        drop(gone);
+        let beat = next(&mut reports).await.expect("the next heartbeat");
+        assert_eq!(start.elapsed(), Duration::from_secs(20));
+        assert_eq!(beat[0].health, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn beside_another_instance_the_list_goes_every_second_and_again_when_it_has_gone() {
+        let (_tx, rx) = watch::channel(view(&inventory()));
         let (others, others_rx) = watch::channel(false);
         let service = HealthService::new(
             rx,
@@ -416,30 +471,21 @@ mod tests {
         )
         .with_others(others_rx);
         let mut reports = service.stream(lists);
-        let first = next(&mut reports).await.expect("first list");
+        next(&mut reports).await.expect("first list");
         let start = tokio::time::Instant::now();
         others.send_replace(true);
         for second in 1..=3 {
             next(&mut reports).await.expect("a quick heartbeat");
             assert_eq!(start.elapsed(), Duration::from_secs(second));
         }
-        // It goes (the other pod of a rolling update stops, and the kubelet forgets the driver's health): the
-        // same list at once, once more later, then the usual heartbeat (10 s from the first list).
+        // It goes: the list at once, once more later, then the usual heartbeat (10 s from the first list).
         others.send_replace(false);
-        let now = next(&mut reports).await.expect("at once");
+        next(&mut reports).await.expect("at once");
         assert_eq!(start.elapsed(), Duration::from_secs(3));
-        let later = next(&mut reports).await.expect("once more");
+        next(&mut reports).await.expect("once more");
         assert_eq!(start.elapsed(), Duration::from_secs(3) + RESEND_AGAIN);
-        for list in [&now, &later] {
-            assert!(same_but_the_time(&first, list), "the same list: {list:?}");
-        }
         next(&mut reports).await.expect("the heartbeat");
         assert_eq!(start.elapsed(), Duration::from_secs(10));
-        // Nobody left to tell of others: the stream goes on with its heartbeat and the last word stands.
-        drop(others);
-        let beat = next(&mut reports).await.expect("the next heartbeat");
-        assert_eq!(start.elapsed(), Duration::from_secs(20));
-        assert_eq!((beat[0].health, beat[0].message.as_str()), (2, "XID 79"));
     }
 
     #[tokio::test(start_paused = true)]

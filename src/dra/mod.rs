@@ -135,9 +135,8 @@ pub fn spawn(
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
     let (done, stopped) = tokio::sync::oneshot::channel();
     let slices_api = api.clone();
-    // Wakes the look for other instances of this driver on the node: their registration sockets coming or
-    // going, or the slices' lock taken from one (it has gone then, even if killed and its socket left).
-    let look_again = Arc::new(tokio::sync::Notify::new());
+    // Bumped when another instance of this driver on the node has gone.
+    let (others_gone, resend) = watch::channel(0_u64);
     spawn_on_own_thread("dra", Priority::FaultPath, async move {
         let result = match kube::Client::try_from(api) {
             Ok(client) => {
@@ -156,7 +155,7 @@ pub fn spawn(
                     },
                     config.state_dir.clone(),
                     views.slices,
-                    look_again.clone(),
+                    others_gone,
                     metrics.clone(),
                     shutdown.clone(),
                 );
@@ -164,7 +163,7 @@ pub fn spawn(
                 run(
                     config,
                     devices,
-                    (views.health, look_again),
+                    (views.health, resend),
                     claims,
                     status,
                     metrics,
@@ -187,11 +186,11 @@ const SLICES_LOCK_RETRY: Duration = Duration::from_millis(250);
 /// and rewrite each other's. The writer holds an `flock` on the state directory itself (the returned handle),
 /// which no one can swap for a FIFO or delete while it is held; another instance's lock goes with its
 /// process, so the wait ends within [`SLICES_LOCK_RETRY`] of its stop. `None` at shutdown. A lock that
-/// cannot be taken at all is said once and the slices are written without it, rather than never. Wakes
-/// `look_again` when it took the lock from another instance, which has gone then.
+/// cannot be taken at all is said once and the slices are written without it, rather than never. Bumps
+/// `others_gone` when it took the lock from another instance, which has gone then.
 async fn slice_writer(
     state_dir: &Path,
-    look_again: &tokio::sync::Notify,
+    others_gone: &watch::Sender<u64>,
     shutdown: &CancellationToken,
 ) -> Option<Option<std::fs::File>> {
     use rustix::fs::{FlockOperation, flock};
@@ -212,7 +211,7 @@ async fn slice_writer(
                     tracing::info!(
                         "the other instance stopped: this one writes the ResourceSlices now"
                     );
-                    look_again.notify_one();
+                    others_gone.send_modify(|n| *n = n.wrapping_add(1));
                 }
                 return Some(Some(dir));
             }
@@ -243,12 +242,12 @@ fn publish_slices(
     config: slices::SliceConfig,
     state_dir: PathBuf,
     view: watch::Receiver<view::DraView>,
-    look_again: Arc<tokio::sync::Notify>,
+    others_gone: watch::Sender<u64>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     let started = spawn_on_own_thread("dra-slices", Priority::Side, async move {
-        let Some(_writer) = slice_writer(&state_dir, &look_again, &shutdown).await else {
+        let Some(_writer) = slice_writer(&state_dir, &others_gone, &shutdown).await else {
             return;
         };
         let mut watch_api = api.clone();
@@ -333,10 +332,9 @@ async fn another_instance(config: &DraConfig) -> bool {
 /// (a script making and removing sockets in a loop) costs two looks a second, not one per event.
 const OTHERS_PACE: Duration = Duration::from_millis(500);
 
-/// Keeps `others` saying whether another instance of the driver serves beside this one: looked at when
-/// `woken` (a registration socket of the driver comes or goes; the slices' lock is taken from another
-/// instance, which may have been killed and left its socket, refusing now), at most every [`OTHERS_PACE`],
-/// and every [`SOCKET_CHECK`] until `until`.
+/// Keeps `others` saying whether another instance of the driver serves beside this one: looked at when a
+/// registration socket of the driver comes or goes (`woken`), at most every [`OTHERS_PACE`], and every
+/// [`SOCKET_CHECK`] (a pod killed leaves its socket, which then refuses) until `until`.
 async fn follow_others(
     config: DraConfig,
     woken: Arc<tokio::sync::Notify>,
@@ -642,14 +640,13 @@ impl Served {
 }
 
 /// Serves `devices` through DRA until `shutdown`: the DRA API, then the registration the kubelet finds.
-/// Prepare reads `devices`; the health stream reports `view`, every second while another instance of the
-/// driver serves on the node and again when it has gone, looked for whenever `look_again` is woken (and
-/// the driver's registration sockets come or go). `status` follows what the kubelet says of the
+/// Prepare reads `devices`; the health stream reports `view`, and sends it again when `resend` says another
+/// instance of the driver has gone. `status` follows what the kubelet says of the
 /// registration and which claims are prepared.
 pub async fn run(
     config: DraConfig,
     devices: InventoryWatch,
-    (view, look_again): (watch::Receiver<view::DraView>, Arc<tokio::sync::Notify>),
+    (view, resend): (watch::Receiver<view::DraView>, watch::Receiver<u64>),
     claims: Arc<dyn ClaimReader>,
     status: watch::Sender<DraStatus>,
     metrics: Arc<Metrics>,
@@ -693,6 +690,7 @@ pub async fn run(
         streams.clone(),
     )
     .with_metrics(metrics.clone())
+    .with_resend(resend)
     .with_others(others_rx);
     let endpoint = config.endpoint();
     remove_stale_sockets(&config);
@@ -742,15 +740,16 @@ pub async fn run(
     );
 
     let moved = Arc::new(tokio::sync::Notify::new());
+    let others_moved = Arc::new(tokio::sync::Notify::new());
     let mut watch = SocketWatch::new(
         &[&endpoint, &config.registration_socket()],
         &config.driver,
         moved.clone(),
-        look_again.clone(),
+        others_moved.clone(),
     );
     tokio::spawn(follow_others(
         config.clone(),
-        look_again,
+        others_moved,
         others,
         streams.clone(),
     ));
