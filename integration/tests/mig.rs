@@ -607,10 +607,19 @@ async fn mig_devices_carry_their_placement_engines_and_their_gpus_facts() -> Tes
 
 /// `check-config` on the fake library's GPUs (`config`, JSON) with `extra` arguments: its output.
 fn check_config_on(config: &str, extra: &[&str]) -> String {
+    check_config_with(config, extra, "", 0)
+}
+
+/// As [`check_config_on`], with the fake's event script holding `events` before the start and the driver's
+/// GPU list naming `listed` GPUs.
+fn check_config_with(config: &str, extra: &[&str], events: &str, listed: usize) -> String {
     let dir = tempfile::tempdir().unwrap();
     let gpus = dir.path().join("gpus.json");
     std::fs::write(&gpus, config).unwrap();
     write_mig_minors(dir.path());
+    support::write_driver_gpu_list(&dir.path().join("proc"), listed);
+    let script = dir.path().join("events");
+    std::fs::write(&script, events).unwrap();
     let lib = fake_nvml_lib();
     let state = dir.path().join("state");
     let proc_root = dir.path().join("proc");
@@ -628,6 +637,7 @@ fn check_config_on(config: &str, extra: &[&str]) -> String {
         ])
         .args(extra)
         .env("FAKE_NVML_CONFIG", &gpus)
+        .env("FAKE_NVML_EVENTS", &script)
         .env_remove("RUST_LOG")
         .output()
         .unwrap();
@@ -679,6 +689,17 @@ fn through_dra_a_gpu_in_mig_mode_is_its_mig_devices_whatever_the_device_plugins_
         nothing.contains("serves through DRA as gpu.nvidia.com: 0 devices"),
         "{nothing}"
     );
+    // The device plugin's strategy keeps its rules for its own GPUs only: under single, a GPU in MIG mode
+    // served through DRA beside a whole GPU served by the device plugin is no mix of modes.
+    let single = check_config_on(
+        &two_profiles_on_gpu0(),
+        &["--dra", "0", "--mig-strategy", "single"],
+    );
+    assert!(
+        single.contains("serves through DRA as gpu.nvidia.com: 3 devices (gpu-0-mig-")
+            && single.contains("serves nvidia.com/gpu: 1 devices"),
+        "{single}"
+    );
     // And the other way round: GPU 0 in MIG mode through the device plugin is whole under migStrategy none.
     let other_way = check_config_on(&two_profiles_on_gpu0(), &["--dra", "1"]);
     assert!(
@@ -688,5 +709,24 @@ fn through_dra_a_gpu_in_mig_mode_is_its_mig_devices_whatever_the_device_plugins_
     assert!(
         other_way.contains("serves nvidia.com/gpu: 1 devices, 1 listed to the kubelet"),
         "{other_way}"
+    );
+}
+
+/// A GPU that does not answer NVML at the start is named from the driver's GPU list by the GPUs that did
+/// answer, whichever road serves them: with GPU 0 served through DRA, silent GPU 1 is still served, lost,
+/// under its own UUID (not left unnamed, which would drop its recorded conditions).
+#[test]
+fn a_silent_gpu_beside_one_served_through_dra_is_named_from_the_drivers_list() {
+    let two = format!(
+        r#"{{"devices":[{{"uuid":"{}"}},{{"uuid":"{}"}}]}}"#,
+        gpu(0),
+        gpu(1)
+    );
+    let out = check_config_with(&two, &["--dra", "0"], &format!("lost {}\n", gpu(1)), 2);
+    assert!(out.contains("devices found: 2"), "{out}");
+    assert!(
+        out.contains("serves through DRA as gpu.nvidia.com: 1 devices (gpu-0)")
+            && out.contains("serves nvidia.com/gpu: 1 devices"),
+        "{out}"
     );
 }

@@ -70,15 +70,18 @@ impl DraSelection {
         };
         for gpu in gpus {
             if !inventory.devices().iter().any(|d| names(&d.info, gpu)) && !present_unserved(gpu) {
-                let present: Vec<String> = inventory
-                    .devices()
-                    .iter()
-                    .filter(|d| d.info.mig.is_none())
-                    .map(|d| match d.info.gpu_index() {
-                        Some(index) => format!("{index} ({})", d.info.id),
-                        None => d.info.id.clone(),
-                    })
-                    .collect();
+                // Each GPU once, a GPU in MIG mode by its MIG devices' parent.
+                let mut present: Vec<String> = Vec::new();
+                for d in inventory.devices() {
+                    let uuid = d.info.mig.as_ref().map_or(&d.info.id, |m| &m.parent);
+                    let gpu = match d.info.gpu_index() {
+                        Some(index) => format!("{index} ({uuid})"),
+                        None => uuid.clone(),
+                    };
+                    if !present.contains(&gpu) {
+                        present.push(gpu);
+                    }
+                }
                 return Err(format!(
                     "--dra names GPU {gpu}, which this node does not have (its GPUs: {})",
                     if present.is_empty() {
@@ -187,6 +190,12 @@ mod tests {
             why.contains("GPU 7") && why.contains("0 (GPU-0), 1 (GPU-1)"),
             "{why}"
         );
+        // A GPU in MIG mode is named once, by its MIG devices' parent.
+        let with_mig = Inventory::new([gpu(0), mig(1, 0), mig(1, 1)]);
+        let why = DraSelection::Gpus(vec!["7".into()])
+            .check(&with_mig, &[])
+            .expect_err("no GPU 7");
+        assert!(why.ends_with("(its GPUs: 0 (GPU-0), 1 (GPU-1))"), "{why}");
         // Present but serving nothing (MIG mode without MIG devices): on the node, so not a typo.
         let unserved = [Unserved {
             index: Some(7),

@@ -11,6 +11,9 @@
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
+/// What to do about an entry this plugin cannot read.
+const FIX_ENTRY: &str = "correct or remove it in the claim (or its DeviceClass)";
+
 /// The API group and version of NVIDIA's device configuration kinds.
 pub const API_VERSION: &str = "resource.nvidia.com/v1beta1";
 
@@ -90,9 +93,8 @@ impl ClaimConfig {
             let which = || format!("device configuration {} ({})", i + 1, c.source);
             let asked = match &c.opaque {
                 Some(opaque) if opaque.driver != driver => continue,
-                Some(opaque) => {
-                    decode(&opaque.parameters).map_err(|e| format!("{}: {e}", which()))?
-                }
+                Some(opaque) => decode(&opaque.parameters)
+                    .map_err(|e| format!("{}: {e}; {FIX_ENTRY}", which()))?,
                 // Not one driver's: it applies to every device of the requests it names.
                 None => Asked::NotOpaque,
             };
@@ -105,7 +107,7 @@ impl ClaimConfig {
                 "FromClaim" => from_claim.push(entry),
                 other => {
                     return Err(format!(
-                        "{}: source {other:?} is neither FromClass nor FromClaim",
+                        "{}: source {other:?} is neither FromClass nor FromClaim; {FIX_ENTRY}",
                         which()
                     ));
                 }
@@ -429,6 +431,7 @@ mod tests {
                 "{why}"
             );
             assert!(why.contains(says), "{why}");
+            assert!(why.ends_with(FIX_ENTRY), "says what to do: {why}");
         }
         let odd = AllocatedConfig {
             source: "FromSomewhere".into(),

@@ -333,7 +333,9 @@ impl DeviceSource for NvmlGpus {
             self.gpus.push(watched);
         }
         if !unreadable.is_empty() {
-            let answered: HashSet<&str> = layout.iter().map(|gpu| gpu.id.as_str()).collect();
+            // Every GPU that answered, whichever road serves it (the layout holds the device plugin's only).
+            let answered_ids: Vec<String> = self.gpus.iter().map(|gpu| gpu.id.clone()).collect();
+            let answered: HashSet<&str> = answered_ids.iter().map(String::as_str).collect();
             let driver = driver_gpus(&self.options);
             for (index, named) in name_unreadable(&driver, &answered, &unreadable) {
                 let Some(mut info) = named else {
