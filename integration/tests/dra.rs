@@ -801,20 +801,7 @@ async fn at_the_end_of_a_rolling_update_the_new_pod_tells_the_kubelet_its_health
         .await
         .ok_or("the old pod did not stop")?;
     // Well within the new pod's heartbeat: its list came at once, after the old pod's stream had ended.
-    let (health, since) = node
-        .kubelet
-        .wait_device_health_since(
-            (DRIVER, NODE, "gpu-0"),
-            std::time::Duration::from_secs(5),
-            |h| h.health == Health::Unhealthy,
-        )
-        .await
-        .map_err(|e| format!("{e}\n{}", new.log()))?;
-    assert!(
-        since.is_some_and(|since| since > stopping),
-        "the health shown is from before the old pod stopped: the kubelet did not forget it"
-    );
-    assert!(health.message.contains("79"), "{health:?}");
+    gpu0_unhealthy_again_after(&node.kubelet, stopping, &new, "the old pod stopped").await?;
     new.signal(nix::sys::signal::Signal::SIGTERM);
     new.wait_exit(WAIT)
         .await
@@ -852,18 +839,29 @@ async fn a_new_pod_that_dies_beside_the_old_one_costs_the_kubelet_its_health_for
     let killed = std::time::Instant::now();
     new.signal(nix::sys::signal::Signal::SIGKILL);
     new.wait_exit(WAIT).await.ok_or("the new pod did not die")?;
-    let (health, since) = node
-        .kubelet
+    gpu0_unhealthy_again_after(&node.kubelet, killed, &node.plugin, "the new pod died").await
+}
+
+/// Waits up to 5 s (within a heartbeat) for the kubelet to show GPU 0 Unhealthy with XID 79 from a report it
+/// took after `after` (when `what` happened and the kubelet forgot the driver's health); `sender`'s log
+/// goes with a failure.
+async fn gpu0_unhealthy_again_after(
+    kubelet: &DraKubelet,
+    after: std::time::Instant,
+    sender: &PluginProcess,
+    what: &str,
+) -> TestResult {
+    let (health, since) = kubelet
         .wait_device_health_since(
             (DRIVER, NODE, "gpu-0"),
             std::time::Duration::from_secs(5),
             |h| h.health == Health::Unhealthy,
         )
         .await
-        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+        .map_err(|e| format!("{e}\n{}", sender.log()))?;
     assert!(
-        since.is_some_and(|since| since > killed),
-        "the health shown is from before the new pod died: the kubelet did not forget it"
+        since.is_some_and(|since| since > after),
+        "the health shown is from before {what}: the kubelet did not forget it"
     );
     assert!(health.message.contains("79"), "{health:?}");
     Ok(())

@@ -67,15 +67,9 @@ impl SliceConfig {
     }
 }
 
-/// One device as published: its name, attributes, capacity and taints (`None`-effect ones only where
-/// `none_effect`: API servers before 1.35 refuse them). Attributes and capacities are NVIDIA's DRA driver's
-/// (see `crate::devices::facts`), each left out where the source does not know it; `index` (as `nvidia-smi`
-/// numbers the GPU) is ours.
-pub fn device(device: &DraDevice, none_effect: bool) -> Value {
-    with_taints(described(&device.name, &device.info), device, none_effect)
-}
-
-/// A device's name, attributes and capacity: what stays as it is while the device is present.
+/// A device's name, attributes and capacity as published: what stays as it is while the device is present.
+/// Attributes and capacities are NVIDIA's DRA driver's (see `crate::devices::facts`), each left out where the
+/// source does not know it; `index` (as `nvidia-smi` numbers the GPU) is ours.
 fn described(name: &str, info: &DeviceInfo) -> Value {
     let facts = info.facts.as_deref().cloned().unwrap_or_default();
     let mut attributes = serde_json::Map::new();
@@ -155,7 +149,8 @@ fn described(name: &str, info: &DeviceInfo) -> Value {
     published
 }
 
-/// `published` (the device as [`described`]) with `device`'s taints.
+/// `published` (the device as [`described`]) with `device`'s taints (`None`-effect ones only where
+/// `none_effect`: API servers before 1.35 refuse them).
 fn with_taints(mut published: Value, device: &DraDevice, none_effect: bool) -> Value {
     let taints: Vec<Value> = device
         .taints
@@ -188,11 +183,6 @@ pub fn semver(version: &str) -> Option<String> {
     }
     let part = |i: usize| parts.get(i).copied().unwrap_or(0);
     Some(format!("{}.{}.{}", part(0), part(1), part(2)))
-}
-
-/// The devices of `view`, in slices.
-pub fn devices(view: &[DraDevice], none_effect: bool) -> Vec<Vec<Value>> {
-    Described::default().devices(view, none_effect)
 }
 
 /// Each device's [`described`] form, kept while the device stays as it is: a fault's slice write builds only
@@ -698,6 +688,16 @@ mod tests {
     use super::*;
     use crate::devices::{DeviceInfo, Health, Inventory};
     use crate::dra::view::{Taint, build};
+
+    /// One device as published, described anew.
+    fn device(device: &DraDevice, none_effect: bool) -> Value {
+        with_taints(described(&device.name, &device.info), device, none_effect)
+    }
+
+    /// The devices of `view`, in slices, described anew.
+    fn devices(view: &[DraDevice], none_effect: bool) -> Vec<Vec<Value>> {
+        Described::default().devices(view, none_effect)
+    }
 
     fn inventory(n: usize) -> Inventory {
         crate::dra::fixtures::gpus(n)
