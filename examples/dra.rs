@@ -116,7 +116,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         monitored.inventory.clone(),
         Some(dra::view::Conditions {
             monitor: monitored.handle.clone(),
-            changes: monitored.changes.clone(),
+            devices: monitored.devices.follow(),
         }),
         kube,
         tokio::sync::watch::Sender::new(DraStatus::default()),

@@ -199,7 +199,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
                 devices.clone(),
                 Some(gpu_device_plugin::dra::view::Conditions {
                     monitor: monitored.handle.clone(),
-                    changes: monitored.changes.clone(),
+                    devices: monitored.devices.follow(),
                 }),
                 api.client_config(),
                 status.clone(),
@@ -354,11 +354,15 @@ impl Roads {
             .check(&inventory.borrow(), unserved)
             .map_err(|why| anyhow::anyhow!("{why}"))?;
         let (mine, theirs) = (dra.gpus.clone(), dra.gpus.clone());
+        // Every GPU through DRA: the monitor's own inventory, so that a fault wakes the DRA side as it is
+        // published, not once a task on the monitor's thread has copied it out.
+        let dra_devices = match dra.gpus {
+            devices::selection::DraSelection::All => inventory.clone(),
+            _ => devices::subset_watch(inventory.clone(), move |i| theirs.serves(i)),
+        };
         Ok(Roads {
             device_plugin: devices::subset_watch(inventory.clone(), move |i| !mine.serves(i)),
-            dra: Some(devices::subset_watch(inventory.clone(), move |i| {
-                theirs.serves(i)
-            })),
+            dra: Some(dra_devices),
         })
     }
 }

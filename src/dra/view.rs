@@ -3,8 +3,6 @@
 //! conditions put on it in the ResourceSlice. Built from the DRA side's view of the inventory, with the
 //! monitor's conditions; the health stream and the slices both read it, so they never disagree.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,14 +11,14 @@ use tokio::sync::watch;
 use crate::api::dra::health_v1::HealthStatus;
 use crate::devices::{DeviceInfo, Health, Inventory, InventoryWatch};
 use crate::health::{ConditionKind, Effect};
-use crate::monitor::{DeviceSnapshot, MonitorHandle};
+use crate::monitor::{DeviceSnapshot, MonitorHandle, Snapshots};
 
 use super::names::device_name;
 
 /// The API's limit on taints per device.
 pub const MAX_TAINTS: usize = 16;
-/// The longest the monitor is waited on for conditions; past it the view is built from the inventory alone
-/// (health and reason), so that a busy monitor never holds a fault back from the health stream.
+/// The longest the slices wait for the monitor's snapshots after a change; past it their view is built from
+/// the inventory alone (health and reason), so that a busy monitor never holds a fault back from them.
 const MONITOR_ANSWER: Duration = Duration::from_millis(200);
 
 /// A device taint, as the ResourceSlice carries it.
@@ -116,18 +114,19 @@ pub fn build(
         .collect()
 }
 
-/// The monitor, for the devices' conditions: asked on every change of the inventory or of `changes`.
+/// The monitor, for the devices' conditions: its snapshots, sent after every change of the inventory or of
+/// a device's conditions, and asked for again every refresh.
 #[derive(Debug, Clone)]
 pub struct Conditions {
-    /// Where the snapshots come from.
+    /// Asked for a refresh of the snapshots.
     pub monitor: MonitorHandle,
-    /// Changes whenever a device's conditions do (`crate::monitor::Monitored::changes`).
-    pub changes: watch::Receiver<u64>,
+    /// The snapshots (`crate::monitor::Monitored::devices`).
+    pub devices: watch::Receiver<Snapshots>,
 }
 
 /// The views [`follow`] keeps: one for the health stream, which gets a change first from the inventory and
-/// the conditions last known, then again with the monitor's answer; one for the slices, which gets only
-/// views built with the monitor's answer (their taints name the condition).
+/// the conditions last known, then again with the monitor's snapshots; one for the slices, which gets views
+/// whose conditions agree with the inventory (their taints name the condition).
 #[derive(Debug, Clone)]
 pub struct Views {
     /// For the health stream.
@@ -137,11 +136,13 @@ pub struct Views {
 }
 
 /// Keeps [`Views`] of `devices` current until `devices`' sender is gone: rebuilt on every change of the
-/// inventory and of the conditions, and every `refresh` (a message's count and times move on without a
-/// change of conditions). A change of the inventory reaches the health stream at once, with the conditions
-/// last known, whether or not the monitor is still to answer a question asked before it (on a refresh, or
-/// for the fault before): the monitor answers between events, and waiting for it would hold the fault back
-/// until the monitor is done logging and checkpointing it. Must be called inside a tokio runtime.
+/// inventory and of the monitor's snapshots, which the monitor is asked to send again every `refresh` (a
+/// message's count and times move on without a change of conditions). A change of the inventory reaches the
+/// health stream at once, with the conditions last known: the monitor sends its snapshots once the kubelet
+/// has the change, and waiting for them would hold the fault back. The slices take a view once the
+/// snapshots agree with the inventory on every device's health, or [`MONITOR_ANSWER`] after a change
+/// without them (from the inventory's health and reasons), never not at all. Must be called inside a tokio
+/// runtime.
 pub fn follow(
     mut devices: InventoryWatch,
     conditions: Option<Conditions>,
@@ -152,53 +153,29 @@ pub fn follow(
     let (health, health_rx) = watch::channel(first.clone());
     let (slices, slices_rx) = watch::channel(first);
     tokio::spawn(async move {
-        let (monitor, mut changes) = match conditions {
-            Some(c) => (Some(c.monitor), Some(c.changes)),
+        let (monitor, mut snapshots) = match conditions {
+            Some(c) => (Some(c.monitor), Some(c.devices)),
             None => (None, None),
         };
-        let mut known: Option<Vec<DeviceSnapshot>> = None;
+        let mut known: Option<Snapshots> = None;
         let mut tick = tokio::time::interval(refresh);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // The question to the monitor in flight, and whether something changed since it was asked.
-        let mut asking: Option<Pin<Box<dyn Future<Output = Answer> + Send>>> = None;
-        let mut ask = true;
+        // Set while the slices wait for snapshots that agree with the inventory: until when, at most.
+        let mut slices_wait: Option<tokio::time::Instant> = None;
         loop {
-            if ask && asking.is_none() {
-                ask = false;
-                if let Some(changes) = &mut changes {
-                    changes.borrow_and_update();
-                }
-                match &monitor {
-                    Some(monitor) => {
-                        let monitor = monitor.clone();
-                        asking = Some(Box::pin(async move {
-                            tokio::time::timeout(MONITOR_ANSWER, monitor.devices())
-                                .await
-                                .ok()
-                                .flatten()
-                        }));
-                    }
-                    // Nothing to ask: the inventory is all there is.
-                    None => {
-                        let view = build(&devices.borrow_and_update(), None, &driver);
-                        publish(&health, view.clone());
-                        publish(&slices, view);
-                    }
-                }
-            }
-            let answered = async {
-                match &mut asking {
-                    Some(answer) => answer.await,
-                    None => std::future::pending().await,
-                }
-            };
-            let conditions_changed = async {
-                let gone = match &mut changes {
-                    Some(changes) => changes.changed().await.is_err(),
+            let snapshot_came = async {
+                let gone = match &mut snapshots {
+                    Some(snapshots) => snapshots.changed().await.is_err(),
                     None => true,
                 };
                 if gone {
                     std::future::pending::<()>().await;
+                }
+            };
+            let late = async {
+                match slices_wait {
+                    Some(until) => tokio::time::sleep_until(until).await,
+                    None => std::future::pending().await,
                 }
             };
             tokio::select! {
@@ -207,27 +184,42 @@ pub fn follow(
                     if changed.is_err() {
                         return;
                     }
+                    let inventory = devices.borrow_and_update().clone();
                     // At once, with the conditions last known (a device whose health changed shows its
-                    // reason); the slices wait for the monitor's answer, their taints name the condition.
-                    publish(&health, build(&devices.borrow_and_update(), known.as_deref(), &driver));
-                    ask = true;
-                    // The health stream writes the change before the monitor is asked: its answer takes
-                    // the monitor's thread while the kubelet reads.
+                    // reason); the slices only with snapshots that agree, their taints name the condition.
+                    let view = build(&inventory, known.as_deref().map(|k| &k[..]), &driver);
+                    publish(&health, view.clone());
+                    if monitor.is_none() || agrees(&inventory, known.as_deref().map(|k| &k[..])) {
+                        slices_wait = None;
+                        publish(&slices, view);
+                    } else if slices_wait.is_none() {
+                        slices_wait = Some(tokio::time::Instant::now() + MONITOR_ANSWER);
+                    }
+                    // The health stream writes the change before the snapshots are taken in.
                     tokio::task::yield_now().await;
                 }
-                answer = answered => {
-                    asking = None;
-                    // A monitor past its time leaves the conditions last known: the view is built from the
-                    // inventory's health and reasons all the same.
-                    if let Some(answer) = answer {
-                        known = Some(answer);
-                    }
-                    let view = build(&devices.borrow_and_update(), known.as_deref(), &driver);
+                () = snapshot_came => {
+                    let sent = snapshots.as_mut().map(|s| s.borrow_and_update().clone());
+                    known = sent;
+                    let inventory = devices.borrow().clone();
+                    let view = build(&inventory, known.as_deref().map(|k| &k[..]), &driver);
                     publish(&health, view.clone());
+                    if agrees(&inventory, known.as_deref().map(|k| &k[..])) {
+                        slices_wait = None;
+                        publish(&slices, view);
+                    }
+                }
+                () = late => {
+                    // A monitor past its time: the slices take the inventory's health and reasons.
+                    slices_wait = None;
+                    let view = build(&devices.borrow(), known.as_deref().map(|k| &k[..]), &driver);
                     publish(&slices, view);
                 }
-                () = conditions_changed => ask = true,
-                _ = tick.tick() => ask = true,
+                _ = tick.tick() => {
+                    if let Some(monitor) = &monitor {
+                        monitor.refresh();
+                    }
+                }
                 () = health.closed() => return,
             }
         }
@@ -238,8 +230,18 @@ pub fn follow(
     }
 }
 
-/// The monitor's answer: every device's snapshot, or `None` if it did not answer in time or is gone.
-type Answer = Option<Vec<DeviceSnapshot>>;
+/// Whether `snapshots` has every device of `inventory` with the health the inventory gives it: then the
+/// conditions are as new as the inventory's health.
+fn agrees(inventory: &Inventory, snapshots: Option<&[DeviceSnapshot]>) -> bool {
+    let Some(snapshots) = snapshots else {
+        return inventory.devices().is_empty();
+    };
+    inventory.devices().iter().all(|d| {
+        snapshots
+            .iter()
+            .any(|s| s.info.id == d.info.id && s.health == d.health)
+    })
+}
 
 /// Sends `view` if it differs from the current one.
 fn publish(tx: &watch::Sender<DraView>, view: Vec<DraDevice>) {
@@ -381,56 +383,127 @@ mod tests {
         assert!(view[0].taints.is_empty() && view[0].message.is_empty());
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_fault_reaches_the_health_view_while_the_monitor_is_still_to_answer() {
-        let (tx, rx) = watch::channel(Arc::new(inventory()));
-        let (changes_tx, changes) = watch::channel(0_u64);
-        let (monitor, _busy) = MonitorHandle::unanswered();
+    /// Every device of `inv` as the monitor would send it, GPU-1 with an XID 79 if it is Unhealthy.
+    fn snapshots_of(inv: &Inventory) -> Snapshots {
+        Arc::new(
+            inv.devices()
+                .iter()
+                .map(|d| {
+                    let unhealthy = d.health == Health::Unhealthy;
+                    let conditions = if unhealthy {
+                        vec![condition(ConditionKind::Xid(79), Effect::Unhealthy)]
+                    } else {
+                        Vec::new()
+                    };
+                    let message = if unhealthy {
+                        "Unhealthy: XID 79 ..."
+                    } else {
+                        ""
+                    };
+                    let mut s = snapshot(inv, &d.info.id, message, conditions);
+                    s.message = (!message.is_empty()).then(|| message.to_string());
+                    s
+                })
+                .collect(),
+        )
+    }
+
+    /// A view following `rx`, with a monitor that never answers a question and snapshots sent by the test.
+    fn following(rx: InventoryWatch) -> (Views, watch::Sender<Snapshots>, impl Send) {
+        let (monitor, busy) = MonitorHandle::unanswered();
+        let (snapshots_tx, devices) = watch::channel(Snapshots::default());
         let views = follow(
             rx,
-            Some(Conditions { monitor, changes }),
+            Some(Conditions { monitor, devices }),
             "gpu.nvidia.com".into(),
             Duration::from_secs(10),
         );
-        let mut health = views.health;
+        (views, snapshots_tx, busy)
+    }
+
+    async fn wait(
+        view: &mut watch::Receiver<DraView>,
+        what: impl FnMut(&DraView) -> bool,
+    ) -> DraView {
+        tokio::time::timeout(Duration::from_secs(5), view.wait_for(what))
+            .await
+            .expect("in time")
+            .expect("the view goes on")
+            .clone()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fault_reaches_the_health_view_at_once_and_the_slices_with_the_monitors_condition() {
+        let (tx, rx) = watch::channel(Arc::new(inventory()));
+        let (views, snapshots, _busy) = following(rx);
+        snapshots.send_replace(snapshots_of(&inventory()));
+        let (mut health, mut slices) = (views.health, views.slices);
         health.borrow_and_update();
-        // A question to the monitor is in flight (a refresh, the fault before) and the monitor is busy: it
-        // stays unanswered.
-        changes_tx.send_replace(1);
-        tokio::task::yield_now().await;
-        let asked = tokio::time::Instant::now();
         let mut inv = inventory();
         inv.set_health("GPU-1", Health::Unhealthy, Some("XID 79".into()));
-        tx.send_replace(Arc::new(inv));
-        let view = tokio::time::timeout(
-            Duration::from_secs(5),
-            health.wait_for(|v| v[1].health == HealthStatus::Unhealthy),
-        )
-        .await
-        .expect("in time")
-        .expect("the view goes on")
-        .clone();
-        // Paused time moves only while everything waits: a view held back for the monitor's answer would
-        // come after its wait for it.
+        let started = tokio::time::Instant::now();
+        tx.send_replace(Arc::new(inv.clone()));
+        let view = wait(&mut health, |v| v[1].health == HealthStatus::Unhealthy).await;
+        // Paused time moves only while everything waits: a view held back for the monitor would come after
+        // its wait for it.
         assert!(
-            asked.elapsed() < MONITOR_ANSWER,
+            started.elapsed() < MONITOR_ANSWER,
             "the fault waited {:?} for the monitor",
-            asked.elapsed()
+            started.elapsed()
         );
         assert_eq!(view[1].message, "XID 79");
-        assert_eq!(view[1].taints[0].effect, "NoSchedule");
-        // The slices still wait for the monitor's conditions, and take the fault without them when it is
-        // late, rather than never.
+        assert_eq!(view[1].taints[0].key, "gpu.nvidia.com/unhealthy");
+        // The slices do not take the view without the condition: it would be written, then written again.
+        assert_eq!(slices.borrow_and_update()[1].health, HealthStatus::Healthy);
+        snapshots.send_replace(snapshots_of(&inv));
+        let written = wait(&mut slices, |v| v[1].health == HealthStatus::Unhealthy).await;
+        assert!(
+            started.elapsed() < MONITOR_ANSWER,
+            "the slices waited for their time"
+        );
+        assert_eq!(written[1].taints[0].key, "gpu.nvidia.com/xid");
+        assert_eq!(written[1].taints[0].value.as_deref(), Some("79"));
+        assert_eq!(written[1].message, "Unhealthy: XID 79 ...");
+        let view = wait(&mut health, |v| v[1].message == "Unhealthy: XID 79 ...").await;
+        assert_eq!(view, written, "the health stream and the slices agree");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn snapshots_that_come_before_the_inventory_reach_the_slices_with_it() {
+        let (tx, rx) = watch::channel(Arc::new(inventory()));
+        let (views, snapshots, _busy) = following(rx);
         let mut slices = views.slices;
-        let late = tokio::time::timeout(
-            Duration::from_secs(5),
-            slices.wait_for(|v| v[1].health == HealthStatus::Unhealthy),
-        )
-        .await
-        .expect("in time")
-        .expect("the view goes on")
-        .clone();
+        let mut inv = inventory();
+        inv.set_health("GPU-2", Health::Unhealthy, Some("XID 79".into()));
+        snapshots.send_replace(snapshots_of(&inv));
+        tokio::task::yield_now().await;
+        let started = tokio::time::Instant::now();
+        tx.send_replace(Arc::new(inv));
+        let written = wait(&mut slices, |v| v[2].health == HealthStatus::Unhealthy).await;
+        assert!(
+            started.elapsed() < MONITOR_ANSWER,
+            "the slices waited for their time"
+        );
+        assert_eq!(written[2].taints[0].key, "gpu.nvidia.com/xid");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_the_monitors_snapshots_the_slices_take_the_fault_late_rather_than_never() {
+        let (tx, rx) = watch::channel(Arc::new(inventory()));
+        let (views, _snapshots, _busy) = following(rx);
+        let mut slices = views.slices;
+        let mut inv = inventory();
+        inv.set_health("GPU-1", Health::Unhealthy, Some("XID 79".into()));
+        let started = tokio::time::Instant::now();
+        tx.send_replace(Arc::new(inv));
+        let late = wait(&mut slices, |v| v[1].health == HealthStatus::Unhealthy).await;
+        assert!(
+            started.elapsed() >= MONITOR_ANSWER,
+            "taken after {:?}",
+            started.elapsed()
+        );
         assert_eq!(late[1].taints[0].key, "gpu.nvidia.com/unhealthy");
+        assert_eq!(late[1].message, "XID 79");
     }
 
     #[tokio::test]

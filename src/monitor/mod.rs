@@ -65,6 +65,9 @@ enum Query {
     Devices(oneshot::Sender<Vec<DeviceSnapshot>>),
     /// Save the checkpoint now; the answer follows the writer until it is idle.
     Flush(oneshot::Sender<Option<watch::Receiver<bool>>>),
+    /// Send every device's snapshot to the followers of [`Monitored::devices`] now, changed or not (a
+    /// message's count and times move on without a change the monitor would send it for).
+    Refresh,
     /// An operator's fence or release.
     Operate {
         target: String,
@@ -175,6 +178,12 @@ impl MonitorHandle {
         answer.await.ok()
     }
 
+    /// Asks for every device's snapshot to be sent to the followers of [`Monitored::devices`] now. Does not
+    /// wait: a full queue means the monitor has questions to answer first, and the next refresh asks again.
+    pub fn refresh(&self) {
+        let _full = self.0.try_send(Query::Refresh);
+    }
+
     /// Saves the current state to the checkpoint and waits until it is written. For shutdown: a write still
     /// queued when the runtime stops would never run, and a restart would forget what the kubelet was told.
     pub async fn flush(&self) {
@@ -195,13 +204,29 @@ pub struct Monitored {
     pub inventory: InventoryWatch,
     /// The way in for devices, fences and the shutdown flush.
     pub handle: MonitorHandle,
-    /// Changes whenever a device's conditions change, whether its health does or not: for readers of the
-    /// conditions ([`MonitorHandle::devices`]) that the inventory's changes would not wake.
-    pub changes: watch::Receiver<u64>,
+    /// Every device's snapshot, sent whenever the inventory or a device's conditions change, for a reader
+    /// that needs the conditions with every change (the DRA side's taints) without asking for them.
+    pub devices: DevicesFeed,
     /// The heartbeats of the source's event threads, where it has them.
     pub heartbeat: Option<Heartbeat>,
     /// Devices the source found but does not serve, with why (for the status report).
     pub unserved: Vec<crate::devices::Unserved>,
+}
+
+/// Every device as the monitor saw it after a change, in the inventory's order.
+pub type Snapshots = Arc<Vec<DeviceSnapshot>>;
+
+/// Where [`Snapshots`] are followed. The monitor builds them only while someone follows: a node without a
+/// reader pays nothing for them.
+#[derive(Debug, Clone)]
+pub struct DevicesFeed(watch::Sender<Snapshots>);
+
+impl DevicesFeed {
+    /// Follows the snapshots from the next change or [`MonitorHandle::refresh`] on: the one held now may
+    /// be older than the inventory (nobody followed it), so a new follower asks for a refresh.
+    pub fn follow(&self) -> watch::Receiver<Snapshots> {
+        self.0.subscribe()
+    }
 }
 
 /// One device as the monitor sees it between two events: what `/status`, `/metrics` and the fence sources
@@ -294,15 +319,16 @@ pub fn spawn_monitored(
         carried,
         boot_id,
         metrics: config.metrics.clone(),
-        changes: watch::Sender::new(0),
+        devices: watch::Sender::new(Arc::default()),
+        devices_changed: false,
     };
-    let changes = monitor.changes.subscribe();
+    let devices = DevicesFeed(monitor.devices.clone());
     let (query_tx, query_rx) = mpsc::channel(16);
     tokio::spawn(monitor.run(event_rx, query_rx));
     Ok(Monitored {
         inventory: rx,
         handle: MonitorHandle(query_tx),
-        changes,
+        devices,
         heartbeat,
         unserved,
     })
@@ -432,8 +458,10 @@ struct Monitor {
     carried: BTreeMap<String, DeviceRecord>,
     boot_id: Option<String>,
     metrics: Arc<Metrics>,
-    /// Bumped whenever a device's conditions change, health or not.
-    changes: watch::Sender<u64>,
+    /// Where every device's snapshot goes after a change, for those who follow it.
+    devices: watch::Sender<Snapshots>,
+    /// Whether the inventory or a device's conditions changed since the snapshots were last sent.
+    devices_changed: bool,
 }
 
 impl Monitor {
@@ -460,11 +488,15 @@ impl Monitor {
                 event = events.recv() => match event {
                     Some(event) => {
                         let after = self.handle(event);
-                        if let Some(after) = after {
+                        if self.devices_changed {
                             // The kubelet first: let the gRPC connection, woken by the new inventory, write
-                            // the list before this thread logs the change and wakes the checkpoint writer,
-                            // whose disk work would compete with that write and with the kubelet reading it.
+                            // the list before this thread builds the snapshots, logs the change and wakes the
+                            // checkpoint writer, whose disk work would compete with that write and with the
+                            // kubelet reading it.
                             tokio::task::yield_now().await;
+                            self.send_devices();
+                        }
+                        if let Some(after) = after {
                             self.record(after);
                         }
                     }
@@ -475,6 +507,10 @@ impl Monitor {
                     Query::Devices(reply) => {
                         let _asker_gone = reply.send(self.snapshot());
                     }
+                    Query::Refresh => {
+                        self.devices_changed = true;
+                        self.send_devices();
+                    }
                     Query::Flush(reply) => {
                         self.save();
                         let busy = self.writer.as_ref().map(|w| w.busy.subscribe());
@@ -484,6 +520,7 @@ impl Monitor {
                         let answer = self.operate(&target, request);
                         if let Ok(changed) = &answer && !changed.is_empty() {
                             tokio::task::yield_now().await;
+                            self.send_devices();
                             self.save();
                         }
                         let _asker_gone = reply.send(answer);
@@ -630,7 +667,6 @@ impl Monitor {
                 at: SystemTime::now(),
             };
             if let Some(after) = self.handle(event) {
-                self.tell_conditions_changed();
                 log(&after.id, &after.observation, &after.outcome);
             }
             changed.push(Operated {
@@ -714,6 +750,7 @@ impl Monitor {
                     }
                 }
                 if outcome.is_transition() || outcome.conditions_changed {
+                    self.devices_changed = true;
                     return Some(Recorded {
                         id,
                         observation,
@@ -738,25 +775,30 @@ impl Monitor {
         }
     }
 
-    /// Tells the conditions' readers, logs a change of health or conditions and saves the checkpoint. A
-    /// condition that changes no health (an XID recorded only) still changes what those readers show; they
-    /// learn of it after the kubelet has the change, which their questions to this task would delay.
+    /// Logs a change of health or conditions and saves the checkpoint.
     fn record(&self, recorded: Recorded) {
-        self.tell_conditions_changed();
         log(&recorded.id, &recorded.observation, &recorded.outcome);
         self.save();
     }
 
-    /// Wakes the readers of the conditions ([`Monitored::changes`]).
-    fn tell_conditions_changed(&self) {
-        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    /// Sends every device's snapshot to its followers if anything changed since the last time, and if
+    /// anyone follows. A condition that changes no health (an XID recorded only) still changes what they
+    /// show. Called once the kubelet has the change, and before the log and the checkpoint: the snapshots
+    /// are how the DRA side learns which condition it is, for the slices' taints.
+    fn send_devices(&mut self) {
+        if !std::mem::take(&mut self.devices_changed) || self.devices.receiver_count() == 0 {
+            return;
+        }
+        self.devices.send_replace(Arc::new(self.snapshot()));
     }
 
     /// Applies `change` to the inventory and publishes it if it changed anything. The inventory is copied
     /// only if a reader still holds the current one (a list being built); readers keep what they hold.
-    fn publish(&self, change: impl FnOnce(&mut Inventory) -> bool) {
-        self.inventory
+    fn publish(&mut self, change: impl FnOnce(&mut Inventory) -> bool) {
+        let changed = self
+            .inventory
             .send_if_modified(|current| change(Arc::make_mut(current)));
+        self.devices_changed |= changed;
     }
 
     /// Hands the current state to the checkpoint writer and carries on: a burst of faults on several GPUs
@@ -947,6 +989,59 @@ mod tests {
         // The clock is paused and moves only when every task waits for a timer: had the monitor waited for
         // one (even one due now, which the timer wheel rounds up to its next millisecond), time would show it.
         assert_eq!(tokio::time::Instant::now(), started);
+    }
+
+    #[tokio::test]
+    async fn a_follower_of_the_devices_gets_every_change_of_conditions_without_asking() {
+        use crate::sources::simulated::{SimulatedGpus, simulated_uuid};
+        let (gpus, control) = SimulatedGpus::new(2);
+        let monitored = spawn_monitored(Box::new(gpus), MonitorConfig::in_memory())
+            .unwrap_or_else(|e| panic!("monitor: {e}"));
+        let mut feed = monitored.devices.follow();
+        let conditions_of = |s: &Snapshots, id: &str| -> Vec<ConditionKind> {
+            s.iter()
+                .filter(|d| d.info.id == id)
+                .flat_map(|d| d.conditions.iter().map(|c| c.condition.kind.clone()))
+                .collect()
+        };
+        let wait = Duration::from_secs(5);
+        // A new follower asks for what stands now.
+        monitored.handle.refresh();
+        let now = tokio::time::timeout(wait, feed.wait_for(|s| s.len() == 2))
+            .await
+            .expect("the refresh in time")
+            .expect("the monitor runs")
+            .clone();
+        assert!(now.iter().all(|d| d.conditions.is_empty()));
+        // A fault: the snapshot names the condition.
+        let one = simulated_uuid(1);
+        control.observe(&one, Observation::Xid(79)).await;
+        let faulted =
+            tokio::time::timeout(wait, feed.wait_for(|s| !conditions_of(s, &one).is_empty()))
+                .await
+                .expect("the fault in time")
+                .expect("the monitor runs")
+                .clone();
+        assert_eq!(conditions_of(&faulted, &one), [ConditionKind::Xid(79)]);
+        assert_eq!(
+            faulted.iter().find(|d| d.info.id == one).map(|d| d.health),
+            Some(crate::devices::Health::Unhealthy)
+        );
+        // A condition that changes no health (XID 31 is recorded only) is sent all the same: the inventory
+        // does not change, the slices' taints do.
+        let zero = simulated_uuid(0);
+        control.observe(&zero, Observation::Xid(31)).await;
+        let recorded =
+            tokio::time::timeout(wait, feed.wait_for(|s| !conditions_of(s, &zero).is_empty()))
+                .await
+                .expect("the recorded condition in time")
+                .expect("the monitor runs")
+                .clone();
+        assert_eq!(conditions_of(&recorded, &zero), [ConditionKind::Xid(31)]);
+        assert_eq!(
+            monitored.inventory.borrow().get(&zero).map(|d| d.health),
+            Some(crate::devices::Health::Healthy)
+        );
     }
 
     #[tokio::test]
