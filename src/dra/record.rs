@@ -5,9 +5,10 @@
 //!
 //! Preparing a claim changes nothing on the node (the CDI IDs name specs that exist already), so a claim is
 //! written once, complete; a prepare the process did not live to record is simply done again. The file is
-//! replaced atomically and synced before the kubelet hears the answer. A record from another boot is dropped
-//! (the kubelet prepares every claim again after a reboot); one that cannot be read is set aside with a
-//! warning, and the plugin starts with an empty record.
+//! replaced atomically before the kubelet hears the answer. A record from another boot is dropped (the
+//! kubelet prepares every claim again after a reboot), so what a crash of the node could take from it is never
+//! read again: it is synced to disk only when the boot is not known. One that cannot be read is set aside
+//! with a warning, and the plugin starts with an empty record.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -76,6 +77,16 @@ impl Record {
     /// The boot it was made in, when known.
     pub fn boot_id(&self) -> Option<&str> {
         self.boot_id.as_deref()
+    }
+
+    /// How far a write of it must get: past a restart of the plugin while the boot is known (a crash of the
+    /// node ends the boot, and the record with it: no sync to disk on the prepare's way), past a crash of
+    /// the node while it is not (the record is then kept across boots).
+    pub fn durability(&self) -> Durability {
+        match self.boot_id {
+            Some(_) => Durability::Process,
+            None => Durability::Synced,
+        }
     }
 
     /// The claim other than `uid` that holds `device` of `pool`, if any.
@@ -213,14 +224,14 @@ impl RecordFile {
         Ok(Some(record))
     }
 
-    /// Replaces the file with `record`, synced.
+    /// Replaces the file with `record`, made to last as long as the record counts ([`Record::durability`]).
     pub fn save(&self, record: &Record) -> Result<(), CheckpointError> {
         let text = serde_json::to_vec(record).map_err(|e| CheckpointError::Io {
             action: "cannot encode",
             path: self.path.clone(),
             source: e.into(),
         })?;
-        files::replace(&self.path, TEMP_PREFIX, &text, Durability::Synced)
+        files::replace(&self.path, TEMP_PREFIX, &text, record.durability())
     }
 }
 
@@ -250,6 +261,24 @@ mod tests {
         file.save(&record).expect("save");
         assert_eq!(file.load(Some("boot-1".into())), record);
         assert!(file.load(Some("boot-2".into())).claims.is_empty());
+    }
+
+    #[test]
+    fn only_a_record_that_outlives_the_boot_is_synced_to_disk() {
+        // Known boot: a node crash starts another, which drops the record; the prepare does not wait on the
+        // disk for it.
+        assert_eq!(
+            Record::new(Some("boot-1".into())).durability(),
+            Durability::Process
+        );
+        // Unknown boot: the record is read again after a reboot, so it must be whole then.
+        assert_eq!(Record::new(None).durability(), Durability::Synced);
+        let dir = tempfile::tempdir().expect("dir");
+        let file = RecordFile::in_dir(dir.path());
+        let mut record = Record::new(None);
+        record.claims.insert("uid-1".into(), claim("gpu-0"));
+        file.save(&record).expect("save");
+        assert_eq!(file.load(None), record);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::api::dra::health_v1::HealthStatus;
-use crate::devices::{DeviceInfo, Health, Inventory, InventoryWatch};
+use crate::devices::{DeviceInfo, DeviceState, Health, Inventory, InventoryWatch};
 use crate::health::{ConditionKind, Effect};
 use crate::monitor::{DeviceSnapshot, MonitorHandle, Snapshots};
 
@@ -17,8 +17,9 @@ use super::names::device_name;
 
 /// The API's limit on taints per device.
 pub const MAX_TAINTS: usize = 16;
-/// The longest the slices wait for the monitor's snapshots after a change; past it their view is built from
-/// the inventory alone (health and reason), so that a busy monitor never holds a fault back from them.
+/// The longest the slices wait for the monitor's snapshots after a change (and the view for the monitor to
+/// take its first refresh); past it their view is built from the inventory alone (health and reason), so
+/// that a busy monitor never holds a fault back from them.
 const MONITOR_ANSWER: Duration = Duration::from_millis(200);
 
 /// A device taint, as the ResourceSlice carries it.
@@ -60,10 +61,10 @@ pub fn build(
         .devices()
         .iter()
         .map(|d| {
-            // A snapshot that disagrees with the inventory on health is older than it: not used.
+            // A snapshot that disagrees with the inventory is older than it: not used.
             let snapshot = snapshots
                 .and_then(|s| s.iter().find(|s| s.info.id == d.info.id))
-                .filter(|s| s.health == d.health);
+                .filter(|s| as_new_as(d, s));
             let conditions = snapshot.map_or(&[][..], |s| &s.conditions[..]);
             let unmonitored = conditions
                 .iter()
@@ -126,7 +127,8 @@ pub struct Conditions {
 
 /// The views [`follow`] keeps: one for the health stream, which gets a change first from the inventory and
 /// the conditions last known, then again with the monitor's snapshots; one for the slices, which gets views
-/// whose conditions agree with the inventory (their taints name the condition).
+/// whose conditions are as new as the inventory (their taints name the condition), or the inventory's
+/// health and reasons alone once the snapshots are [`MONITOR_ANSWER`] late.
 #[derive(Debug, Clone)]
 pub struct Views {
     /// For the health stream.
@@ -136,31 +138,37 @@ pub struct Views {
 }
 
 /// Keeps [`Views`] of `devices` current until `devices`' sender is gone: rebuilt on every change of the
-/// inventory and of the monitor's snapshots, which the monitor is asked to send again every `refresh` (a
-/// message's count and times move on without a change of conditions). A change of the inventory reaches the
-/// health stream at once, with the conditions last known: the monitor sends its snapshots once the kubelet
-/// has the change, and waiting for them would hold the fault back. The slices take a view once the
-/// snapshots agree with the inventory on every device's health, or [`MONITOR_ANSWER`] after a change
-/// without them (from the inventory's health and reasons), never not at all. Must be called inside a tokio
-/// runtime.
+/// inventory and of the monitor's snapshots, which the monitor is asked to send again at the start and every
+/// `refresh` (a message's count and times move on without a change of conditions). A change of the
+/// inventory reaches the health stream at once, with the conditions last known: the monitor sends its
+/// snapshots once the kubelet has the change, and waiting for them would hold the fault back. The slices
+/// take a view once the snapshots are as new as the inventory on every device, or [`MONITOR_ANSWER`] after
+/// the first change they have not caught up with (from the inventory's health and reasons), never not at
+/// all. Must be called inside a tokio runtime.
 pub fn follow(
     mut devices: InventoryWatch,
     conditions: Option<Conditions>,
     driver: String,
     refresh: Duration,
 ) -> Views {
-    let first = Arc::new(build(&devices.borrow_and_update(), None, &driver));
+    let (monitor, mut snapshots) = match conditions {
+        Some(c) => (Some(c.monitor), Some(c.devices)),
+        None => (None, None),
+    };
+    // The monitor's snapshots as they stand (the conditions restored from the checkpoint, at a start).
+    let mut known: Option<Snapshots> = snapshots.as_mut().map(|s| s.borrow_and_update().clone());
+    let (first, _) = current(&mut devices, known.as_ref(), &driver);
+    let first = Arc::new(first);
     let (health, health_rx) = watch::channel(first.clone());
     let (slices, slices_rx) = watch::channel(first);
     tokio::spawn(async move {
-        let (monitor, mut snapshots) = match conditions {
-            Some(c) => (Some(c.monitor), Some(c.devices)),
-            None => (None, None),
-        };
-        let mut known: Option<Snapshots> = None;
-        let mut tick = tokio::time::interval(refresh);
+        // Those held may be older than the inventory (nobody followed them): sent again now.
+        if let Some(monitor) = &monitor {
+            let _late = tokio::time::timeout(MONITOR_ANSWER, monitor.refresh_now()).await;
+        }
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + refresh, refresh);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Set while the slices wait for snapshots that agree with the inventory: until when, at most.
+        // Set while the slices wait for snapshots as new as the inventory: until when, at most.
         let mut slices_wait: Option<tokio::time::Instant> = None;
         loop {
             let snapshot_came = async {
@@ -184,36 +192,28 @@ pub fn follow(
                     if changed.is_err() {
                         return;
                     }
-                    let inventory = devices.borrow_and_update().clone();
-                    // At once, with the conditions last known (a device whose health changed shows its
-                    // reason); the slices only with snapshots that agree, their taints name the condition.
-                    let view = build(&inventory, known.as_deref().map(|k| &k[..]), &driver);
-                    publish(&health, view.clone());
-                    if monitor.is_none() || agrees(&inventory, known.as_deref().map(|k| &k[..])) {
-                        slices_wait = None;
-                        publish(&slices, view);
-                    } else if slices_wait.is_none() {
-                        slices_wait = Some(tokio::time::Instant::now() + MONITOR_ANSWER);
+                    // Snapshots sent meanwhile first: the view is then as new as both.
+                    if let Some(sent) = snapshots.as_mut().filter(|s| s.has_changed().unwrap_or(false)) {
+                        known = Some(sent.borrow_and_update().clone());
                     }
+                    // At once, with the conditions last known (a device whose health changed shows its
+                    // reason); the slices only with snapshots as new, their taints name the condition.
+                    let (view, as_new) = current(&mut devices, known.as_ref(), &driver);
+                    publish(&health, view.clone());
+                    offer(&slices, &mut slices_wait, view, monitor.is_none() || as_new);
                     // The health stream writes the change before the snapshots are taken in.
                     tokio::task::yield_now().await;
                 }
                 () = snapshot_came => {
-                    let sent = snapshots.as_mut().map(|s| s.borrow_and_update().clone());
-                    known = sent;
-                    let inventory = devices.borrow().clone();
-                    let view = build(&inventory, known.as_deref().map(|k| &k[..]), &driver);
+                    known = snapshots.as_mut().map(|s| s.borrow_and_update().clone());
+                    let (view, as_new) = current(&mut devices, known.as_ref(), &driver);
                     publish(&health, view.clone());
-                    if agrees(&inventory, known.as_deref().map(|k| &k[..])) {
-                        slices_wait = None;
-                        publish(&slices, view);
-                    }
+                    offer(&slices, &mut slices_wait, view, as_new);
                 }
                 () = late => {
                     // A monitor past its time: the slices take the inventory's health and reasons.
                     slices_wait = None;
-                    let view = build(&devices.borrow(), known.as_deref().map(|k| &k[..]), &driver);
-                    publish(&slices, view);
+                    publish(&slices, current(&mut devices, known.as_ref(), &driver).0);
                 }
                 _ = tick.tick() => {
                     if let Some(monitor) = &monitor {
@@ -230,17 +230,48 @@ pub fn follow(
     }
 }
 
-/// Whether `snapshots` has every device of `inventory` with the health the inventory gives it: then the
-/// conditions are as new as the inventory's health.
-fn agrees(inventory: &Inventory, snapshots: Option<&[DeviceSnapshot]>) -> bool {
-    let Some(snapshots) = snapshots else {
-        return inventory.devices().is_empty();
+/// Gives the slices `view` if its conditions are `as_new` as its inventory; otherwise they wait, from now
+/// if they were not waiting already, at most [`MONITOR_ANSWER`] (`wait`).
+fn offer(
+    slices: &watch::Sender<DraView>,
+    wait: &mut Option<tokio::time::Instant>,
+    view: Vec<DraDevice>,
+    as_new: bool,
+) {
+    if as_new {
+        *wait = None;
+        publish(slices, view);
+    } else if wait.is_none() {
+        *wait = Some(tokio::time::Instant::now() + MONITOR_ANSWER);
+    }
+}
+
+/// The view of the inventory as it stands, and whether `known` is as new as it on every device. The
+/// inventory is taken out of its watch before the view is built: the monitor publishes into it.
+fn current(
+    devices: &mut InventoryWatch,
+    known: Option<&Snapshots>,
+    driver: &str,
+) -> (Vec<DraDevice>, bool) {
+    let inventory = devices.borrow_and_update().clone();
+    let snapshots = known.map(|k| &k[..]);
+    let as_new = match snapshots {
+        Some(snapshots) => inventory.devices().iter().all(|d| {
+            snapshots
+                .iter()
+                .any(|s| s.info.id == d.info.id && as_new_as(d, s))
+        }),
+        None => inventory.devices().is_empty(),
     };
-    inventory.devices().iter().all(|d| {
-        snapshots
-            .iter()
-            .any(|s| s.info.id == d.info.id && s.health == d.health)
-    })
+    (build(&inventory, snapshots, driver), as_new)
+}
+
+/// Whether `snapshot` is as new as the inventory's `device`: the same health, and where the inventory gives
+/// a reason, that reason as its message (the monitor takes the message from it). One of a fault before,
+/// with the same health, would otherwise name that fault's condition.
+fn as_new_as(device: &DeviceState, snapshot: &DeviceSnapshot) -> bool {
+    snapshot.health == device.health
+        && (device.reason.is_none() || snapshot.message == device.reason)
 }
 
 /// Sends `view` if it differs from the current one.
@@ -291,7 +322,8 @@ mod tests {
             info: state.info.clone(),
             index: 0,
             health: state.health,
-            message: Some(message.into()),
+            // As the monitor makes it: the inventory's reason, where it gives one.
+            message: state.reason.clone().or_else(|| Some(message.into())),
             conditions,
         }
     }
@@ -383,7 +415,7 @@ mod tests {
         assert!(view[0].taints.is_empty() && view[0].message.is_empty());
     }
 
-    /// Every device of `inv` as the monitor would send it, GPU-1 with an XID 79 if it is Unhealthy.
+    /// Every device of `inv` as the monitor would send it, one that is Unhealthy with an XID 79.
     fn snapshots_of(inv: &Inventory) -> Snapshots {
         Arc::new(
             inv.devices()
@@ -395,13 +427,8 @@ mod tests {
                     } else {
                         Vec::new()
                     };
-                    let message = if unhealthy {
-                        "Unhealthy: XID 79 ..."
-                    } else {
-                        ""
-                    };
-                    let mut s = snapshot(inv, &d.info.id, message, conditions);
-                    s.message = (!message.is_empty()).then(|| message.to_string());
+                    let mut s = snapshot(inv, &d.info.id, "", conditions);
+                    s.message = d.reason.clone();
                     s
                 })
                 .collect(),
@@ -463,8 +490,8 @@ mod tests {
         );
         assert_eq!(written[1].taints[0].key, "gpu.nvidia.com/xid");
         assert_eq!(written[1].taints[0].value.as_deref(), Some("79"));
-        assert_eq!(written[1].message, "Unhealthy: XID 79 ...");
-        let view = wait(&mut health, |v| v[1].message == "Unhealthy: XID 79 ...").await;
+        assert_eq!(written[1].message, "XID 79");
+        let view = wait(&mut health, |v| v[1].taints[0].key == "gpu.nvidia.com/xid").await;
         assert_eq!(view, written, "the health stream and the slices agree");
     }
 
@@ -485,6 +512,69 @@ mod tests {
             "the slices waited for their time"
         );
         assert_eq!(written[2].taints[0].key, "gpu.nvidia.com/xid");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_snapshot_of_an_earlier_fault_does_not_name_the_condition_of_the_next() {
+        let mut inv = inventory();
+        inv.set_health(
+            "GPU-1",
+            Health::Unhealthy,
+            Some("Unhealthy: XID 79 ...".into()),
+        );
+        let (tx, rx) = watch::channel(Arc::new(inv.clone()));
+        let (views, snapshots, _busy) = following(rx);
+        snapshots.send_replace(snapshots_of(&inv));
+        let mut slices = views.slices;
+        wait(&mut slices, |v| {
+            v[1].taints
+                .first()
+                .is_some_and(|t| t.key == "gpu.nvidia.com/xid")
+        })
+        .await;
+        // It recovers, and faults again with another XID before the monitor's snapshots have caught up: the
+        // snapshot held says Unhealthy with XID 79.
+        let mut again = inventory();
+        again.set_health(
+            "GPU-1",
+            Health::Unhealthy,
+            Some("Unhealthy: XID 48 ...".into()),
+        );
+        tx.send_replace(Arc::new(again));
+        let started = tokio::time::Instant::now();
+        let written = wait(&mut slices, |v| v[1].message != "Unhealthy: XID 79 ...").await;
+        // Not as new as the inventory: the slices waited for snapshots that never came, and took the
+        // inventory's reason without the old condition.
+        assert!(
+            started.elapsed() >= MONITOR_ANSWER,
+            "taken after {:?}",
+            started.elapsed()
+        );
+        assert_eq!(written[1].message, "Unhealthy: XID 48 ...");
+        assert_eq!(written[1].taints[0].key, "gpu.nvidia.com/unhealthy");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_conditions_restored_at_start_are_in_the_first_view() {
+        let mut inv = inventory();
+        inv.set_health(
+            "GPU-2",
+            Health::Unhealthy,
+            Some("Unhealthy: XID 79 ...".into()),
+        );
+        let (_tx, rx) = watch::channel(Arc::new(inv.clone()));
+        let (monitor, _busy) = MonitorHandle::unanswered();
+        let (_snapshots, devices) = watch::channel(snapshots_of(&inv));
+        let views = follow(
+            rx,
+            Some(Conditions { monitor, devices }),
+            "gpu.nvidia.com".into(),
+            Duration::from_secs(10),
+        );
+        let first = views.slices.borrow().clone();
+        assert_eq!(first[2].taints[0].key, "gpu.nvidia.com/xid");
+        assert_eq!(first[2].taints[0].value.as_deref(), Some("79"));
+        assert_eq!(*views.health.borrow(), first);
     }
 
     #[tokio::test(start_paused = true)]

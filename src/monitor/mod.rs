@@ -52,7 +52,8 @@ impl MonitorConfig {
 }
 
 /// The way in to the running monitor for everything but the kubelet's streams: every device as it stands
-/// ([`MonitorHandle::devices`], for `/status`, `/metrics` and the fence sources), operators' fences and releases
+/// ([`MonitorHandle::devices`], for `/status`, `/metrics` and the fence sources; [`MonitorHandle::refresh`]
+/// for the followers of [`Monitored::devices`]), operators' fences and releases
 /// ([`MonitorHandle::operate`]) and the checkpoint saved at shutdown ([`MonitorHandle::flush`]). The monitor
 /// answers between events, so an answer also says that it is alive.
 #[derive(Debug, Clone)]
@@ -182,6 +183,11 @@ impl MonitorHandle {
     /// wait: a full queue means the monitor has questions to answer first, and the next refresh asks again.
     pub fn refresh(&self) {
         let _full = self.0.try_send(Query::Refresh);
+    }
+
+    /// As [`MonitorHandle::refresh`], waiting for room in the queue: for a follower that has nothing yet.
+    pub async fn refresh_now(&self) {
+        let _gone = self.0.send(Query::Refresh).await;
     }
 
     /// Saves the current state to the checkpoint and waits until it is written. For shutdown: a write still
@@ -322,6 +328,8 @@ pub fn spawn_monitored(
         devices: watch::Sender::new(Arc::default()),
         devices_changed: false,
     };
+    // What was restored from the checkpoint, for a follower from the start.
+    monitor.devices.send_replace(Arc::new(monitor.snapshot()));
     let devices = DevicesFeed(monitor.devices.clone());
     let (query_tx, query_rx) = mpsc::channel(16);
     tokio::spawn(monitor.run(event_rx, query_rx));
@@ -783,8 +791,9 @@ impl Monitor {
 
     /// Sends every device's snapshot to its followers if anything changed since the last time, and if
     /// anyone follows. A condition that changes no health (an XID recorded only) still changes what they
-    /// show. Called once the kubelet has the change, and before the log and the checkpoint: the snapshots
-    /// are how the DRA side learns which condition it is, for the slices' taints.
+    /// show. Called once the kubelet has the change, and before the log and the checkpoint of a change of
+    /// health or conditions: the snapshots are how the DRA side learns which condition it is, for the slices'
+    /// taints.
     fn send_devices(&mut self) {
         if !std::mem::take(&mut self.devices_changed) || self.devices.receiver_count() == 0 {
             return;

@@ -10,7 +10,7 @@
 //!   fake API server (its recorded `at`, taken before the body is read and the slice stored); the fault
 //!   counts as seen once the server holds that slice.
 //! - **prepare**: `NodePrepareResources` for a fresh allocated claim (read from the API server, recorded in
-//!   the state directory's synced file before the answer), again for the same claim (answered from the
+//!   the state directory's file before the answer), again for the same claim (answered from the
 //!   record), and `NodeUnprepareResources`, each a round trip on a v1 client of the bench's own on the DRA
 //!   socket, as the Allocate measure times its calls.
 //!
@@ -425,7 +425,7 @@ async fn dra_fault(
         None
     } else {
         dra.kubelet
-            .wait_device_health_since((DRIVER, NODE, name), LIMIT, |h| {
+            .wait_device_health_since((DRIVER, NODE, name), LIMIT, |h, _| {
                 h.health == Health::Unhealthy
             })
             .await
@@ -608,7 +608,7 @@ async fn prepares(
     }
     ready.plugin.stop().await;
     report.latency(
-        "DRA: NodePrepareResources, fresh claim (claim read from the local API server, synced record), round trip",
+        "DRA: NodePrepareResources, fresh claim (claim read from the local API server, record written), round trip",
         &fresh,
     );
     report.latency(

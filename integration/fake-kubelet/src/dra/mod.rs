@@ -381,18 +381,20 @@ impl DraKubelet {
     /// says the health returned (a heartbeat or a new message since does not move it; `None` while the health
     /// is Unknown for want of a fresh report). The time is the fake's clock, which is the real monotonic
     /// clock until [`DraKubelet::advance_clock`] moves it, stamped on the kubelet's thread as it takes the
-    /// report in: a benchmark times the report without its own task's wake-up.
+    /// report in: a benchmark times the report without its own task's wake-up. `pred` is given both, so that
+    /// a wait for a report after some moment does not take one from before it.
     pub async fn wait_device_health_since(
         &self,
         (driver, pool, device): (&str, &str, &str),
         timeout: Duration,
-        mut pred: impl FnMut(&DeviceHealth) -> bool,
+        mut pred: impl FnMut(&DeviceHealth, Option<Instant>) -> bool,
     ) -> Result<(DeviceHealth, Option<Instant>), DraError> {
         let what = format!("the health of {driver}/{pool}/{device}");
         self.wait_timed(&what, timeout, |shared, now| {
             let cache = shared.health.borrow();
             let health = cache.get(driver, pool, device, now);
-            pred(&health).then(|| (health, cache.since(driver, pool, device, now)))
+            let since = cache.since(driver, pool, device, now);
+            pred(&health, since).then_some((health, since))
         })
         .await
     }

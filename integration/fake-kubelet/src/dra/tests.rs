@@ -824,14 +824,14 @@ async fn a_health_change_is_timed_by_the_report_that_made_it_not_by_later_repeat
     let (_root, kubelet, plugin) = registered_and_streaming().await?;
     plugin.report(vec![dev("dev-a", Health::Healthy, "")]);
     let (_, healthy) = kubelet
-        .wait_device_health_since((DRIVER, "node-a", "dev-a"), WAIT, |h| {
+        .wait_device_health_since((DRIVER, "node-a", "dev-a"), WAIT, |h, _| {
             h.health == Health::Healthy
         })
         .await?;
     let sent = Instant::now();
     plugin.report(vec![dev("dev-a", Health::Unhealthy, "XID 79")]);
     let (read, first) = kubelet
-        .wait_device_health_since((DRIVER, "node-a", "dev-a"), WAIT, |h| {
+        .wait_device_health_since((DRIVER, "node-a", "dev-a"), WAIT, |h, _| {
             h.health == Health::Unhealthy
         })
         .await?;
@@ -841,7 +841,7 @@ async fn a_health_change_is_timed_by_the_report_that_made_it_not_by_later_repeat
     // A repeat with a new message: the same run of Unhealthy.
     plugin.report(vec![dev("dev-a", Health::Unhealthy, "XID 79, then 48")]);
     let (_, again) = kubelet
-        .wait_device_health_since((DRIVER, "node-a", "dev-a"), WAIT, |h| {
+        .wait_device_health_since((DRIVER, "node-a", "dev-a"), WAIT, |h, _| {
             h.message == "XID 79, then 48"
         })
         .await?;
