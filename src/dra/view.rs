@@ -162,10 +162,16 @@ pub fn follow(
     let (health, health_rx) = watch::channel(first.clone());
     let (slices, slices_rx) = watch::channel(first);
     tokio::spawn(async move {
-        // Those held may be older than the inventory (nobody followed them): sent again now.
-        if let Some(monitor) = &monitor {
-            let _late = tokio::time::timeout(MONITOR_ANSWER, monitor.refresh_now()).await;
-        }
+        // Those held may be older than the inventory (nobody followed them): asked for again now, beside the
+        // loop, which a full queue of the monitor's must not hold up.
+        let asker = monitor.clone();
+        let first_refresh = async move {
+            if let Some(monitor) = asker {
+                let _late = tokio::time::timeout(MONITOR_ANSWER, monitor.refresh_now()).await;
+            }
+        };
+        tokio::pin!(first_refresh);
+        let mut refreshed = false;
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + refresh, refresh);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Set while the slices wait for snapshots as new as the inventory: until when, at most.
@@ -215,6 +221,7 @@ pub fn follow(
                     slices_wait = None;
                     publish(&slices, current(&mut devices, known.as_ref(), &driver).0);
                 }
+                () = &mut first_refresh, if !refreshed => refreshed = true,
                 _ = tick.tick() => {
                     if let Some(monitor) = &monitor {
                         monitor.refresh();
@@ -493,6 +500,34 @@ mod tests {
         assert_eq!(written[1].message, "XID 79");
         let view = wait(&mut health, |v| v[1].taints[0].key == "gpu.nvidia.com/xid").await;
         assert_eq!(view, written, "the health stream and the slices agree");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_monitor_with_a_full_queue_at_the_start_holds_no_fault_back() {
+        let (tx, rx) = watch::channel(Arc::new(inventory()));
+        let (monitor, _busy) = MonitorHandle::unanswered();
+        // Every place in the monitor's queue taken: the first refresh waits for room it never gets.
+        for _ in 0..64 {
+            monitor.refresh();
+        }
+        let (_snapshots, devices) = watch::channel(Snapshots::default());
+        let views = follow(
+            rx,
+            Some(Conditions { monitor, devices }),
+            "gpu.nvidia.com".into(),
+            Duration::from_secs(10),
+        );
+        let mut health = views.health;
+        let started = tokio::time::Instant::now();
+        let mut inv = inventory();
+        inv.set_health("GPU-0", Health::Unhealthy, Some("XID 79".into()));
+        tx.send_replace(Arc::new(inv));
+        wait(&mut health, |v| v[0].health == HealthStatus::Unhealthy).await;
+        assert!(
+            started.elapsed() < MONITOR_ANSWER,
+            "the fault waited {:?} for the monitor's queue",
+            started.elapsed()
+        );
     }
 
     #[tokio::test(start_paused = true)]
