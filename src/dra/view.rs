@@ -57,7 +57,17 @@ pub fn build(
     snapshots: Option<&[DeviceSnapshot]>,
     driver: &str,
 ) -> Vec<DraDevice> {
-    inventory
+    build_checked(inventory, snapshots, driver).0
+}
+
+/// As [`build`], and whether `snapshots` had every device as new as the inventory.
+fn build_checked(
+    inventory: &Inventory,
+    snapshots: Option<&[DeviceSnapshot]>,
+    driver: &str,
+) -> (Vec<DraDevice>, bool) {
+    let mut as_new = true;
+    let view = inventory
         .devices()
         .iter()
         .map(|d| {
@@ -65,6 +75,7 @@ pub fn build(
             let snapshot = snapshots
                 .and_then(|s| s.iter().find(|s| s.info.id == d.info.id))
                 .filter(|s| as_new_as(d, s));
+            as_new &= snapshot.is_some();
             let conditions = snapshot.map_or(&[][..], |s| &s.conditions[..]);
             let unmonitored = conditions
                 .iter()
@@ -112,7 +123,8 @@ pub fn build(
                 taints,
             }
         })
-        .collect()
+        .collect();
+    (view, as_new)
 }
 
 /// The monitor, for the devices' conditions: its snapshots, sent after every change of the inventory or of
@@ -261,16 +273,7 @@ fn current(
     driver: &str,
 ) -> (Vec<DraDevice>, bool) {
     let inventory = devices.borrow_and_update().clone();
-    let snapshots = known.map(|k| &k[..]);
-    let as_new = match snapshots {
-        Some(snapshots) => inventory.devices().iter().all(|d| {
-            snapshots
-                .iter()
-                .any(|s| s.info.id == d.info.id && as_new_as(d, s))
-        }),
-        None => inventory.devices().is_empty(),
-    };
-    (build(&inventory, snapshots, driver), as_new)
+    build_checked(&inventory, known.map(|k| &k[..]), driver)
 }
 
 /// Whether `snapshot` is as new as the inventory's `device`: the same health, and where the inventory gives
