@@ -46,6 +46,47 @@ pub fn printable(text: &str) -> String {
     out
 }
 
+/// How many bytes of one outside string [`shown`] keeps by default: enough for any real name, path, reason
+/// or config value, small enough that a line, an error sent to the kubelet or a `check-config` line stays
+/// readable.
+pub const SHOWN_MAX: usize = 512;
+
+/// The most a gRPC error message the plugin sends may hold, in bytes. The kubelet reads an answer of at most
+/// 4 MiB, status included: a message echoing a 10 MB input would turn the reason into RESOURCE_EXHAUSTED.
+pub const STATUS_MESSAGE_MAX: usize = 4096;
+
+/// Outside text on its way to a log line, an error sent to the kubelet, `check-config` or `status`: every
+/// character that would change how a line prints written as an escape (see [`printable`]) and the result cut
+/// after at most `max` bytes of that, with a marker saying how many bytes of `text` were left out
+/// (`... (1048000 more bytes)`). The result is at most `max` + 40 bytes, whatever `text` holds, and the work
+/// stops where the cut is: a 10 MB value costs what `max` bytes do.
+///
+/// Every string from outside the process (a config key or value, an environment variable, a file name, a
+/// reason or error text from another process) goes through this one function before it is printed.
+pub fn shown(text: &str, max: usize) -> String {
+    let mut out = String::with_capacity(text.len().min(max) + 8);
+    for (at, c) in text.char_indices() {
+        let before = out.len();
+        if unprintable(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+        if out.len() > max {
+            out.truncate(before);
+            out.push_str(&format!("... ({} more bytes)", text.len() - at));
+            break;
+        }
+    }
+    out
+}
+
+/// A gRPC error message made of outside text: [`shown`] within [`STATUS_MESSAGE_MAX`], so the kubelet reads the
+/// reason whatever the input echoed in it.
+pub fn status_message(text: &str) -> String {
+    shown(text, STATUS_MESSAGE_MAX - 40)
+}
+
 /// Whether `s` is a DNS label as Kubernetes names take it (a namespace): 1-63 lower-case letters, digits
 /// and '-', starting and ending with a letter or digit.
 pub fn is_dns_label(s: &str) -> bool {
@@ -80,6 +121,46 @@ mod tests {
         assert_eq!(printable("\u{1b}[2J\r"), "\\u{1b}[2J\\r");
         assert_eq!(printable("a\u{202E}b"), "a\\u{202e}b");
         assert_eq!(printable("tab\there é"), "tab\\there é");
+    }
+
+    #[test]
+    fn shown_text_is_escaped_and_capped_with_what_was_cut() {
+        assert_eq!(shown("GPU-1234", SHOWN_MAX), "GPU-1234");
+        assert_eq!(
+            shown("key\u{1b}[31m\u{202E}gpj.exe\n2026 INFO forged", SHOWN_MAX),
+            "key\\u{1b}[31m\\u{202e}gpj.exe\\n2026 INFO forged"
+        );
+        for bidi in [
+            '\u{202A}', '\u{202B}', '\u{202C}', '\u{202D}', '\u{2066}', '\u{2067}', '\u{2068}',
+            '\u{2069}',
+        ] {
+            let out = shown(&format!("a{bidi}b"), SHOWN_MAX);
+            assert!(!out.contains(bidi) && out.starts_with("a\\u{"), "{out}");
+        }
+        let long = "x".repeat(1_000_000);
+        let out = shown(&long, SHOWN_MAX);
+        assert_eq!(
+            out,
+            format!(
+                "{}... ({} more bytes)",
+                "x".repeat(SHOWN_MAX),
+                1_000_000 - SHOWN_MAX
+            )
+        );
+        // Escapes count toward the cap: a megabyte of ESC is not a megabyte of `\u{1b}`.
+        let out = shown(&"\u{1b}".repeat(1_000_000), 60);
+        assert!(out.len() <= 60 + 40, "{}", out.len());
+        assert!(out.ends_with("... (999990 more bytes)"), "{out}");
+        // A cut never splits a character or an escape.
+        assert_eq!(shown("ééé", 5), "éé... (2 more bytes)");
+        assert_eq!(shown("\n\n", 3), "\\n... (1 more bytes)");
+    }
+
+    #[test]
+    fn a_status_message_from_a_huge_input_stays_far_under_the_kubelets_4_mib() {
+        let out = status_message(&format!("claim value {} refused", "v".repeat(10 << 20)));
+        assert!(out.len() <= STATUS_MESSAGE_MAX, "{}", out.len());
+        assert!(out.starts_with("claim value vvv") && out.contains("more bytes)"));
     }
 
     #[test]
