@@ -132,8 +132,11 @@ fn one_line(e: &anyhow::Error) -> String {
     line
 }
 
+/// A refusal: one line on stderr, whatever outside text the message holds (see
+/// [`gpu_device_plugin::util::text::shown`]).
 fn fail(message: &str) -> ExitCode {
-    eprintln!("gpu-device-plugin: error: {message}");
+    use gpu_device_plugin::util::text::{LINE_MAX, shown};
+    eprintln!("gpu-device-plugin: error: {}", shown(message, LINE_MAX));
     ExitCode::FAILURE
 }
 
@@ -671,7 +674,10 @@ fn check_config_off_thread(
             let outcome = match Settings::from_args(&argv) {
                 Ok(Ok(_)) => Ok(()),
                 Ok(Err(e)) => Err(e.to_string()),
-                Err(e) => Err(config::usage_error_line(&e, &argv)),
+                Err(e) => Err(gpu_device_plugin::util::text::shown(
+                    &config::usage_error_line(&e, &argv),
+                    gpu_device_plugin::util::text::LINE_MAX,
+                )),
             };
             // Free before the answer is read: a SIGHUP sent once the refusal is logged starts a new check.
             running.store(false, std::sync::atomic::Ordering::SeqCst);

@@ -497,3 +497,62 @@ fn check_config_says_which_gpus_go_through_dra_and_which_through_the_device_plug
     assert!(!missing.status.success());
     assert!(String::from_utf8_lossy(&missing.stderr).contains("GPU 5"));
 }
+
+#[test]
+fn check_config_shows_outside_keys_and_values_escaped_one_line_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.yaml");
+    // NVIDIA's format warns about a key it does not know: this one holds an escape and a right-to-left
+    // override.
+    std::fs::write(
+        &file,
+        "version: v1\nflags:\n  \"mig\\e[31m\\u202Eevil\": x\n",
+    )
+    .unwrap();
+    let state = state_arg(&dir);
+    let out = run(
+        &[
+            "check-config",
+            file.to_str().unwrap(),
+            "--state-dir",
+            &state,
+        ],
+        &[
+            ("NVIDIA_DRIVER_ROOT", "/run/nvidia\nforged: line"),
+            ("PASS_DEVICE_SPECS", "true"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !stdout.contains('\u{1b}') && !stdout.contains('\u{202E}'),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.lines().any(|l| l.starts_with("forged")),
+        "a line forged:\n{stdout}"
+    );
+    for shown in ["mig\\u{1b}[31m\\u{202e}evil", "/run/nvidia\\nforged: line"] {
+        assert!(stdout.contains(shown), "{shown:?} not in:\n{stdout}");
+    }
+}
+
+#[test]
+fn a_megabyte_config_value_is_refused_in_one_short_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.yaml");
+    let value = "s".repeat((1 << 20) - 64);
+    std::fs::write(
+        &file,
+        format!("version: v1\nflags:\n  migStrategy: {value}\n"),
+    )
+    .unwrap();
+    let out = run(&["check-config", file.to_str().unwrap()], &[]);
+    assert_one_line_error(&out, &["migStrategy", "more bytes)"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.len() < 2048, "{} bytes", stderr.len());
+}

@@ -563,11 +563,19 @@ pub struct DraSettings {
     pub pod_uid: Option<String>,
 }
 
-/// A setting that cannot be used.
+use crate::util::text::{LINE_MAX, SHOWN_MAX, shown};
+
+/// A path from outside as a line shows it (see [`shown`]).
+fn shown_path(path: &Path) -> String {
+    shown(&path.to_string_lossy(), SHOWN_MAX)
+}
+
+/// A setting that cannot be used. Its text shows every value from outside through [`shown`]: a 1 MB value
+/// or a key holding an escape is one short line.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The config file could not be read.
-    #[error("cannot read config file {}: {source}", .path.display())]
+    #[error("cannot read config file {}: {}", shown_path(.path), shown(&.source.to_string(), SHOWN_MAX))]
     ReadFile {
         /// The file.
         path: PathBuf,
@@ -575,7 +583,7 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// The config file is not valid YAML for our settings.
-    #[error("config file {}: {message}", .path.display())]
+    #[error("config file {}: {}", shown_path(.path), shown(.message, LINE_MAX))]
     ParseFile {
         /// The file.
         path: PathBuf,
@@ -583,7 +591,7 @@ pub enum ConfigError {
         message: String,
     },
     /// A setting has a value that cannot work.
-    #[error("invalid {setting} {value:?}: {why}")]
+    #[error("invalid {setting} \"{}\": {}", shown(.value, SHOWN_MAX), shown(.why, LINE_MAX))]
     Invalid {
         /// Flag name of the setting.
         setting: &'static str,
@@ -640,7 +648,9 @@ impl Settings {
             fence_dir: surfaces.fence_dir,
             cluster: surfaces.cluster,
             dra,
-            warnings,
+            // Warnings name keys and values from the file: each one line, as itself, in the log and
+            // check-config alike.
+            warnings: warnings.iter().map(|w| shown(w, LINE_MAX)).collect(),
         })
     }
 
@@ -790,9 +800,10 @@ impl Settings {
                 }),
             ),
         ];
+        // Values hold paths, names and lists from outside: each line printed as itself and one line.
         lines
             .iter()
-            .map(|(name, value)| format!("{name}: {value}\n"))
+            .map(|(name, value)| format!("{name}: {}\n", shown(value, LINE_MAX)))
             .collect()
     }
 

@@ -1105,7 +1105,10 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
         match (&settings.config_file, key) {
             (Some(path), Some(key)) if settings.from_file.contains(key) => ConfigError::ParseFile {
                 path: path.clone(),
-                message: format!("{key} {value:?}: {why}"),
+                message: format!(
+                    "{key} \"{}\": {why}",
+                    crate::util::text::shown(value, crate::util::text::SHOWN_MAX)
+                ),
             },
             _ => ConfigError::Invalid {
                 setting,

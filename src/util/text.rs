@@ -51,6 +51,10 @@ pub fn printable(text: &str) -> String {
 /// readable.
 pub const SHOWN_MAX: usize = 512;
 
+/// How many bytes [`shown`] keeps of a whole line built around outside text (a refusal, a warning, a
+/// `check-config` setting): room for a long list of names, still one screenful.
+pub const LINE_MAX: usize = 4096;
+
 /// The most a gRPC error message the plugin sends may hold, in bytes. The kubelet reads an answer of at most
 /// 4 MiB, status included: a message echoing a 10 MB input would turn the reason into RESOURCE_EXHAUSTED.
 pub const STATUS_MESSAGE_MAX: usize = 4096;
