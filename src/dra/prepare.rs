@@ -352,7 +352,7 @@ impl Preparer {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (bucket, left_out) = &mut *said;
         if bucket.take(tokio::time::Instant::now()) {
-            tracing::warn!(claim = %crate::util::text::printable(uid), reason = %crate::util::text::printable(why), left_out_before = *left_out, "claim not prepared");
+            tracing::warn!(claim = %crate::util::text::shown(uid, crate::util::text::SHOWN_MAX), reason = %crate::util::text::shown(why, crate::util::text::LINE_MAX), left_out_before = *left_out, "claim not prepared");
             *left_out = 0;
         } else {
             *left_out += 1;
@@ -524,7 +524,7 @@ macro_rules! serve_version {
                     .map(|(uid, answer)| {
                         let (devices, error) = match answer {
                             Ok(devices) => (devices, String::new()),
-                            Err(error) => (Vec::new(), error),
+                            Err(error) => (Vec::new(), crate::util::text::status_message(&error)),
                         };
                         let devices = devices
                             .into_iter()
@@ -553,7 +553,7 @@ macro_rules! serve_version {
                     .await
                     .into_iter()
                     .map(|(uid, answer)| {
-                        let error = answer.err().unwrap_or_default();
+                        let error = answer.err().map(|e| crate::util::text::status_message(&e)).unwrap_or_default();
                         (uid, $version::NodeUnprepareResourceResponse { error })
                     })
                     .collect();
