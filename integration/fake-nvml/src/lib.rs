@@ -868,6 +868,9 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
     data: *mut nvmlEventData_t,
     timeout_ms: c_uint,
 ) -> nvmlReturn_t {
+    if let Err(rc) = state::check_init() {
+        return rc;
+    }
     if data.is_null() {
         return code::INVALID_ARGUMENT;
     }
@@ -913,5 +916,8 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
 
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> nvmlReturn_t {
+    if let Err(rc) = state::check_init() {
+        return rc;
+    }
     state::free_set(set)
 }

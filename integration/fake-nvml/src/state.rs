@@ -12,8 +12,8 @@
 //! script is lost to every caller at once, waiting or not.
 
 use std::collections::VecDeque;
-use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -124,7 +124,10 @@ pub fn lost_first() -> bool {
     *LOST_FIRST.get_or_init(|| std::env::var("FAKE_NVML_LOST_FIRST").is_ok_and(|v| v.trim() == "1"))
 }
 
-/// `nvmlInit` calls not yet matched by `nvmlShutdown`.
+/// `nvmlInit` calls not yet matched by `nvmlShutdown`. Held only for a count and, at the first `nvmlInit`,
+/// for opening the fault script: never across a wait, so `nvmlInit` and `nvmlShutdown` answer at once while
+/// another thread waits in `nvmlEventSetWait`, as the real library's do (its documentation: "NVML is
+/// thread-safe so it is safe to make simultaneous NVML calls from multiple threads").
 static INITIALIZED: Mutex<u32> = Mutex::new(0);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -157,6 +160,9 @@ pub fn init() -> nvmlReturn_t {
     code::SUCCESS
 }
 
+/// Reference-counted, as NVML documents: only the call that matches the last `nvmlInit` shuts the library
+/// down, and it stops following the fault script. A wait in progress then takes in nothing more of the
+/// script and ends as NVML documents a wait to end (README, "Threads").
 pub fn shutdown() -> nvmlReturn_t {
     let mut initialized = lock(&INITIALIZED);
     if *initialized == 0 {
@@ -221,45 +227,44 @@ pub fn handle(handle: nvmlDevice_t) -> Result<Handle, nvmlReturn_t> {
 struct Feed {
     tail: Tail,
     inotify: Inotify,
+    /// A second descriptor of the inotify instance, for the reader's `poll`: the reader waits on it with no
+    /// lock held, so that `nvmlInit`, `nvmlShutdown` and queries never wait for a reader's wait to end.
+    ready: Arc<OwnedFd>,
+    /// Which opening of the script this is: a reader that polled an earlier one (shut down meanwhile) takes
+    /// in nothing from the one that replaced it.
+    generation: u64,
     devices: &'static [Device],
 }
 
-/// Locked only by the thread that holds the reader's turn ([`Events::reading`]), and by init and shutdown.
+/// The script followed while the library is initialised. Every holder of this lock only reads what is
+/// already in the file, never waits: the waiting is done on [`Feed::ready`] outside it.
 static FEED: Mutex<Option<Feed>> = Mutex::new(None);
 
 impl Feed {
     /// Watches the file, then takes in the lines already there as history.
     fn open(path: &std::path::Path, devices: &'static [Device]) -> std::io::Result<Feed> {
+        static OPENED: AtomicU64 = AtomicU64::new(0);
         let mut tail = Tail::open(path)?;
         let inotify = Inotify::init()?;
         // Watch before the first read, so that nothing appended in between is missed.
         inotify.watches().add(path, WatchMask::MODIFY)?;
+        let ready = Arc::new(inotify.as_fd().try_clone_to_owned()?);
         tail.read_lines(|l| on_line(devices, Line::Existing(l)))?;
         Ok(Feed {
             tail,
             inotify,
+            ready,
+            generation: OPENED.fetch_add(1, Ordering::Relaxed),
             devices,
         })
     }
 
-    /// Takes in what was appended, waiting up to `wait` for something to be (zero: no waiting). The file is
-    /// read only when inotify says it was written since the last read: most calls cost one `read` of the
-    /// watch and nothing more.
-    fn read(&mut self, wait: Duration) {
+    /// Takes in what was appended since the last read, without waiting; whether the file was written. The
+    /// file is read only when inotify says it was written since: most calls cost one `read` of the watch and
+    /// nothing more.
+    fn read(&mut self) -> bool {
         if !self.written() {
-            if wait.is_zero() {
-                return;
-            }
-            let timeout = nix::poll::PollTimeout::try_from(wait.as_millis().max(1))
-                .unwrap_or(nix::poll::PollTimeout::MAX);
-            let mut fds = [nix::poll::PollFd::new(
-                self.inotify.as_fd(),
-                nix::poll::PollFlags::POLLIN,
-            )];
-            let ready = nix::poll::poll(&mut fds, timeout).is_ok_and(|n| n > 0);
-            if !ready || !self.written() {
-                return;
-            }
+            return false;
         }
         let devices = self.devices;
         if let Err(e) = self
@@ -268,6 +273,7 @@ impl Feed {
         {
             eprintln!("fake-nvml: cannot read FAKE_NVML_EVENTS: {e}");
         }
+        true
     }
 
     /// Empties the watch's queue; whether it held anything. A write after this raises a new notification,
@@ -282,11 +288,53 @@ impl Feed {
     }
 }
 
+/// What the reader found in the script before waiting.
+enum Script {
+    /// Lines written before the wait, now taken in: the queues may hold something for the waiter.
+    Taken,
+    /// Nothing new: wait on this opening's inotify descriptor.
+    Quiet(u64, Arc<OwnedFd>),
+    /// No script followed (none set, or the library shut down).
+    Absent,
+}
+
+/// Takes in what was written before the wait, or says what to wait on.
+fn look_at_script() -> Script {
+    let mut feed = lock(&FEED);
+    let Some(feed) = feed.as_mut() else {
+        return Script::Absent;
+    };
+    if feed.read() {
+        Script::Taken
+    } else {
+        Script::Quiet(feed.generation, Arc::clone(&feed.ready))
+    }
+}
+
+/// Waits up to `wait` for the script to be written, with no lock held, then takes in what was appended,
+/// unless the opening polled was shut down meanwhile.
+fn wait_for_script(generation: u64, ready: &OwnedFd, wait: Duration) {
+    let timeout = nix::poll::PollTimeout::try_from(wait.as_millis().max(1))
+        .unwrap_or(nix::poll::PollTimeout::MAX);
+    let mut fds = [nix::poll::PollFd::new(
+        ready.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    if !nix::poll::poll(&mut fds, timeout).is_ok_and(|n| n > 0) {
+        return;
+    }
+    if let Some(feed) = lock(&FEED).as_mut()
+        && feed.generation == generation
+    {
+        feed.read();
+    }
+}
+
 /// Takes in the script without blocking, unless another thread is already reading it.
 fn catch_up() {
     if take_reader_turn() {
         if let Some(feed) = lock(&FEED).as_mut() {
-            feed.read(Duration::ZERO);
+            feed.read();
         }
         end_reader_turn();
     }
@@ -438,14 +486,16 @@ impl SetRef {
                 }
                 continue;
             }
-            // This thread's turn to read the script, as the driver's waiter is woken by the kernel.
+            // This thread's turn to read the script, as the driver's waiter is woken by the kernel. No lock
+            // is held while it waits: other threads' calls go on meanwhile, as with the real library.
             events.reading = true;
             drop(events);
-            if let Some(feed) = lock(&FEED).as_mut() {
-                feed.read(remaining);
-            } else {
-                // Nothing to follow: only the timeout can end the wait.
-                std::thread::sleep(remaining);
+            match look_at_script() {
+                Script::Taken => {}
+                Script::Quiet(generation, ready) => wait_for_script(generation, &ready, remaining),
+                // Nothing to follow (no script, or the library shut down meanwhile): only the timeout
+                // can end the wait.
+                Script::Absent => std::thread::sleep(remaining),
             }
             end_reader_turn();
             events = lock(&EVENTS);
