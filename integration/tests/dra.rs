@@ -1106,6 +1106,114 @@ async fn a_restarted_plugin_keeps_its_claims_and_health_and_a_kubelet_restart_ge
     Ok(())
 }
 
+/// The prepared-claim record is a cache: one made unreadable under the running plugin (garbage, here)
+/// never frees a GPU a claim holds. Before, the plugin took it for "nothing prepared" and gave the GPU to the
+/// next claim.
+#[tokio::test]
+async fn a_record_made_unreadable_under_the_running_plugin_never_gives_a_held_gpu_to_another_claim()
+-> TestResult {
+    let node = DraNode::start(2, "all").await?;
+    let train = node.pod_with_claim("train", "gpu-0");
+    node.prepared_with_gpu(&train, 0).await?;
+    std::fs::write(node.state.join("dra-prepared-claims.json"), "\u{1}garbage")?;
+    let other = node.pod_with_claim("other", "gpu-0");
+    let held = node
+        .kubelet
+        .prepare_pod(&other)
+        .await
+        .err()
+        .ok_or_else(|| format!("claim B got claim A's GPU\n{}", node.plugin.log()))?;
+    assert!(
+        held.to_string().contains("ml/train-gpu"),
+        "names the holder: {held}"
+    );
+    // Written again from what the plugin holds; the garbage kept beside it, to look at.
+    let record = std::fs::read_to_string(node.state.join("dra-prepared-claims.json"))?;
+    assert!(record.contains("train-gpu"), "{record}");
+    let aside = std::fs::read_dir(&node.state)?
+        .filter_map(Result::ok)
+        .any(|e| e.file_name().to_string_lossy().contains(".unreadable-"));
+    assert!(aside, "the unreadable record is kept beside");
+    Ok(())
+}
+
+/// A rolling update to a later version shares the state directory, and the later version may write the
+/// record in a newer format. A plugin that starts on such a record (a rollback, or a restart of the old
+/// pod) leaves it untouched and learns what the node's GPUs hold from the API server: a claim reserved for
+/// a pod keeps its GPU.
+#[tokio::test]
+async fn a_plugin_starting_on_a_newer_record_leaves_it_untouched_and_keeps_the_gpus_claims_hold()
+-> TestResult {
+    let mut node = DraNode::start(2, "all").await?;
+    let train = node.pod_with_claim("train", "gpu-0");
+    node.prepared_with_gpu(&train, 0).await?;
+    assert!(
+        node.api
+            .reserve_claim("ml", "train-gpu", "train-0", "pod-uid-1")
+    );
+    let newer = r#"{"version":2,"claims":{"a":{"held":["gpu-0"]}},"written":"by a later version"}"#;
+    let path = node.state.join("dra-prepared-claims.json");
+    std::fs::write(&path, newer)?;
+    node.restart_plugin().await?;
+    node.kubelet
+        .wait_attempts("registered again", WAIT, |a| {
+            a.iter()
+                .filter(|a| matches!(a.outcome, fake_kubelet::dra::Outcome::Registered(_)))
+                .count()
+                >= 2
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    let other = node.pod_with_claim("other", "gpu-0");
+    let held = node
+        .kubelet
+        .prepare_pod(&other)
+        .await
+        .err()
+        .ok_or_else(|| format!("claim B got claim A's GPU\n{}", node.plugin.log()))?;
+    assert!(
+        held.to_string().contains("ml/train-gpu"),
+        "names the holder: {held}"
+    );
+    // Another GPU is still served, and the record stays as the later version wrote it.
+    node.prepared_with_gpu(&node.pod_with_claim("serve", "gpu-1"), 1)
+        .await?;
+    assert_eq!(std::fs::read_to_string(&path)?, newer);
+    node.plugin
+        .wait_log(WAIT, |l| l.contains("newer format"))
+        .await
+        .ok_or("said in the log")?;
+    Ok(())
+}
+
+/// An answer from the API server is read up to a cap: a 100 MB answer to one claim read (something other
+/// than the API server at its address; the API server stores at most 1.5 MiB an object) fails that claim,
+/// saying so, and leaves the plugin's memory where it was. Before, a 200 MB answer took it to 211 MB.
+#[tokio::test]
+async fn an_oversized_answer_from_the_api_server_fails_the_claim_and_costs_no_memory() -> TestResult
+{
+    let node = DraNode::start(1, "all").await?;
+    let pod = node.pod_with_claim("huge", "gpu-0");
+    assert!(node.api.inflate_claim("ml", "huge-gpu", 100 * 1024 * 1024));
+    let refused = node
+        .kubelet
+        .prepare_pod(&pod)
+        .await
+        .err()
+        .ok_or("prepared from an oversized answer")?;
+    assert!(
+        refused.to_string().contains("larger than 4 MiB"),
+        "{refused}"
+    );
+    let pid = node.plugin.child.id().ok_or("plugin running")?;
+    let peak = support::peak_rss_kib(pid).ok_or("peak RSS")?;
+    assert!(
+        peak < 64 * 1024,
+        "peak RSS {peak} KiB after a 100 MB answer"
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn split_by_gpu_no_gpu_is_served_by_both_roads() -> TestResult {
     let node = DraNode::start(3, "1").await?;

@@ -28,6 +28,7 @@ use serde::Deserialize;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
+pub mod client;
 mod condition;
 mod events;
 
@@ -230,7 +231,7 @@ impl ApiAccess {
             // watch within its own timeout, and the watcher starts a new one).
             let mut watch_config = self.config.clone();
             watch_config.read_timeout = None;
-            let client = match Client::try_from(self.config) {
+            let client = match client::client(self.config) {
                 Ok(client) => client,
                 Err(e) => {
                     tracing::warn!(error = %e, %server, "cannot build a Kubernetes API client: no Events and no node condition; everything else works");
@@ -246,7 +247,7 @@ impl ApiAccess {
             let (conditions, wanted) = watch::channel(first);
             let (notes, queue) = mpsc::channel(QUEUE);
             if let Some(follower) = follower {
-                match Client::try_from(watch_config) {
+                match client::client(watch_config) {
                     Ok(watch_client) => {
                         tokio::spawn(follower(watch_client, cluster.node.clone(), notes.clone()));
                     }

@@ -28,6 +28,12 @@ pub fn claim_resource() -> ApiResource {
 /// A ResourceClaim, as far as preparing it needs.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 pub struct Claim {
+    /// Its namespace.
+    #[serde(default)]
+    pub namespace: String,
+    /// Its name.
+    #[serde(default)]
+    pub name: String,
     /// Its UID.
     #[serde(default)]
     pub uid: String,
@@ -70,6 +76,10 @@ struct ClaimObject {
 
 #[derive(Default, Deserialize)]
 struct Metadata {
+    #[serde(default)]
+    namespace: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
     #[serde(default)]
     uid: Option<String>,
 }
@@ -127,6 +137,8 @@ impl Claim {
             None => (None, Vec::new()),
         };
         Ok(Claim {
+            namespace: object.metadata.namespace.unwrap_or_default(),
+            name: object.metadata.name.unwrap_or_default(),
             uid: object.metadata.uid.unwrap_or_default(),
             allocated,
             config,
@@ -144,6 +156,26 @@ impl Claim {
 pub trait ClaimReader: Send + Sync {
     /// The claim `namespace/name`: `Ok(None)` when there is none.
     async fn get(&self, namespace: &str, name: &str) -> Result<Option<Claim>, String>;
+
+    /// Every claim allocated a device of `driver` in `pool` and reserved for a pod, as the API server holds
+    /// them now: what is prepared on the node, or about to be, whatever the record says.
+    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String>;
+}
+
+/// Claims asked for in one page of a list: a claim is a few KiB, and a page must stay well under the
+/// answer's size cap ([`crate::cluster::client::MAX_ANSWER_BYTES`]) even with a few large ones.
+const LIST_PAGE: u32 = 100;
+/// Pages read at most in one list (of [`LIST_PAGE`] claims, or fewer where claims are large).
+const MAX_PAGES: usize = 2000;
+
+/// Whether `claim` holds a device of `driver` in `pool` for a pod.
+pub fn holds_in(claim: &Claim, driver: &str, pool: &str) -> bool {
+    !claim.pods.is_empty()
+        && claim
+            .allocated
+            .iter()
+            .flatten()
+            .any(|r| r.driver == driver && r.pool == pool)
 }
 
 /// Claims from the API server.
@@ -173,6 +205,51 @@ impl ClaimReader for ApiClaims {
         };
         let value = serde_json::to_value(object).map_err(|e| e.to_string())?;
         Claim::from_object(value).map(Some)
+    }
+
+    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String> {
+        use kube::api::ListParams;
+        // Every namespace's: no field selector picks a claim by where it is allocated.
+        let api: Api<DynamicObject> = Api::all_with(self.client.clone(), &claim_resource());
+        let mut limit = LIST_PAGE;
+        let mut token: Option<String> = None;
+        let mut held = Vec::new();
+        for _ in 0..MAX_PAGES {
+            let mut params = ListParams::default().limit(limit);
+            if let Some(token) = &token {
+                params = params.continue_token(token);
+            }
+            let page = match tokio::time::timeout(GET_TIMEOUT, api.list(&params)).await {
+                Err(_) => {
+                    return Err(format!(
+                        "the API server did not answer a list of resourceclaims within {GET_TIMEOUT:?}"
+                    ));
+                }
+                // A page of large claims over the answer's cap: the same page in smaller ones.
+                Ok(Err(e)) if crate::cluster::client::is_too_large(&e) && limit > 1 => {
+                    limit = (limit / 4).max(1);
+                    continue;
+                }
+                Ok(Err(e)) => return Err(crate::cluster::explain(&e, "list on resourceclaims")),
+                Ok(Ok(page)) => page,
+            };
+            for object in page.items {
+                let value = serde_json::to_value(object).map_err(|e| e.to_string())?;
+                // One claim this plugin cannot read is no reason to know none.
+                if let Ok(claim) = Claim::from_object(value) {
+                    if holds_in(&claim, driver, pool) {
+                        held.push(claim);
+                    }
+                }
+            }
+            match page.metadata.continue_ {
+                Some(next) if !next.is_empty() => token = Some(next),
+                _ => return Ok(held),
+            }
+        }
+        Err(format!(
+            "more than {MAX_PAGES} pages of resourceclaims in the cluster"
+        ))
     }
 }
 

@@ -138,7 +138,7 @@ pub fn spawn(
     // Bumped when another instance of this driver on the node has gone.
     let (others_gone, resend) = watch::channel(0_u64);
     spawn_on_own_thread("dra", Priority::FaultPath, async move {
-        let result = match kube::Client::try_from(api) {
+        let result = match crate::cluster::client::client(api) {
             Ok(client) => {
                 let views = view::follow(
                     devices.clone(),
@@ -252,7 +252,7 @@ fn publish_slices(
         };
         let mut watch_api = api.clone();
         watch_api.read_timeout = None;
-        match kube::Client::try_from(api).and_then(|c| Ok((c, kube::Client::try_from(watch_api)?)))
+        match crate::cluster::client::client(api).and_then(|c| Ok((c, crate::cluster::client::client(watch_api)?)))
         {
             Ok(clients) => slices::publish(clients, config, view, metrics, shutdown).await,
             Err(e) => {

@@ -7,6 +7,12 @@
 //! another claim is refused, as is a device that is Unhealthy now. Prepare and unprepare are serialized.
 //! Unpreparing a claim the plugin never prepared succeeds: the kubelet asks for claims of pods that never
 //! started and for claims it already unprepared.
+//!
+//! The record is a cache of what the API server says: before the first claim is prepared, and again
+//! whenever the record cannot be read (damaged, replaced by something else, or of a newer format that a
+//! newer instance of the plugin wrote), the ResourceClaims allocated devices of this node's pool for pods
+//! are read from the API server, and their devices are refused to any other claim. A record that cannot be
+//! read never empties what this instance holds, and one of a newer format is never written over.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,7 +27,7 @@ use crate::devices::{Health, InventoryWatch};
 use super::claims::{Claim, ClaimReader};
 use super::device_config::{ClaimConfig, DeviceType};
 use super::names;
-use super::record::{PreparedClaim, PreparedDevice, Record, RecordFile, RecordLock};
+use super::record::{Look, PreparedClaim, PreparedDevice, Record, RecordFile, RecordLock};
 use crate::util::files::FileId;
 
 /// Claims read from the API server at once, at most, by all calls together: a flood of prepares of claims
@@ -116,13 +122,63 @@ pub struct PrepareConfig {
     pub cdi_kind: String,
 }
 
+/// What this instance holds: the record as it stands, and the claims the API server says hold devices of
+/// the pool.
+#[derive(Debug, Default)]
+struct Holdings {
+    record: Record,
+    /// Claims allocated devices of this pool and reserved for pods, by UID, as the API server last listed
+    /// them: their devices are refused to other claims, even when the record does not hold them (it could
+    /// not be read, or an instance that is gone prepared them). A claim the kubelet prepares or unprepares
+    /// here leaves it; one that blocks another claim is looked up again before the refusal.
+    listed: std::collections::BTreeMap<String, PreparedClaim>,
+    /// Whether the claims must be listed before a claim not in the record is prepared: at the start, and
+    /// each time the record is found unreadable or written by a newer instance.
+    list_due: bool,
+    /// The record's file is of a newer format (this version): it is left as it is, never written over.
+    newer: Option<u32>,
+    /// The record's file was set aside: written again from what is held at the next call.
+    rewrite: bool,
+}
+
+impl Holdings {
+    /// The claim other than `uid` that holds `device` of `pool`: in the record, or listed.
+    fn holder(&self, pool: &str, device: &str, uid: &str) -> Option<(String, &PreparedClaim)> {
+        if let Some((holder, claim)) = self.record.holder(pool, device, uid) {
+            return Some((holder.to_string(), claim));
+        }
+        self.listed
+            .iter()
+            .find(|(other, claim)| {
+                *other != uid
+                    && !self.record.claims.contains_key(*other)
+                    && claim
+                        .devices
+                        .iter()
+                        .any(|d| d.pool == pool && d.device == device)
+            })
+            .map(|(uid, claim)| (uid.clone(), claim))
+    }
+
+    /// Whether a device `claim` is allocated is held by a listed claim alone (one the record does not hold),
+    /// which may have let its device go since it was listed.
+    fn blocked_by_listed(&self, claim: &ClaimRef, object: &Claim, pool: &str) -> bool {
+        object.allocated.iter().flatten().any(|result| {
+            self.record
+                .holder(pool, &result.device, &claim.uid)
+                .is_none()
+                && self.holder(pool, &result.device, &claim.uid).is_some()
+        })
+    }
+}
+
 /// The service behind both versions.
 #[derive(Clone)]
 pub struct Preparer {
     config: Arc<PrepareConfig>,
     devices: InventoryWatch,
     claims: Arc<dyn ClaimReader>,
-    record: Arc<Mutex<Record>>,
+    record: Arc<Mutex<Holdings>>,
     file: Arc<RecordFile>,
     /// The record file as this instance last read or wrote it: another instance (a rolling update's other
     /// pod) may have written it since.
@@ -136,7 +192,9 @@ pub struct Preparer {
 }
 
 impl Preparer {
-    /// Prepares from `devices`, reading claims from `claims`, recording in `file` (starting from `record`).
+    /// Prepares from `devices`, reading claims from `claims`, recording in `file` (starting from `record`,
+    /// which the file is read again over before the first call, and the claims the API server lists as
+    /// allocated in the pool).
     pub fn new(
         config: PrepareConfig,
         devices: InventoryWatch,
@@ -148,8 +206,15 @@ impl Preparer {
             config: Arc::new(config),
             devices,
             claims,
-            record: Arc::new(Mutex::new(record)),
-            seen: Arc::new(std::sync::Mutex::new(file.file_id())),
+            record: Arc::new(Mutex::new(Holdings {
+                record,
+                listed: Default::default(),
+                list_due: true,
+                newer: None,
+                rewrite: false,
+            })),
+            // Looked at again before the first call: what is there may be of a newer format.
+            seen: Arc::new(std::sync::Mutex::new(None)),
             reads: Arc::new(tokio::sync::Semaphore::new(MAX_READS)),
             said: Arc::new(std::sync::Mutex::new((
                 crate::cluster::TokenBucket::new(REFUSALS_SAID, tokio::time::Instant::now()),
@@ -172,8 +237,8 @@ impl Preparer {
         mut self,
         status: tokio::sync::watch::Sender<super::registration::DraStatus>,
     ) -> Self {
-        if let Ok(record) = self.record.try_lock() {
-            show(&status, &record);
+        if let Ok(held) = self.record.try_lock() {
+            show(&status, &held);
         }
         self.status = Some(status);
         self
@@ -186,10 +251,10 @@ impl Preparer {
     ) -> HashMap<String, Result<Vec<PreparedDevice>, String>> {
         // Claims are read before the lock, together: a slow API server delays this call, not every other.
         let known: Vec<bool> = {
-            let record = self.record.lock().await;
+            let held = self.record.lock().await;
             claims
                 .iter()
-                .map(|c| record.claims.contains_key(&c.uid))
+                .map(|c| held.record.claims.contains_key(&c.uid))
                 .collect()
         };
         let reads: Vec<_> = claims
@@ -214,18 +279,40 @@ impl Preparer {
             .collect()
             .await;
 
-        let mut record = self.record.lock().await;
-        let _file = match self.hold_file(&mut record).await {
+        let mut held = self.record.lock().await;
+        let _file = match self.hold_file(&mut held).await {
             Ok(lock) => lock,
             Err(why) => return unrecorded(claims, &why, "prepared"),
         };
-        let before = record.clone();
+        // What the API server says is prepared on the node, before a claim the record does not hold is: at
+        // the start, after the record could not be read, and when a listed claim alone holds a device asked
+        // for (it may have let it go since).
+        let fresh = |held: &Holdings, c: &ClaimRef| !held.record.claims.contains_key(&c.uid);
+        let suspect = claims.iter().zip(&read).any(|(c, read)| match read {
+            Ok(Some(Some(object))) => {
+                fresh(&held, c) && held.blocked_by_listed(c, object, &self.config.pool)
+            }
+            _ => false,
+        });
+        let mut unlisted = None;
+        if (held.list_due || suspect) && claims.iter().any(|c| fresh(&held, c)) {
+            if let Err(why) = self.list(&mut held).await {
+                unlisted = Some(why);
+            }
+        }
+        let before = held.record.clone();
         let mut answers = HashMap::new();
         for (claim, read) in claims.into_iter().zip(read) {
-            let answer = match record.claims.get(&claim.uid) {
+            let answer = match held.record.claims.get(&claim.uid) {
                 Some(prepared) => Ok(prepared.devices.clone()),
+                None if unlisted.is_some() => Err(format!(
+                    "cannot learn from the API server which devices are prepared on this node, so {} is \
+                     not prepared: {}; the kubelet asks again",
+                    claim.describe(),
+                    unlisted.as_deref().unwrap_or_default()
+                )),
                 None => match read {
-                    Ok(Some(Some(object))) => self.devices_of(&claim, &object, &record),
+                    Ok(Some(Some(object))) => self.devices_of(&claim, &object, &held),
                     Ok(Some(None)) => Err(format!(
                         "{} is not in the API server (deleted?); the pod needs a claim that exists",
                         claim.describe()
@@ -241,7 +328,8 @@ impl Preparer {
                 },
             };
             if let Ok(devices) = &answer {
-                record.claims.insert(
+                held.listed.remove(&claim.uid);
+                held.record.claims.insert(
                     claim.uid.clone(),
                     PreparedClaim {
                         namespace: claim.namespace.clone(),
@@ -262,11 +350,11 @@ impl Preparer {
             };
             self.metrics.call("PrepareClaim", code);
         }
-        if *record != before {
-            if let Err(e) = self.save(&record).await {
+        if held.record != before || held.rewrite {
+            if let Err(e) = self.save(&mut held).await {
                 // Nothing is handed out that the record does not hold: a restart must not forget a device's
                 // holder.
-                *record = before;
+                held.record = before;
                 let why = format!("cannot record the prepared claims: {e}; the kubelet asks again");
                 for answer in answers.values_mut() {
                     if answer.is_ok() {
@@ -280,26 +368,29 @@ impl Preparer {
 
     /// Unprepares every claim: by UID, success or why not.
     pub async fn unprepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, Result<(), String>> {
-        let mut record = self.record.lock().await;
-        let _file = match self.hold_file(&mut record).await {
+        let mut held = self.record.lock().await;
+        let _file = match self.hold_file(&mut held).await {
             Ok(lock) => lock,
             Err(why) => return unrecorded(claims, &why, "unprepared"),
         };
-        let before = record.clone();
+        let before = held.record.clone();
+        let listed_before = held.listed.clone();
         for claim in &claims {
-            if let Some(prepared) = record.claims.remove(&claim.uid) {
+            let listed = held.listed.remove(&claim.uid);
+            if let Some(prepared) = held.record.claims.remove(&claim.uid).or(listed) {
                 tracing::info!(claim = %claim.describe(), devices = prepared.devices.len(), "unprepared");
             }
         }
-        let saved = if *record != before {
-            self.save(&record).await
+        let saved = if held.record != before || held.rewrite {
+            self.save(&mut held).await
         } else {
             Ok(())
         };
         let answer = match saved {
             Ok(()) => Ok(()),
             Err(e) => {
-                *record = before;
+                held.record = before;
+                held.listed = listed_before;
                 Err(format!(
                     "cannot record the unprepared claims: {e}; the kubelet asks again"
                 ))
@@ -320,28 +411,117 @@ impl Preparer {
     }
 
     /// Takes the record file's lock, held for the rest of a call (until the returned lock is dropped), and
-    /// brings `record` up to the file if another instance has written it since this one last read or wrote
-    /// it. A file gone (deleted by hand) is not taken for an empty record: what is held here stays, and the
-    /// next write puts it back.
-    async fn hold_file(&self, record: &mut Record) -> Result<RecordLock, String> {
+    /// brings `held` up to the file if another instance has written it since this one last read or wrote
+    /// it. What is held here is never emptied by the file: one gone (deleted by hand) is put back by the
+    /// next write; one that cannot be read is set aside (kept beside, to look at) and written again from
+    /// what is held; one of a newer format is left as it is and not written while it is there. After
+    /// either, the claims are listed from the API server again before a new claim is prepared: another
+    /// instance may have prepared some that this one cannot read.
+    async fn hold_file(&self, held: &mut Holdings) -> Result<RecordLock, String> {
         let (file, seen) = (self.file.clone(), self.seen());
-        let boot = record.boot_id().map(str::to_string);
-        let (lock, fresh) = tokio::task::spawn_blocking(move || -> Result<_, String> {
+        let boot = held.record.boot_id().map(str::to_string);
+        let (lock, look) = tokio::task::spawn_blocking(move || -> Result<_, String> {
             let lock = file.lock()?;
             let now = file.file_id();
-            let fresh = (now.is_some() && now != seen).then(|| (file.load(boot), now));
-            Ok((lock, fresh))
+            let look = match (now != seen).then(|| file.look(boot)) {
+                Some(Look::Unreadable(why)) => {
+                    let aside = file.set_aside();
+                    Some((
+                        Look::Unreadable(format!("{why} (set aside: {aside})")),
+                        None,
+                    ))
+                }
+                look => look.map(|l| (l, now)),
+            };
+            Ok((lock, look))
         })
         .await
         .map_err(|e| e.to_string())??;
-        if let Some((loaded, stamp)) = fresh {
-            *record = loaded;
-            self.set_seen(stamp);
-            if let Some(status) = &self.status {
-                show(status, record);
+        let Some((look, stamp)) = look else {
+            return Ok(lock);
+        };
+        self.set_seen(stamp);
+        match look {
+            Look::Absent => held.newer = None,
+            Look::Found(record) => {
+                held.record = record;
+                held.newer = None;
+                if let Some(status) = &self.status {
+                    show(status, held);
+                }
+            }
+            Look::Unreadable(why) => {
+                tracing::warn!(
+                    file = %self.file.path().display(),
+                    error = %why,
+                    prepared = held.record.claims.len(),
+                    "the prepared-claim record cannot be read: this instance keeps the claims it holds, writes \
+                     them again, and asks the API server which claims hold devices of the node before it \
+                     prepares another"
+                );
+                held.newer = None;
+                held.list_due = true;
+                held.rewrite = true;
+            }
+            Look::Newer(version) => {
+                if held.newer != Some(version) {
+                    tracing::warn!(
+                        file = %self.file.path().display(),
+                        version,
+                        "the prepared-claim record is of a newer format (a newer version of the plugin wrote \
+                         it): left untouched; this instance keeps its claims in memory and asks the API server \
+                         which claims hold devices of the node"
+                    );
+                }
+                held.newer = Some(version);
+                held.list_due = true;
             }
         }
         Ok(lock)
+    }
+
+    /// Lists the claims allocated devices of this pool for pods from the API server into `held`.
+    async fn list(&self, held: &mut Holdings) -> Result<(), String> {
+        let config = &self.config;
+        let claims = self
+            .claims
+            .allocated_in(&config.driver, &config.pool)
+            .await?;
+        held.listed = claims
+            .into_iter()
+            .filter(|c| !c.pods.is_empty())
+            .filter_map(|c| {
+                let devices: Vec<PreparedDevice> = c
+                    .allocated
+                    .iter()
+                    .flatten()
+                    .filter(|r| r.driver == config.driver && r.pool == config.pool)
+                    .map(|r| PreparedDevice {
+                        requests: vec![r.request.clone()],
+                        pool: r.pool.clone(),
+                        device: r.device.clone(),
+                        cdi_device_ids: Vec::new(),
+                    })
+                    .collect();
+                (!devices.is_empty()).then(|| {
+                    let claim = PreparedClaim {
+                        namespace: c.namespace,
+                        name: c.name,
+                        devices,
+                    };
+                    (c.uid, claim)
+                })
+            })
+            .collect();
+        held.list_due = false;
+        tracing::info!(
+            claims = held.listed.len(),
+            "claims holding devices of this node read from the API server"
+        );
+        if let Some(status) = &self.status {
+            show(status, held);
+        }
+        Ok(())
     }
 
     /// Says in the log why claim `uid` was not prepared, within [`REFUSALS_SAID`].
@@ -373,16 +553,24 @@ impl Preparer {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = stamp;
     }
 
-    /// Writes the record off the async thread (a synced write waits on the disk).
-    async fn save(&self, record: &Record) -> Result<(), String> {
-        let (file, copy) = (self.file.clone(), record.clone());
+    /// Writes the record off the async thread (a synced write waits on the disk); not over a record of a
+    /// newer format, which stays as it is (what is held here is then in memory and in the API server).
+    async fn save(&self, held: &mut Holdings) -> Result<(), String> {
+        if held.newer.is_some() {
+            if let Some(status) = &self.status {
+                show(status, held);
+            }
+            return Ok(());
+        }
+        let (file, copy) = (self.file.clone(), held.record.clone());
         let stamp = tokio::task::spawn_blocking(move || file.save(&copy).map(|()| file.file_id()))
             .await
             .map_err(|e| e.to_string())?
             .map_err(|e| e.to_string())?;
         self.set_seen(stamp);
+        held.rewrite = false;
         if let Some(status) = &self.status {
-            show(status, record);
+            show(status, held);
         }
         Ok(())
     }
@@ -392,7 +580,7 @@ impl Preparer {
         &self,
         claim: &ClaimRef,
         object: &Claim,
-        record: &Record,
+        held: &Holdings,
     ) -> Result<Vec<PreparedDevice>, String> {
         let name = claim.describe();
         if object.uid != claim.uid {
@@ -443,7 +631,7 @@ impl Preparer {
             settings
                 .check(&result.request, of)
                 .map_err(|e| format!("{name}: {e}"))?;
-            if let Some((uid, holder)) = record.holder(&config.pool, &result.device, &claim.uid) {
+            if let Some((uid, holder)) = held.holder(&config.pool, &result.device, &claim.uid) {
                 return Err(format!(
                     "{name} was given device {}, which is prepared for ResourceClaim {}/{} (UID {uid}); a \
                      device serves one claim at a time",
@@ -466,11 +654,12 @@ impl Preparer {
     }
 }
 
-/// Puts each device's claim into `status`.
-fn show(status: &tokio::sync::watch::Sender<super::registration::DraStatus>, record: &Record) {
-    let prepared = record
-        .claims
+/// Puts each device's claim into `status`: the record's, and those the API server lists.
+fn show(status: &tokio::sync::watch::Sender<super::registration::DraStatus>, held: &Holdings) {
+    let prepared = held
+        .listed
         .values()
+        .chain(held.record.claims.values())
         .flat_map(|c| {
             c.devices
                 .iter()

@@ -7,8 +7,12 @@
 //! written once, complete; a prepare the process did not live to record is simply done again. The file is
 //! replaced atomically before the kubelet hears the answer. A record from another boot is dropped (the
 //! kubelet prepares every claim again after a reboot), so what a crash of the node could take from it is never
-//! read again: it is synced to disk only when the boot is not known. One that cannot be read is set aside
-//! with a warning, and the plugin starts with an empty record.
+//! read again: it is synced to disk only when the boot is not known.
+//!
+//! The record is a cache: the API server is the truth for what is allocated where. One that cannot be read
+//! is set aside with a warning, never taken for "nothing prepared", and one of a newer format is left as
+//! it is; the plugin then learns what is prepared on the node from the ResourceClaims allocated in its pool
+//! ([`crate::dra::prepare`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,6 +30,26 @@ const TEMP_PREFIX: &str = ".dra-prepared-claims.";
 const VERSION: u32 = 1;
 /// A record larger than this is not ours to parse (10 000 claims of 8 devices fit well under it).
 const MAX_BYTES: u64 = 16 * 1024 * 1024;
+
+/// What the record's file holds when looked at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Look {
+    /// No file: nothing recorded (a first start, or the file deleted by hand).
+    Absent,
+    /// A record of this build's format.
+    Found(Record),
+    /// A file that cannot be read as a record (damaged, not a regular file, a link, too large), and why.
+    Unreadable(String),
+    /// A record of a newer format, by its version: another version of the plugin wrote it (a rolling
+    /// update shares the state directory), and it must find it as it left it after a rollback.
+    Newer(u32),
+}
+
+/// Why a file cannot be used as the record.
+enum Unusable {
+    Unreadable(String),
+    Newer(u32),
+}
 
 /// One device as the kubelet was given it for a claim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -165,62 +189,107 @@ impl RecordFile {
         }
     }
 
-    /// The record as it was left: empty when there is none, when it is from another boot, or when it
-    /// cannot be used (set aside, with a warning).
+    /// The record as it was left, for a start: empty when there is none, when it is from another boot, or
+    /// when it cannot be used. One that cannot be read is set aside (kept beside, to look at); one of a
+    /// newer format (a newer version of the plugin, during a rolling update or before a rollback) is left
+    /// in place, untouched. Either way the plugin learns what is prepared from the API server
+    /// ([`crate::dra::prepare::Preparer`]), never from "nothing".
     pub fn load(&self, boot_id: Option<String>) -> Record {
-        match self.read() {
-            Ok(None) => Record::new(boot_id),
-            Ok(Some(record)) if boot_id.is_some() && record.boot_id != boot_id => {
-                tracing::info!(
-                    claims = record.claims.len(),
-                    "the prepared-claim record is from another boot; the kubelet prepares its claims again"
-                );
-                Record::new(boot_id)
-            }
-            Ok(Some(mut record)) => {
-                record.boot_id = boot_id;
-                record
-            }
-            Err(why) => {
-                let aside = files::set_aside(&self.path)
-                    .map(|p| p.display().to_string())
-                    .unwrap_or_else(|e| format!("not moved: {e}"));
+        match self.look(boot_id.clone()) {
+            Look::Absent => Record::new(boot_id),
+            Look::Found(record) => record,
+            Look::Unreadable(why) => {
+                let aside = self.set_aside();
                 tracing::warn!(
                     file = %self.path.display(),
                     set_aside = %aside,
                     error = %why,
-                    "the prepared-claim record cannot be used; starting with none (a claim the kubelet \
-                     asks for again is prepared again)"
+                    "the prepared-claim record cannot be used; what is prepared on this node is read from the \
+                     API server instead"
+                );
+                Record::new(boot_id)
+            }
+            Look::Newer(version) => {
+                tracing::warn!(
+                    file = %self.path.display(),
+                    version,
+                    "the prepared-claim record is of a newer format (written by a newer version of the plugin): \
+                     left untouched for it; what is prepared on this node is read from the API server instead, \
+                     and this instance keeps its own in memory"
                 );
                 Record::new(boot_id)
             }
         }
     }
 
-    fn read(&self) -> Result<Option<Record>, String> {
+    /// What the file holds now. A record from another boot is found empty (the kubelet prepares its claims
+    /// again after a reboot). Nothing is moved or written.
+    pub fn look(&self, boot_id: Option<String>) -> Look {
+        match self.read() {
+            Ok(None) => Look::Absent,
+            Ok(Some(record)) if boot_id.is_some() && record.boot_id != boot_id => {
+                tracing::info!(
+                    claims = record.claims.len(),
+                    "the prepared-claim record is from another boot; the kubelet prepares its claims again"
+                );
+                Look::Found(Record::new(boot_id))
+            }
+            Ok(Some(mut record)) => {
+                record.boot_id = boot_id;
+                Look::Found(record)
+            }
+            Err(Unusable::Newer(version)) => Look::Newer(version),
+            Err(Unusable::Unreadable(why)) => Look::Unreadable(why),
+        }
+    }
+
+    /// Moves a record that cannot be read out of the way (not written over: kept beside, to look at);
+    /// where it went, or why it was not moved.
+    pub fn set_aside(&self) -> String {
+        files::set_aside(&self.path)
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|e| format!("not moved: {e}"))
+    }
+
+    fn read(&self) -> Result<Option<Record>, Unusable> {
         use std::io::Read as _;
+        let unreadable = |why: String| Unusable::Unreadable(why);
         let file = match crate::util::files::open_unfollowed(&self.path) {
             Ok(file) => file,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(format!("cannot read it: {e}")),
+            Err(e) => return Err(unreadable(format!("cannot read it: {e}"))),
         };
-        if !file.metadata().map_err(|e| e.to_string())?.is_file() {
-            return Err("not a regular file".into());
+        if !file
+            .metadata()
+            .map_err(|e| unreadable(e.to_string()))?
+            .is_file()
+        {
+            return Err(unreadable("not a regular file".into()));
         }
         let mut text = String::new();
         file.take(MAX_BYTES + 1)
             .read_to_string(&mut text)
-            .map_err(|e| format!("cannot read it: {e}"))?;
+            .map_err(|e| unreadable(format!("cannot read it: {e}")))?;
         if text.len() as u64 > MAX_BYTES {
-            return Err(format!("larger than {MAX_BYTES} bytes"));
+            return Err(unreadable(format!("larger than {MAX_BYTES} bytes")));
         }
-        let record: Record = serde_json::from_str(&text).map_err(|e| e.to_string())?;
-        if record.version != VERSION {
-            return Err(format!(
+        // The version first: a newer format may be shaped in ways this build cannot read.
+        #[derive(Deserialize)]
+        struct Versioned {
+            version: u32,
+        }
+        let versioned: Versioned =
+            serde_json::from_str(&text).map_err(|e| unreadable(e.to_string()))?;
+        if versioned.version > VERSION {
+            return Err(Unusable::Newer(versioned.version));
+        }
+        if versioned.version != VERSION {
+            return Err(unreadable(format!(
                 "format version {} (this plugin writes {VERSION})",
-                record.version
-            ));
+                versioned.version
+            )));
         }
+        let record: Record = serde_json::from_str(&text).map_err(|e| unreadable(e.to_string()))?;
         Ok(Some(record))
     }
 
@@ -293,6 +362,21 @@ mod tests {
             .filter_map(Result::ok)
             .any(|e| e.file_name().to_string_lossy().contains(".unreadable-"));
         assert!(aside, "kept beside, to look at");
+    }
+
+    #[test]
+    fn a_record_of_a_newer_format_is_left_in_place_untouched() {
+        let dir = tempfile::tempdir().expect("dir");
+        let file = RecordFile::in_dir(dir.path());
+        let newer = r#"{"version": 2, "claims": {"u-1": {"shape": "unknown here"}}}"#;
+        std::fs::write(file.path(), newer).expect("write");
+        assert_eq!(file.look(None), Look::Newer(2));
+        assert!(file.load(None).claims.is_empty());
+        assert_eq!(
+            std::fs::read_to_string(file.path()).ok().as_deref(),
+            Some(newer)
+        );
+        assert_eq!(std::fs::read_dir(dir.path()).expect("list").count(), 1);
     }
 
     #[test]

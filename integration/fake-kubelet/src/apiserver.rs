@@ -12,7 +12,8 @@
 //! - `POST /apis/events.k8s.io/v1/namespaces/{ns}/events`, `PATCH .../events/{name}` (JSON merge patch);
 //! - resource.k8s.io/v1:
 //!   - `GET /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}`, the claims made by
-//!     [`FakeApiServer::add_claim`];
+//!     [`FakeApiServer::add_claim`], and `GET /apis/resource.k8s.io/v1/resourceclaims`, every namespace's,
+//!     in pages (`limit`, `continue`) as the API server pages a list;
 //!   - ResourceSlices (cluster-scoped): `POST` (with `generateName`), `GET`, `PUT` and merge `PATCH` (a stale
 //!     `metadata.resourceVersion` is 409 Conflict), `DELETE` (one, or the collection a selector picks), list
 //!     and `watch=true` with `fieldSelector` `spec.nodeName`/`spec.driver`/`metadata.name` and equality
@@ -491,6 +492,19 @@ impl FakeApiServer {
                 None => claim["status"]["reservedFor"] = json!([consumer]),
             }
             claim["metadata"]["resourceVersion"] = Value::String(version);
+            true
+        })
+    }
+
+    /// Pads ResourceClaim `namespace/name` with an annotation of `bytes` bytes, past anything the API server
+    /// would store (its objects are at most 1.5 MiB): what a broken proxy or something else answering at the
+    /// API server's address could send for it. Returns whether the claim is there.
+    pub fn inflate_claim(&self, namespace: &str, name: &str, bytes: usize) -> bool {
+        self.with_state(|s| {
+            let Some(claim) = s.resource.claims.get_mut(&(namespace.into(), name.into())) else {
+                return false;
+            };
+            claim["metadata"]["annotations"] = json!({"example.com/padding": "x".repeat(bytes)});
             true
         })
     }

@@ -7,11 +7,13 @@ use super::*;
 use crate::devices::Inventory;
 use crate::dra::claims::Allocated;
 
-/// Claims as a test sets them; a read of one not set is "not found", and `fail` makes every read fail.
+/// Claims as a test sets them; a read of one not set is "not found", and `fail` makes every read fail. A list
+/// answers as the API server does: every claim allocated in the pool and reserved for a pod.
 #[derive(Default)]
 struct Claims {
     claims: StdMutex<HashMap<String, Claim>>,
     fail: StdMutex<Option<String>>,
+    lists: std::sync::atomic::AtomicUsize,
 }
 
 impl Claims {
@@ -26,12 +28,21 @@ impl Claims {
             })
             .collect();
         let claim = Claim {
+            namespace: "ns".into(),
+            name: name.into(),
             uid: uid.into(),
             allocated: Some(allocated),
             config: Vec::new(),
             pods: Vec::new(),
         };
         self.claims.lock().expect("lock").insert(name.into(), claim);
+    }
+
+    /// Reserves claim `name` for a pod, as the scheduler does when it binds the pod.
+    fn reserve(&self, name: &str) {
+        if let Some(claim) = self.claims.lock().expect("lock").get_mut(name) {
+            claim.pods.push(format!("{name}-pod"));
+        }
     }
 }
 
@@ -42,6 +53,20 @@ impl ClaimReader for Claims {
             return Err(why);
         }
         Ok(self.claims.lock().expect("lock").get(name).cloned())
+    }
+
+    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String> {
+        if let Some(why) = self.fail.lock().expect("lock").clone() {
+            return Err(why);
+        }
+        self.lists
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let claims = self.claims.lock().expect("lock");
+        Ok(claims
+            .values()
+            .filter(|c| crate::dra::claims::holds_in(c, driver, pool))
+            .cloned()
+            .collect())
     }
 }
 
@@ -167,8 +192,7 @@ async fn each_claim_that_cannot_be_prepared_says_why_and_what_to_do() {
         Claim {
             uid: "u-4".into(),
             allocated: None,
-            config: Vec::new(),
-            pods: Vec::new(),
+            ..Claim::default()
         },
     );
     let mut sick = inventory();
@@ -294,7 +318,7 @@ async fn a_record_that_cannot_be_written_hands_nothing_out() {
         "{why}"
     );
     // Nothing was kept either: the same device is free for another claim once the record works.
-    assert!(preparer.record.lock().await.claims.is_empty());
+    assert!(preparer.record.lock().await.record.claims.is_empty());
 }
 
 #[tokio::test]
@@ -447,7 +471,7 @@ async fn a_call_no_kubelet_makes_is_refused_whole_with_sizes_and_nothing_of_it_e
         }
     }
     // Nothing was prepared by the refused calls, though one held a good claim.
-    assert!(preparer.record.lock().await.claims.is_empty());
+    assert!(preparer.record.lock().await.record.claims.is_empty());
 }
 
 #[tokio::test]
@@ -495,8 +519,147 @@ async fn a_record_held_by_another_instance_past_the_wait_fails_the_call_and_hand
         why.contains("another instance") && why.contains("the kubelet asks again"),
         "{why}"
     );
-    assert!(preparer.record.lock().await.claims.is_empty());
+    assert!(preparer.record.lock().await.record.claims.is_empty());
     // Given back, the same call goes through.
     drop(held);
     assert!(preparer.prepare(vec![claim("train", "u-1")]).await["u-1"].is_ok());
+}
+
+/// Makes the record at `state` unreadable as `how` says: garbage, a FIFO, a link, or a newer format.
+fn spoil_record(state: &std::path::Path, how: &str) {
+    let path = RecordFile::in_dir(state).path().to_path_buf();
+    let _gone = std::fs::remove_file(&path);
+    match how {
+        "garbage" => std::fs::write(&path, "\u{0}\u{1}not json").expect("garbage"),
+        "fifo" => rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &path,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .expect("fifo"),
+        "link" => {
+            let target = state.join("elsewhere.json");
+            std::fs::write(&target, r#"{"version":1,"claims":{}}"#).expect("target");
+            std::os::unix::fs::symlink(&target, &path).expect("link");
+        }
+        _ => std::fs::write(&path, NEWER_RECORD).expect("newer"),
+    }
+}
+
+/// A record as a later version of the plugin might write it.
+const NEWER_RECORD: &str = r#"{"version":2,"claims":{"u-9":{"devicesByRequest":{}}},"leases":[]}"#;
+
+#[tokio::test]
+async fn a_record_made_unreadable_while_running_never_frees_the_gpu_a_claim_holds() {
+    for how in ["garbage", "fifo", "link", "newer"] {
+        let s = setup();
+        s.claims
+            .allocate("first", "u-1", &[("gpu", "node-a", "gpu-0")]);
+        s.claims
+            .allocate("second", "u-2", &[("gpu", "node-a", "gpu-0")]);
+        let preparer = s.preparer();
+        assert!(
+            preparer.prepare(vec![claim("first", "u-1")]).await["u-1"].is_ok(),
+            "{how}"
+        );
+        spoil_record(&s.state, how);
+        let refused = preparer.prepare(vec![claim("second", "u-2")]).await["u-2"].clone();
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|why| why.contains("ResourceClaim ns/first") && why.contains("gpu-0")),
+            "{how}: {refused:?}"
+        );
+        // The claim itself is still answered with its GPU, and freed by its unprepare.
+        let again = preparer.prepare(vec![claim("first", "u-1")]).await["u-1"].clone();
+        assert_eq!(
+            again.map(|d| d[0].device.clone()),
+            Ok("gpu-0".to_string()),
+            "{how}"
+        );
+        assert!(preparer.unprepare(vec![claim("first", "u-1")]).await["u-1"].is_ok());
+        let second = preparer.prepare(vec![claim("second", "u-2")]).await["u-2"].clone();
+        assert!(second.is_ok(), "{how}: {second:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_record_of_a_newer_format_is_left_untouched_while_claims_are_served() {
+    let s = setup();
+    s.claims
+        .allocate("first", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    s.claims
+        .allocate("second", "u-2", &[("gpu", "node-a", "gpu-1")]);
+    spoil_record(&s.state, "newer");
+    let path = RecordFile::in_dir(&s.state).path().to_path_buf();
+    // Started on it (a rollback while the newer pod still runs), and serving beside it.
+    let preparer = s.preparer();
+    assert!(preparer.prepare(vec![claim("first", "u-1")]).await["u-1"].is_ok());
+    assert!(preparer.prepare(vec![claim("second", "u-2")]).await["u-2"].is_ok());
+    assert!(preparer.unprepare(vec![claim("second", "u-2")]).await["u-2"].is_ok());
+    assert_eq!(
+        std::fs::read_to_string(&path).ok().as_deref(),
+        Some(NEWER_RECORD),
+        "written over"
+    );
+    let names: Vec<String> = std::fs::read_dir(&s.state)
+        .expect("list")
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("unreadable"))
+        .collect();
+    assert!(names.is_empty(), "set aside: {names:?}");
+}
+
+#[tokio::test]
+async fn at_the_start_claims_the_api_server_has_on_the_pool_hold_their_gpus_whatever_the_record() {
+    let s = setup();
+    // Prepared by an instance whose record is gone (deleted, or set aside as unreadable).
+    s.claims
+        .allocate("first", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    s.claims.reserve("first");
+    s.claims
+        .allocate("second", "u-2", &[("gpu", "node-a", "gpu-0")]);
+    spoil_record(&s.state, "garbage");
+    let preparer = s.preparer();
+    let refused = preparer.prepare(vec![claim("second", "u-2")]).await["u-2"].clone();
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|why| why.contains("ResourceClaim ns/first") && why.contains("gpu-0")),
+        "{refused:?}"
+    );
+    // The claim let its GPU go since (its pod ended, the claim deallocated): looked up again, not a
+    // refusal for ever.
+    s.claims.claims.lock().expect("lock").remove("first");
+    let second = preparer.prepare(vec![claim("second", "u-2")]).await["u-2"].clone();
+    assert!(second.is_ok(), "{second:?}");
+    // Listed once at the start and once for the look again; a prepare answered from the record lists
+    // nothing.
+    let lists = s.claims.lists.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(preparer.prepare(vec![claim("second", "u-2")]).await["u-2"].is_ok());
+    assert_eq!(
+        s.claims.lists.load(std::sync::atomic::Ordering::Relaxed),
+        lists
+    );
+    assert_eq!(lists, 2);
+}
+
+#[tokio::test]
+async fn no_claim_is_prepared_before_the_api_server_says_what_the_node_holds() {
+    let s = setup();
+    s.claims
+        .allocate("train", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    *s.claims.fail.lock().expect("lock") = Some("403 Forbidden: list on resourceclaims".into());
+    let why = s.preparer().prepare(vec![claim("train", "u-1")]).await["u-1"]
+        .clone()
+        .expect_err("not prepared");
+    assert!(
+        why.contains("which devices are prepared on this node")
+            && why.contains("403")
+            && why.contains("the kubelet asks again"),
+        "{why}"
+    );
 }

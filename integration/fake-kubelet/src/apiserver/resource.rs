@@ -247,6 +247,7 @@ pub(super) fn route(
         (&Method::DELETE, ["resourceslices", name]) => {
             rs.delete_slice(version, name, body, dry_run).into()
         }
+        (&Method::GET, ["resourceclaims"]) => rs.list_claims(version, &params),
         (&Method::GET, ["namespaces", ns, "resourceclaims", name]) => {
             match rs.claims.get(&((*ns).into(), (*name).into())) {
                 Some(claim) => Reply::Whole(StatusCode::OK, claim.clone()),
@@ -281,6 +282,24 @@ pub(super) fn route(
         )
         .into(),
     }
+}
+
+/// A list's continue token: the last key given, in hex (opaque to the client, as the API server's are).
+fn encode_token((namespace, name): &(String, String)) -> String {
+    format!("{namespace}/{name}")
+        .bytes()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn decode_token(token: &str) -> Option<(String, String)> {
+    let bytes: Option<Vec<u8>> = (0..token.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(token.get(i..i + 2)?, 16).ok())
+        .collect();
+    let text = String::from_utf8(bytes?).ok()?;
+    let (namespace, name) = text.split_once('/')?;
+    Some((namespace.into(), name.into()))
 }
 
 /// A resource version as the API server writes it.
@@ -366,6 +385,60 @@ fn invalid_object(kind: &str, name: &str, errors: &[FieldError]) -> (StatusCode,
 
 impl ResourceState {
     /// Every slice.
+    /// Every namespace's claims, in pages as the API server gives them: `limit` claims at most (all without
+    /// one), the next page from the `continue` token the previous one ended with, and the count of those
+    /// left in `metadata.remainingItemCount`. A token that is not one of ours is 400, as a malformed one is
+    /// there.
+    fn list_claims(&self, version: u64, params: &BTreeMap<String, String>) -> Reply {
+        let limit = params
+            .get("limit")
+            .and_then(|l| l.parse::<usize>().ok())
+            .filter(|l| *l > 0)
+            .unwrap_or(usize::MAX);
+        let after = match params.get("continue").filter(|c| !c.is_empty()) {
+            None => None,
+            Some(token) => match decode_token(token) {
+                Some(key) => Some(key),
+                None => {
+                    return failure(
+                        StatusCode::BAD_REQUEST,
+                        "BadRequest",
+                        &format!("continue key is not valid: {token:?}"),
+                    )
+                    .into();
+                }
+            },
+        };
+        let rest: Vec<(&(String, String), &Value)> = match &after {
+            Some(key) => self
+                .claims
+                .range::<(String, String), _>((
+                    std::ops::Bound::Excluded(key),
+                    std::ops::Bound::Unbounded,
+                ))
+                .collect(),
+            None => self.claims.iter().collect(),
+        };
+        let page: Vec<Value> = rest.iter().take(limit).map(|(_, c)| (*c).clone()).collect();
+        let mut metadata = json!({"resourceVersion": version.to_string()});
+        if let Some((last, _)) = rest
+            .get(page.len().wrapping_sub(1))
+            .filter(|_| rest.len() > page.len())
+        {
+            metadata["continue"] = Value::String(encode_token(last));
+            metadata["remainingItemCount"] = json!(rest.len() - page.len());
+        }
+        Reply::Whole(
+            StatusCode::OK,
+            json!({
+                "apiVersion": API_VERSION,
+                "kind": "ResourceClaimList",
+                "metadata": metadata,
+                "items": page,
+            }),
+        )
+    }
+
     pub(super) fn slices(&self) -> Vec<Value> {
         self.slices.values().cloned().collect()
     }

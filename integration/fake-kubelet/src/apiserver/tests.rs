@@ -579,3 +579,45 @@ async fn resource_requests_are_refused_while_forbidden_or_failing_as_any_other()
     assert_eq!(server.slices().len(), 1);
     Ok(())
 }
+
+#[tokio::test]
+async fn claims_are_listed_across_namespaces_in_pages_as_the_api_server_gives_them() -> TestResult {
+    let api = FakeApiServer::start().await?;
+    for (namespace, name) in [("a", "one"), ("b", "two"), ("b", "three")] {
+        api.add_claim(
+            namespace,
+            name,
+            vec![AllocationResult::new(
+                "gpu",
+                "gpu.example.com",
+                "node-a",
+                "gpu-0",
+            )],
+        );
+    }
+    let claims: Api<DynamicObject> =
+        Api::all_with(client(&api)?, &resource("ResourceClaim", "resourceclaims"));
+    let first = claims.list(&ListParams::default().limit(2)).await?;
+    assert_eq!(first.items.len(), 2);
+    let token = first.metadata.continue_.clone().ok_or("a continue token")?;
+    assert_eq!(first.metadata.remaining_item_count, Some(1));
+    let rest = claims
+        .list(&ListParams::default().limit(2).continue_token(&token))
+        .await?;
+    assert_eq!(rest.items.len(), 1);
+    assert!(rest.metadata.continue_.is_none_or(|c| c.is_empty()));
+    let mut names: Vec<String> = first
+        .items
+        .iter()
+        .chain(&rest.items)
+        .filter_map(|c| c.metadata.name.clone())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["one", "three", "two"]);
+    // A token that is not one the server gave is refused.
+    let bad = claims
+        .list(&ListParams::default().continue_token("not-a-token"))
+        .await;
+    assert!(matches!(bad, Err(kube::Error::Api(s)) if s.code == 400));
+    Ok(())
+}
