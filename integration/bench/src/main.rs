@@ -79,6 +79,9 @@ pub(crate) enum Measure {
     Startup,
     /// Allocate round trips.
     Allocate,
+    /// GetPreferredAllocation round trips, as the kubelet asks before it admits a pod, while the plugin's
+    /// NVML event thread waits in `nvmlEventSetWait` (as it does whenever no fault comes).
+    Preferred,
     /// PreStartContainer round trips.
     Prestart,
     /// Kubelet restart → Register.

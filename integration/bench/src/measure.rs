@@ -64,6 +64,7 @@ pub(crate) async fn all(
 
     let shared = [
         Measure::Allocate,
+        Measure::Preferred,
         Measure::Prestart,
         Measure::Restart,
         Measure::Idle,
@@ -492,6 +493,10 @@ async fn surfaces(
     Ok(())
 }
 
+/// GetPreferredAllocation calls measured (fewer than Allocate's: on a fake library that held a lock across
+/// the event thread's wait, each took up to that wait's 5 s).
+const PREFERRED_CALLS: usize = 200;
+
 /// The measures that share one plugin instance, in an order where none disturbs the next: Allocate,
 /// kubelet restarts, idle, many restarts, then the storm.
 async fn on_one_instance(
@@ -517,6 +522,41 @@ async fn on_one_instance(
             allocs.push(started.elapsed());
         }
         report.latency("Allocate, 1 device", &allocs);
+    }
+
+    // 6a. GetPreferredAllocation, which the kubelet calls and waits for (without a timeout) before admitting
+    // each pod; the plugin's NVML event thread is in its wait meanwhile, as it is whenever no fault comes.
+    if args.runs(Measure::Preferred) {
+        let ids: Vec<String> = (0..devices).map(uuid).collect();
+        let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let size = devices.min(2);
+        let mut calls = Vec::with_capacity(counts.allocates);
+        let kubelet = rig.kubelet.lock().await;
+        for _ in 0..counts.allocates.min(PREFERRED_CALLS) {
+            let started = Instant::now();
+            match kubelet.preferred_allocation(&ids, &[], size as i32).await {
+                Ok(chosen) if chosen.len() == size => calls.push(started.elapsed()),
+                Ok(chosen) => anyhow::bail!(
+                    "GetPreferredAllocation chose {chosen:?}, not {size} devices; plugin log:\n{}",
+                    plugin.log()
+                ),
+                Err(status) if status.code() == tonic::Code::Unimplemented => break,
+                Err(status) => anyhow::bail!(
+                    "GetPreferredAllocation failed: {status}; plugin log:\n{}",
+                    plugin.log()
+                ),
+            }
+        }
+        if calls.is_empty() {
+            report.value("GetPreferredAllocation: not offered by the plugin", 0.0, "");
+        } else {
+            report.latency(
+                &format!(
+                    "GetPreferredAllocation, {size} of {devices} devices, event thread waiting"
+                ),
+                &calls,
+            );
+        }
     }
 
     // 6b. PreStartContainer, as the kubelet calls it before a container holding every GPU starts
