@@ -148,7 +148,10 @@ fn init_logging(format: LogFormat) {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
     match format {
-        LogFormat::Text => builder.init(),
+        // Fields quote outside text (names, reasons, errors from other processes): each shown escaped.
+        LogFormat::Text => builder
+            .fmt_fields(gpu_device_plugin::util::text::log_fields())
+            .init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
 }

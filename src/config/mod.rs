@@ -1250,7 +1250,7 @@ fn pod_uid(uid: Option<&str>) -> Result<Option<String>, ConfigError> {
     } else {
         Err(ConfigError::Invalid {
             setting: "--dra-pod-uid",
-            value: crate::util::text::printable(&crate::util::text::cut_bytes(uid, 80)),
+            value: shown(uid, 80),
             why: "a pod UID is at most 64 lower-case letters, digits and '-' (give metadata.uid from the \
                   downward API)"
                 .into(),

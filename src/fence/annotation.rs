@@ -35,12 +35,12 @@ pub fn parse(value: &str) -> (BTreeMap<String, String>, Vec<String>) {
     let mut problems = Vec::new();
     for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
         // Anyone who may patch the Node writes this: made printable before it reaches a log or a message.
-        let shown = crate::util::text::printable(&crate::util::text::cut_bytes(entry, 120));
+        let shown = crate::util::text::shown(entry, 120);
         let Some((device, reason)) = entry.split_once('=') else {
             problems.push(format!("{shown:?}: not <device>=<reason>"));
             continue;
         };
-        let (device, reason) = (crate::util::text::printable(device.trim()), reason.trim());
+        let (device, reason) = (crate::util::text::shown(device.trim(), 120), reason.trim());
         if device.is_empty() || device.contains(':') {
             problems.push(format!("{shown:?}: no device UUID before '='"));
             continue;
@@ -52,10 +52,7 @@ pub fn parse(value: &str) -> (BTreeMap<String, String>, Vec<String>) {
         if entries
             .insert(
                 device.clone(),
-                crate::util::text::printable(&crate::util::text::cut_bytes(
-                    reason,
-                    MAX_REASON_BYTES,
-                )),
+                crate::util::text::shown(reason, MAX_REASON_BYTES),
             )
             .is_some()
         {

@@ -429,10 +429,7 @@ fn plan(
             plan.failed.push((
                 key.clone(),
                 OperatorError::UnknownDevice {
-                    target: crate::util::text::printable(&crate::util::text::cut_bytes(
-                        &want.device,
-                        80,
-                    )),
+                    target: crate::util::text::shown(&want.device, 80),
                     known: crate::util::text::cut_bytes(&known.join(", "), 400),
                     command: None,
                 },
@@ -494,17 +491,12 @@ fn plan(
 pub fn parse_report(text: &[u8]) -> Result<Report, String> {
     // serde's message may quote the text (an unknown field's name).
     let mut report: Report = serde_json::from_slice(text).map_err(|e| {
-        let e = crate::util::text::printable(&crate::util::text::cut_bytes(
-            &e.to_string(),
-            MAX_TEXT_BYTES,
-        ));
+        let e = crate::util::text::shown(&e.to_string(), MAX_TEXT_BYTES);
         format!("not a report ({{\"device\": ..., \"reason\": ..., \"by\": ...}}): {e}")
     })?;
     // Written by anyone who may write the directory, and shown in the log, the kubelet's message, Events:
     // printable, so that it can neither forge a line nor drive a terminal.
-    let text = |t: &str| {
-        crate::util::text::cut_bytes(&crate::util::text::printable(t.trim()), MAX_TEXT_BYTES)
-    };
+    let text = |t: &str| crate::util::text::shown(t.trim(), MAX_TEXT_BYTES);
     report.device = report.device.trim().to_string();
     report.reason = text(&report.reason);
     report.by = report.by.map(|b| text(&b)).filter(|b| !b.is_empty());

@@ -214,7 +214,7 @@ impl Report {
     /// Node annotation, a detector's file): each is printed escaped, so that none can drive the terminal
     /// or forge a line.
     pub fn table(&self) -> String {
-        use crate::util::text::printable;
+        let printable = |text: &str| crate::util::text::shown(text, crate::util::text::LINE_MAX);
         let rows: Vec<[String; 5]> = self
             .devices
             .iter()

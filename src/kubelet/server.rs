@@ -168,20 +168,23 @@ pub fn check_list_size(
 
 impl From<PreStartError> for Status {
     fn from(e: PreStartError) -> Self {
-        Status::failed_precondition(e.to_string())
+        Status::failed_precondition(crate::util::text::status_message(&e.to_string()))
     }
 }
 
+/// The one place an allocation's refusal becomes a gRPC status: its text (which may quote a device ID or a
+/// fence's reason) through [`crate::util::text::status_message`].
 impl From<AllocationError> for Status {
     fn from(e: AllocationError) -> Self {
+        let message = crate::util::text::status_message(&e.to_string());
         match e {
-            AllocationError::UnhealthyDevice { .. } => Status::failed_precondition(e.to_string()),
+            AllocationError::UnhealthyDevice { .. } => Status::failed_precondition(message),
             AllocationError::NoContainers
             | AllocationError::NoDevices(_)
             | AllocationError::UnknownDevice(_)
             | AllocationError::DuplicateDevice(_)
             | AllocationError::SharedRequestTooLarge(_)
-            | AllocationError::BadSize { .. } => Status::invalid_argument(e.to_string()),
+            | AllocationError::BadSize { .. } => Status::invalid_argument(message),
         }
     }
 }
@@ -451,5 +454,30 @@ mod tests {
         assert!(unhealthy.message().contains("g0") && unhealthy.message().contains("XID 79"));
         let unknown = Status::from(AllocationError::UnknownDevice("x".into()));
         assert_eq!(unknown.code(), tonic::Code::InvalidArgument);
+    }
+
+    #[test]
+    fn a_refusal_quoting_huge_outside_text_reaches_the_kubelet_escaped_and_small() {
+        let refused = Status::from(AllocationError::UnhealthyDevice {
+            id: "g0".into(),
+            reason: format!("fenced: {}\n\u{202E}forged", "r".repeat(10 << 20)),
+        });
+        assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+        let message = refused.message();
+        assert!(
+            message.len() <= crate::util::text::STATUS_MESSAGE_MAX,
+            "{}",
+            message.len()
+        );
+        assert!(message.contains("g0") && message.contains("more bytes)"));
+        let refused = Status::from(AllocationError::UnhealthyDevice {
+            id: "g0".into(),
+            reason: "fenced\n\u{202E}forged".into(),
+        });
+        assert!(
+            refused.message().contains("fenced\\n\\u{202e}forged"),
+            "{}",
+            refused.message()
+        );
     }
 }

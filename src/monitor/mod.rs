@@ -605,7 +605,7 @@ impl Monitor {
                 .first()
                 .map_or_else(|| "GPU-…".to_string(), |d| d.info.id.clone());
             return Err(OperatorError::UnknownDevice {
-                target: crate::util::text::printable(&crate::util::text::cut_bytes(target, 80)),
+                target: crate::util::text::shown(target, 80),
                 known: crate::util::text::cut_bytes(&known.join(", "), 400),
                 command: Some(format!("gpu-device-plugin {command} {example}")),
             });

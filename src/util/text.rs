@@ -91,6 +91,27 @@ pub fn status_message(text: &str) -> String {
     shown(text, STATUS_MESSAGE_MAX - 40)
 }
 
+/// How the text log writes an event's fields: every value, the message included, through [`shown`] (within
+/// [`LINE_MAX`]), so that no field of any log line, whatever outside text it quotes, can forge a line, drive
+/// a terminal or reorder what follows, and no line grows past a few kilobytes a field.
+pub fn log_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + Send + Sync + 'static
+{
+    use tracing_subscriber::field::MakeExt as _;
+    tracing_subscriber::fmt::format::debug_fn(
+        |writer: &mut tracing_subscriber::fmt::format::Writer<'_>,
+         field: &tracing::field::Field,
+         value: &dyn std::fmt::Debug| {
+            let value = shown(&format!("{value:?}"), LINE_MAX);
+            if field.name() == "message" {
+                write!(writer, "{value}")
+            } else {
+                write!(writer, "{field}={value}")
+            }
+        },
+    )
+    .delimited(" ")
+}
+
 /// Whether `s` is a DNS label as Kubernetes names take it (a namespace): 1-63 lower-case letters, digits
 /// and '-', starting and ending with a letter or digit.
 pub fn is_dns_label(s: &str) -> bool {
@@ -165,6 +186,52 @@ mod tests {
         let out = status_message(&format!("claim value {} refused", "v".repeat(10 << 20)));
         assert!(out.len() <= STATUS_MESSAGE_MAX, "{}", out.len());
         assert!(out.starts_with("claim value vvv") && out.contains("more bytes)"));
+    }
+
+    #[test]
+    fn a_log_line_quoting_outside_text_stays_one_line_escaped_and_capped() {
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let sink = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .fmt_fields(log_fields())
+            .with_ansi(false)
+            .with_writer(move || Sink(sink.clone()))
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let reason = format!(
+                "gone\n2026 INFO forged \u{202E}\u{1b}[2J{}",
+                "r".repeat(1 << 20)
+            );
+            tracing::warn!(reason = %reason, device = "GPU-0", "fence set: {}", "a\u{2066}b");
+        });
+        let text = String::from_utf8(lines.lock().unwrap().clone()).unwrap();
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(
+            !text.contains('\u{202E}') && !text.contains('\u{1b}') && !text.contains('\u{2066}')
+        );
+        assert!(text.contains("fence set: a\\u{2066}b"), "{text}");
+        assert!(
+            text.contains("reason=gone\\n2026 INFO forged \\u{202e}\\u{1b}[2J"),
+            "{text}"
+        );
+        assert!(
+            text.contains("more bytes)") && text.len() < 2 * LINE_MAX,
+            "{}",
+            text.len()
+        );
+    }
+
+    /// A log writer into a shared buffer.
+    struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Sink {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 
     #[test]

@@ -290,7 +290,7 @@ fn read_entry(name: &std::ffi::OsStr, entry: &DirEntry, listing: &mut Listing) {
         Examined::Unusable(key, why, version) => (why, version, Some(key)),
     };
     listing.problems.push(Problem {
-        file: crate::util::text::printable(&name.to_string_lossy()),
+        file: crate::util::text::shown(&name.to_string_lossy(), crate::util::text::SHOWN_MAX),
         version: hash((version, &why)),
         why,
         held: held.is_some(),
