@@ -21,6 +21,23 @@ struct DeviceLabels {
     index: String,
 }
 
+/// One active condition of one device: the device's labels, the condition's kind and value (the XID, the
+/// recovery action; empty where it has none) and its effect under the policy in force.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConditionLabels {
+    resource: String,
+    device: String,
+    index: String,
+    kind: String,
+    value: String,
+    effect: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DriverLabels {
+    driver: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct SocketLabels {
     socket: String,
@@ -69,7 +86,9 @@ struct Recorders {
     registry: Registry,
     device_healthy: Family<DeviceLabels, Gauge>,
     devices_with_condition: Family<KindLabels, Gauge>,
+    device_condition: Family<ConditionLabels, Gauge>,
     kubelet_registered: Gauge,
+    dra_registered: Family<DriverLabels, Gauge>,
     streams: Gauge,
     transitions: Family<HealthLabels, Counter>,
     xid_events: Family<XidLabels, Counter>,
@@ -97,8 +116,19 @@ pub struct DeviceGauge<'a> {
     pub index: usize,
     /// Whether it is Healthy.
     pub healthy: bool,
-    /// The kinds of its active conditions (`xid`, `fenced`, ...), repeats allowed.
-    pub conditions: Vec<&'a str>,
+    /// Its active conditions.
+    pub conditions: Vec<ConditionGauge<'a>>,
+}
+
+/// One active condition of a device, for the per-device condition gauge.
+#[derive(Debug, Clone, Copy)]
+pub struct ConditionGauge<'a> {
+    /// Its kind (`xid`, `fenced`, ...).
+    pub kind: &'a str,
+    /// Its value where it has one (the XID, the recovery action).
+    pub value: Option<u64>,
+    /// Whether it makes the device Unhealthy under the policy in force.
+    pub unhealthy: bool,
 }
 
 impl Default for Metrics {
@@ -130,11 +160,27 @@ impl Metrics {
             "Devices with an active condition of this kind (xid, ecc-dbe, gpu-lost, ...)",
             devices_with_condition.clone(),
         );
+        // Which device is Unhealthy, and why: an alert names the GPU and the engine's reason, a dashboard
+        // shows faults per GPU (`devices_with_condition` counts per node only).
+        let device_condition = Family::<ConditionLabels, Gauge>::default();
+        registry.register(
+            "device_condition",
+            "1 for each active condition of a device: its kind, value (the XID, the recovery action) and effect (Unhealthy or None) under the policy in force",
+            device_condition.clone(),
+        );
         let kubelet_registered = Gauge::default();
         registry.register(
             "kubelet_registered",
             "1 while the kubelet has accepted our registration and not closed our stream since",
             kubelet_registered.clone(),
+        );
+        // `kubelet_registered` speaks for the device plugin's resources only (with every GPU through DRA it
+        // has none, and says 1): the DRA registration has a gauge of its own, present only when DRA serves.
+        let dra_registered = Family::<DriverLabels, Gauge>::default();
+        registry.register(
+            "dra_registered",
+            "1 while the kubelet has accepted the DRA driver's registration, by driver; absent when no GPU is served through DRA",
+            dra_registered.clone(),
         );
         let streams = Gauge::default();
         registry.register(
@@ -229,7 +275,9 @@ impl Metrics {
             registry,
             device_healthy,
             devices_with_condition,
+            device_condition,
             kubelet_registered,
+            dra_registered,
             streams,
             transitions,
             xid_events,
@@ -372,6 +420,22 @@ impl Metrics {
         m.health_streams_ended.inc();
     }
 
+    /// Whether the kubelet has accepted the DRA driver `driver` (set when a scrape comes; `None` when no GPU
+    /// is served through DRA, and the gauge is left out).
+    pub fn dra_registered(&self, driver: Option<(&str, bool)>) {
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.dra_registered.clear();
+        if let Some((driver, registered)) = driver {
+            m.dra_registered
+                .get_or_create(&DriverLabels {
+                    driver: driver.into(),
+                })
+                .set(i64::from(registered));
+        }
+    }
+
     /// `open` HTTP connections are being served (set when a scrape comes).
     pub fn http_connections_open(&self, open: usize) {
         let Some(m) = &self.0 else {
@@ -393,6 +457,7 @@ impl Metrics {
         };
         m.device_healthy.clear();
         m.devices_with_condition.clear();
+        m.device_condition.clear();
         for d in devices {
             let labels = DeviceLabels {
                 resource: d.resource.to_string(),
@@ -402,7 +467,20 @@ impl Metrics {
             m.device_healthy
                 .get_or_create(&labels)
                 .set(i64::from(d.healthy));
-            let kinds: std::collections::BTreeSet<&str> = d.conditions.into_iter().collect();
+            for c in &d.conditions {
+                m.device_condition
+                    .get_or_create(&ConditionLabels {
+                        resource: labels.resource.clone(),
+                        device: labels.device.clone(),
+                        index: labels.index.clone(),
+                        kind: c.kind.into(),
+                        value: c.value.map(|v| v.to_string()).unwrap_or_default(),
+                        effect: if c.unhealthy { "Unhealthy" } else { "None" }.into(),
+                    })
+                    .set(1);
+            }
+            let kinds: std::collections::BTreeSet<&str> =
+                d.conditions.iter().map(|c| c.kind).collect();
             for kind in kinds {
                 m.devices_with_condition
                     .get_or_create(&KindLabels { kind: kind.into() })

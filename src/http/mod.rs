@@ -1,5 +1,6 @@
 //! The HTTP surfaces, on `--http-addr`: `/healthz` (liveness), `/readyz` (registered with the kubelet and
-//! serving), `/status` (JSON: every device with its conditions and message, the kubelet link, the policy).
+//! serving), `/status` (JSON: every device with its conditions and message, the kubelet link, the policy;
+//! an HTML page of the same to a browser, see [`page`]).
 //! They read the same state the kubelet side does, through the monitor's status queries and the kubelet
 //! link's watch, and are never in the kubelet's path: a slow or failing HTTP client cannot delay a fault.
 //!
@@ -9,6 +10,7 @@
 //! are bounded in number, time and buffer size ([`bounded`], [`bounds`]), and a flood costs the HTTP port
 //! alone.
 
+pub mod page;
 pub mod status;
 
 use std::net::SocketAddr;
@@ -27,8 +29,8 @@ use tokio_util::sync::CancellationToken;
 use crate::devices::Health;
 use crate::http::status::{DeviceStatus, KubeletStatus, PolicySummary, Report};
 use crate::kubelet::pods::PodResources;
-use crate::metrics::DeviceGauge;
 use crate::metrics::Metrics;
+use crate::metrics::{ConditionGauge, DeviceGauge};
 use crate::monitor::DeviceSnapshot;
 use crate::monitor::MonitorHandle;
 use crate::sources::Heartbeat;
@@ -323,6 +325,19 @@ async fn route<B>(
                     unserved: context.unserved.clone(),
                     dra,
                 };
+                let accept = request
+                    .headers()
+                    .get(hyper::header::ACCEPT)
+                    .and_then(|a| a.to_str().ok());
+                if page::wants_html(accept) {
+                    return Response::builder()
+                        .status(StatusCode::OK)
+                        .header("content-type", "text/html; charset=utf-8")
+                        .header("content-security-policy", page::CONTENT_SECURITY_POLICY)
+                        .header("x-content-type-options", "nosniff")
+                        .body(Full::new(Bytes::from(page::html(&report))))
+                        .unwrap_or_default();
+                }
                 match serde_json::to_vec_pretty(&report) {
                     Ok(body) => respond(StatusCode::OK, "application/json", body),
                     Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
@@ -359,9 +374,16 @@ async fn route<B>(
                         conditions: d
                             .conditions
                             .iter()
-                            .map(|c| c.condition.kind.name())
+                            .map(|c| ConditionGauge {
+                                kind: c.condition.kind.name(),
+                                value: c.condition.kind.value(),
+                                unhealthy: c.effect == crate::health::Effect::Unhealthy,
+                            })
                             .collect(),
                     });
+                context
+                    .metrics
+                    .dra_registered(dra.as_ref().map(|d| (d.driver.as_str(), d.registered)));
                 // Registered: every resource the process serves is; streams: all of them together.
                 let registered = links.iter().all(|k| k.registered);
                 let streams = links.iter().map(|k| k.streams_open).sum();
