@@ -385,9 +385,8 @@ impl HealthEngine {
                 state.action_changed |= probe_now;
             }
             Observation::DoubleBitEcc => self.record(&mut state, ConditionKind::EccDbe, None, now),
-            Observation::GpuLost | Observation::Probe(ProbeResult::Lost) => {
-                self.record(&mut state, ConditionKind::GpuLost, None, now);
-            }
+            Observation::GpuLost => self.record(&mut state, ConditionKind::GpuLost, None, now),
+            Observation::Probe(ProbeResult::Lost) => self.still_lost(&mut state, now),
             Observation::Unmonitored(why) => {
                 self.record(
                     &mut state,
@@ -494,6 +493,22 @@ impl HealthEngine {
                 first_seen: now,
                 last_seen: now,
             }),
+        }
+    }
+
+    /// A probe found the GPU lost. Where it was known lost, that is no new event: the quiet period keeps
+    /// counting from the loss the GPU raised, and the probe is retried after the probe interval (a lost GPU
+    /// reset 12 minutes in is served at the next probe, not a quiet period after the last failed one). A
+    /// loss the probe is the first to see counts as the GPU's event.
+    fn still_lost(&self, state: &mut DeviceHealth, now: SystemTime) {
+        if state
+            .conditions
+            .iter()
+            .any(|c| c.kind == ConditionKind::GpuLost)
+        {
+            self.reschedule(state, now);
+        } else {
+            self.record(state, ConditionKind::GpuLost, None, now);
         }
     }
 

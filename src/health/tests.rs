@@ -145,26 +145,51 @@ fn harmless_events_do_not_delay_recovery() {
 fn a_lost_gpu_recovers_only_once_it_answers_again() {
     let mut e = default_engine();
     e.observe(GPU, &Observation::GpuLost, t(0));
-    // Probes keep failing while the GPU is off the bus, and each failure is a new lost event.
-    assert_eq!(
-        e.observe(GPU, &Observation::Probe(ProbeResult::Lost), t(600))
-            .new,
-        Health::Unhealthy
-    );
-    assert_eq!(
-        e.observe(GPU, &Observation::Probe(ProbeResult::Lost), t(630))
-            .new,
-        Health::Unhealthy
-    );
-    // Answering within the quiet period after the last failure is not enough either.
+    // Probes keep failing while the GPU is off the bus.
+    for at in [600, 630] {
+        assert_eq!(
+            e.observe(GPU, &Observation::Probe(ProbeResult::Lost), t(at))
+                .new,
+            Health::Unhealthy
+        );
+    }
+    // Answering within the quiet period after a new loss the GPU raised is not enough.
+    e.observe(GPU, &Observation::GpuLost, t(650));
     assert_eq!(
         e.observe(GPU, &answered(None), t(700)).new,
         Health::Unhealthy
     );
     assert_eq!(
-        e.observe(GPU, &answered(None), t(1230)).new,
+        e.observe(GPU, &answered(None), t(1250)).new,
         Health::Healthy
     );
+}
+
+#[test]
+fn a_lost_gpu_reset_during_its_probes_is_served_at_the_next_probe_not_a_quiet_period_later() {
+    let mut e = default_engine();
+    e.observe(GPU, &Observation::GpuLost, t(0));
+    assert!(e.due_probes(t(599)).is_empty(), "quiet period");
+    // From the end of the quiet period, a probe that finds the GPU still lost is retried every probe
+    // interval: it is no new event, and does not start the quiet period again.
+    let mut at = 600;
+    while at <= 720 {
+        assert_eq!(e.due_probes(t(at)), vec![GPU.to_string()], "at {at} s");
+        let probed = e.observe(GPU, &Observation::Probe(ProbeResult::Lost), t(at));
+        assert_eq!(probed.new, Health::Unhealthy);
+        assert_eq!(
+            e.next_deadline(),
+            Some(t(at + 30)),
+            "after the probe at {at} s"
+        );
+        at += 30;
+    }
+    // Reset 12 minutes after the loss, just after that probe: the next one, at 12.5 minutes, finds it
+    // answering, and it is served.
+    assert!(e.due_probes(t(749)).is_empty());
+    assert_eq!(e.due_probes(t(750)), vec![GPU.to_string()]);
+    assert_eq!(e.observe(GPU, &answered(None), t(750)).new, Health::Healthy);
+    assert_eq!(e.next_deadline(), None, "nothing left to probe");
 }
 
 #[test]
