@@ -496,20 +496,29 @@ impl HealthEngine {
         }
     }
 
-    /// A probe found the GPU lost. Where it was known lost, that is no new event: the quiet period keeps
-    /// counting from the loss the GPU raised, and the probe is retried after the probe interval (a lost GPU
-    /// reset 12 minutes in is served at the next probe, not a quiet period after the last failed one). A
-    /// loss the probe is the first to see counts as the GPU's event.
+    /// A probe found the GPU lost. That is no new event: the quiet period keeps counting from the last
+    /// Unhealthy event the GPU raised (its loss, an XID 79), and the probe is retried after the probe
+    /// interval: a lost GPU reset 12 minutes in is served at the next probe, not a quiet period after the
+    /// last failed one. Only where the GPU raised no Unhealthy event does the probe's finding count as one.
     fn still_lost(&self, state: &mut DeviceHealth, now: SystemTime) {
-        if state
+        if state.last_unhealthy.is_none() {
+            self.record(state, ConditionKind::GpuLost, None, now);
+            return;
+        }
+        if !state
             .conditions
             .iter()
             .any(|c| c.kind == ConditionKind::GpuLost)
         {
-            self.reschedule(state, now);
-        } else {
-            self.record(state, ConditionKind::GpuLost, None, now);
+            state.conditions.push(Condition {
+                kind: ConditionKind::GpuLost,
+                detail: None,
+                count: 1,
+                first_seen: now,
+                last_seen: now,
+            });
         }
+        self.reschedule(state, now);
     }
 
     /// A probe succeeded: apply the driver's recovery action, then the quiet-period rule.

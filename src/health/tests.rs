@@ -119,6 +119,18 @@ fn a_reset_class_xid_recovers_after_the_quiet_period_and_a_successful_probe() {
 }
 
 #[test]
+fn a_gpu_off_the_bus_is_served_at_its_first_answer_after_the_quiet_period() {
+    let mut e = default_engine();
+    e.observe(GPU, &Observation::Xid(79), t(0));
+    for at in [600, 630] {
+        let probed = e.observe(GPU, &Observation::Probe(ProbeResult::Lost), t(at));
+        assert_eq!(probed.new, Health::Unhealthy);
+        assert_eq!(e.next_deadline(), Some(t(at + 30)));
+    }
+    assert_eq!(e.observe(GPU, &answered(None), t(660)).new, Health::Healthy);
+}
+
+#[test]
 fn a_new_fault_during_the_quiet_period_starts_it_again() {
     let mut e = default_engine();
     e.observe(GPU, &Observation::Xid(109), t(0));
