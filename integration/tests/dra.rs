@@ -422,6 +422,72 @@ async fn deleted_dra_sockets_are_bound_again_and_the_kubelet_registers_the_plugi
     Ok(())
 }
 
+/// `dra.sock` and the registration socket replaced in one rename by a FIFO, a file, a dead socket or a
+/// dangling link are bound again at once, as a deleted one is: before, the plugin said "another process has
+/// bound…" and never bound them again (still gone 33 s later), so the kubelet could neither call the driver
+/// nor register it again.
+#[tokio::test]
+async fn dra_sockets_replaced_by_a_fifo_a_file_a_dead_socket_or_a_dangling_link_are_bound_again()
+-> TestResult {
+    use std::os::unix::fs::FileTypeExt as _;
+    let node = DraNode::start(1, "all").await?;
+    let sockets = [
+        node.root
+            .path()
+            .join("plugins")
+            .join(DRIVER)
+            .join("dra.sock"),
+        node.root
+            .path()
+            .join("plugins_registry")
+            .join(format!("{DRIVER}-reg.sock")),
+    ];
+    for kind in ["fifo", "file", "dead socket", "dangling link"] {
+        for socket in &sockets {
+            // Made out of the watched directories, then renamed over the socket.
+            let made = node.root.path().join("replacement");
+            match kind {
+                "fifo" => rustix::fs::mknodat(
+                    rustix::fs::CWD,
+                    &made,
+                    rustix::fs::FileType::Fifo,
+                    rustix::fs::Mode::from_raw_mode(0o600),
+                    0,
+                )?,
+                "file" => std::fs::write(&made, "not a socket")?,
+                "dead socket" => drop(std::os::unix::net::UnixListener::bind(&made)?),
+                _ => std::os::unix::fs::symlink(node.root.path().join("nowhere"), &made)?,
+            }
+            std::fs::rename(&made, socket)?;
+            let deadline = std::time::Instant::now() + WAIT;
+            loop {
+                let bound = std::fs::symlink_metadata(socket).is_ok_and(|m| m.file_type().is_socket())
+                    && std::os::unix::net::UnixStream::connect(socket).is_ok();
+                if bound {
+                    break;
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err(format!(
+                        "{} replaced by a {kind} was not bound again\n{}",
+                        socket.display(),
+                        node.plugin.log()
+                    )
+                    .into());
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    }
+    node.plugin
+        .wait_log(WAIT, |l| l.contains("DRA socket was replaced by a FIFO: bound again"))
+        .await
+        .ok_or("the rebinding is said")?;
+    // The kubelet reaches the driver through the new DRA socket.
+    node.prepared_with_gpu(&node.pod_with_claim("train", "gpu-0"), 0)
+        .await?;
+    Ok(())
+}
+
 /// Someone cleans up the kubelet's directories more thoroughly than deleting sockets: the driver's directory
 /// moved away with its socket, the registration's directory replaced by a file. The plugin makes the
 /// directory again and binds its socket there at once (not at the 30 s check), watches the new directory,

@@ -289,8 +289,6 @@ fn is_registration_of(driver: &str, name: &str) -> bool {
 const REGISTRY_ENTRIES_LOOKED_AT: usize = 4096;
 /// The most of them connected to: two pods of a rolling update are two sockets.
 const OTHER_SOCKETS_TRIED: usize = 16;
-/// How long a connect to another instance's socket is waited for; past it, someone is there.
-const OTHER_INSTANCE_CONNECT: Duration = Duration::from_millis(100);
 
 /// Whether another instance of this driver serves on the node: a registration socket of the driver's other
 /// than this one's that answers a connect (the other pod of a rolling update, or a new pod failing beside
@@ -315,14 +313,11 @@ async fn another_instance(config: &DraConfig) -> bool {
         .take(OTHER_SOCKETS_TRIED)
         .collect();
     for path in others {
-        let refused = matches!(
-            tokio::time::timeout(OTHER_INSTANCE_CONNECT, UnixStream::connect(&path)).await,
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
-        );
-        if !refused {
+        // The look every served socket's path gets: a connect that never waits.
+        if crate::kubelet::socket::look(&path) == crate::kubelet::socket::Found::Live {
             return true;
         }
-        // A refused connect does not wait: the health stream and prepare get their turn between two.
+        // The health stream and prepare get their turn between two.
         tokio::task::yield_now().await;
     }
     false
@@ -580,39 +575,49 @@ impl Served {
         })
     }
 
-    /// Binds the socket again if its file is gone, making its directory again if that is gone too (someone
-    /// cleaned up under the running plugin). A file of someone else's in its place (another instance on the
-    /// same node) is left alone, and said once. Whether the socket is ours and in place after: a failure
+    /// Keeps the socket in place by the rule every served socket follows
+    /// ([`PluginSocket::keep_in_place`]): bound again when it is gone or replaced (a FIFO, a file, a link, a
+    /// dead socket, whether deleted or renamed over), making its directory again if that is gone too
+    /// (someone cleaned up under the running plugin); a live socket of another process (another instance
+    /// on the same node) is left to it, said once. Whether the socket is ours and in place after: a failure
     /// (the directory replaced by a file, out of descriptors) is said once per kind and tried again at the
     /// next check, never the end of the DRA side.
     fn keep_in_place(&mut self) -> bool {
-        if self.socket.is_in_place() {
-            self.replaced_said = false;
-            self.failure_said = None;
-            return true;
-        }
-        if std::fs::symlink_metadata(self.socket.path()).is_ok() {
-            if !self.replaced_said {
-                self.replaced_said = true;
-                tracing::warn!(
-                    socket = %self.socket.path().display(),
-                    "another process has bound the DRA socket (a second instance of the plugin on this node?); \
-                     leaving it to that one"
-                );
+        use crate::kubelet::socket::{Found, Kept};
+        let made = match self.socket.path().parent() {
+            Some(dir) if !self.socket.is_in_place() => {
+                std::fs::create_dir_all(dir).map_err(|source| DraError::Dir {
+                    path: dir.to_path_buf(),
+                    source,
+                })
             }
-            return false;
-        }
-        let rebound = match self.socket.path().parent() {
-            Some(dir) => std::fs::create_dir_all(dir).map_err(|source| DraError::Dir {
-                path: dir.to_path_buf(),
-                source,
-            }),
-            None => Ok(()),
-        }
-        .and_then(|()| Ok(self.socket.rebind(self.conns.clone())?));
-        match rebound {
-            Ok(()) => {
-                tracing::info!(socket = %self.socket.path().display(), "DRA socket was gone: bound again");
+            _ => Ok(()),
+        };
+        let kept = made.and_then(|()| Ok(self.socket.keep_in_place(self.conns.clone())?));
+        match kept {
+            Ok(Kept::InPlace) => {
+                self.replaced_said = false;
+                self.failure_said = None;
+                true
+            }
+            Ok(Kept::LeftTo) => {
+                if !self.replaced_said {
+                    self.replaced_said = true;
+                    tracing::warn!(
+                        socket = %self.socket.path().display(),
+                        "another process serves on the DRA socket (a second instance of the plugin on this \
+                         node?); leaving it to that one"
+                    );
+                }
+                false
+            }
+            Ok(Kept::Rebound(found)) => {
+                let what = match found {
+                    Found::Gone => "DRA socket was gone: bound again".to_string(),
+                    other => format!("DRA socket {}: bound again", other.describe()),
+                };
+                tracing::info!(socket = %self.socket.path().display(), "{what}");
+                self.replaced_said = false;
                 self.failure_said = None;
                 true
             }

@@ -62,9 +62,6 @@ const MAX_BUF: usize = 8 * 1024;
 /// (nothing removes the file, so no event comes). One `stat` while ours is in place.
 const RECHECK: Duration = Duration::from_secs(30);
 
-/// How long a connect to another instance's socket may take to tell whether it is alive.
-const PROBE: Duration = Duration::from_secs(1);
-
 /// The control socket's bounds under the open-file limit now.
 pub fn bounds() -> Bounds {
     Bounds::under_open_files(MAX_CONNECTIONS, HEADER_READ, CONNECTION_LIFETIME, MAX_BUF)
@@ -140,8 +137,8 @@ pub fn spawn(
                     }
                     None => break,
                 },
-                () = woken(watch.as_ref()) => socket = keep_bound(socket, &path, &conn_tx).await,
-                _ = recheck.tick() => socket = keep_bound(socket, &path, &conn_tx).await,
+                () = woken(watch.as_ref()) => keep_bound(&mut socket, &conn_tx),
+                _ = recheck.tick() => keep_bound(&mut socket, &conn_tx),
             }
         }
         socket.remove();
@@ -157,55 +154,32 @@ async fn woken(watch: Option<&SocketWatch>) {
     }
 }
 
-/// `socket` if it is still at `path` or another live instance's is; otherwise a socket bound there anew
-/// (sending its connections where the first one did).
-async fn keep_bound(
-    socket: PluginSocket,
-    path: &Path,
-    conns: &mpsc::Sender<UnixStream>,
-) -> PluginSocket {
-    if socket.is_in_place() {
-        return socket;
-    }
-    let why = match probe(path).await {
-        Probe::Live => {
+/// Keeps the control socket in place by the rule every served socket follows
+/// ([`PluginSocket::keep_in_place`]): bound again when it is gone or replaced by anything but another live
+/// instance's socket, which is left to that one.
+fn keep_bound(socket: &mut PluginSocket, conns: &mpsc::Sender<UnixStream>) {
+    use crate::kubelet::socket::{Found, Kept};
+    let path = socket.path().to_path_buf();
+    match socket.keep_in_place(conns.clone()) {
+        Ok(Kept::InPlace) => {}
+        Ok(Kept::LeftTo) => {
             tracing::debug!(socket = %path.display(), "another instance answers on the control socket; leaving it to that one");
-            return socket;
         }
-        Probe::Absent => {
-            "the control socket was removed (the instance that had replaced it is gone)"
-        }
-        Probe::Dead => "nothing answers on the control socket (left by an instance that is gone)",
-    };
-    match PluginSocket::bind(path, conns.clone()) {
-        Ok(bound) => {
+        Ok(Kept::Rebound(found)) => {
+            let why = match found {
+                Found::Gone => {
+                    "the control socket was removed (the instance that had replaced it is gone)"
+                }
+                Found::Dead => {
+                    "nothing answers on the control socket (left by an instance that is gone)"
+                }
+                other => other.describe(),
+            };
             tracing::info!(socket = %path.display(), "{why}: bound it again");
-            bound
         }
         Err(e) => {
-            tracing::warn!(socket = %path.display(), error = %e, "{why}, and it cannot be bound again: fence and release cannot reach this plugin");
-            socket
+            tracing::warn!(socket = %path.display(), error = %e, "the control socket is not in place and cannot be bound again: fence and release cannot reach this plugin");
         }
-    }
-}
-
-/// What is at the control socket's path, when it is not our own socket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Probe {
-    /// Something accepts connections there (or is too busy to: alive all the same), or we may not tell.
-    Live,
-    /// No file.
-    Absent,
-    /// A file that refuses connections: a socket whose process is gone, or not a socket.
-    Dead,
-}
-
-/// Connects to the socket at `path` to tell whether a process serves it.
-async fn probe(path: &Path) -> Probe {
-    match tokio::time::timeout(PROBE, UnixStream::connect(path)).await {
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => Probe::Absent,
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Probe::Dead,
-        Ok(_) | Err(_) => Probe::Live,
     }
 }
 

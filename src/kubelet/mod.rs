@@ -296,13 +296,29 @@ impl Endpoint {
         self.socket.is_in_place()
     }
 
-    /// Binds our socket again, after it was deleted (the kubelet deletes every socket here when it starts).
+    /// Binds our socket again, after it was deleted (the kubelet deletes every socket here when it starts)
+    /// or replaced ([`PluginSocket::keep_in_place`]).
     /// A file that vanishes as it is made (`NotFound`) means the directory is being emptied: deleted with
     /// everything in it (then serving stops as for a replaced directory, not as for a socket that cannot be
     /// bound), or cleared by a kubelet starting (then the next turn binds again, a bounded number of times).
     fn rebind(&mut self) -> Result<Option<Stop>, KubeletError> {
-        match self.socket.rebind(self.conns.clone()) {
-            Ok(()) => {
+        use socket::{Found, Kept};
+        // The rule every served socket follows: bound again unless another process serves there.
+        match self.socket.keep_in_place(self.conns.clone()) {
+            Ok(Kept::InPlace) => {
+                self.vanished = 0;
+                Ok(None)
+            }
+            Ok(Kept::LeftTo) => {
+                tracing::warn!(socket = %self.path.display(), "another process serves on the plugin socket's name; leaving it to that one");
+                Ok(None)
+            }
+            Ok(Kept::Rebound(found)) => {
+                let why = match found {
+                    Found::Gone => "was removed (kubelet restart?)",
+                    other => other.describe(),
+                };
+                tracing::info!(socket = %self.path.display(), "plugin socket {why}: binding it again");
                 self.vanished = 0;
                 Ok(None)
             }
@@ -482,7 +498,6 @@ impl Supervisor {
     /// and then owes a registration unless we are registered with the kubelet now behind `kubelet.sock`.
     fn keep_socket_in_place(&mut self) -> Result<Option<Stop>, KubeletError> {
         if !self.endpoint.is_in_place() {
-            tracing::info!(socket = %self.endpoint.path.display(), "plugin socket was removed (kubelet restart?); binding it again");
             if let Some(stop) = self.endpoint.rebind()? {
                 return Ok(Some(stop));
             }
@@ -585,7 +600,6 @@ impl Supervisor {
                         return Ok(ControlFlow::Break(Stop::DirReplaced));
                     }
                     if !self.endpoint.is_in_place() {
-                        tracing::info!(socket = %self.endpoint.path.display(), "plugin socket was removed during registration; binding it again");
                         if let Some(stop) = self.endpoint.rebind()? {
                             return Ok(ControlFlow::Break(stop));
                         }

@@ -62,25 +62,113 @@ pub fn remove_stale_sockets_named(dir: &Path, ours: impl Fn(&str) -> bool) -> us
         if !ours(name) {
             continue;
         }
-        // Only a socket itself: a regular file or a link with our name is not ours to delete.
-        let is_socket = entry.file_type().is_ok_and(|t| {
-            use std::os::unix::fs::FileTypeExt as _;
-            t.is_socket()
-        });
-        if !is_socket {
-            continue;
-        }
+        // Only a socket itself, and one nobody answers on: a regular file or a link with our name is not
+        // ours to delete.
         let path = entry.path();
-        let refused = matches!(
-            std::os::unix::net::UnixStream::connect(&path),
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused
-        );
-        if refused && std::fs::remove_file(&path).is_ok() {
+        if look(&path) == Found::Dead && std::fs::remove_file(&path).is_ok() {
             tracing::info!(socket = %path.display(), "removed a stale socket left by an earlier instance");
             removed += 1;
         }
     }
     removed
+}
+
+/// What is at a served socket's path when it is not the socket this process bound there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    /// Nothing.
+    Gone,
+    /// A socket something accepts connections on (or is too busy to take one now: alive all the same):
+    /// another process serves there, and it is left to it.
+    Live,
+    /// A socket nothing accepts connections on: its process is gone.
+    Dead,
+    /// A FIFO.
+    Fifo,
+    /// A regular file.
+    File,
+    /// A symbolic link, wherever it leads (or nowhere): never a socket another instance bound.
+    Link,
+    /// Something else (a directory, a device).
+    Other,
+}
+
+impl Found {
+    /// How it is said in the log.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Found::Gone => "was gone",
+            Found::Live => "is served by another process",
+            Found::Dead => "was replaced by a socket nothing answers on",
+            Found::Fifo => "was replaced by a FIFO",
+            Found::File => "was replaced by a regular file",
+            Found::Link => "was replaced by a symbolic link",
+            Found::Other => "was replaced by something that is not a socket",
+        }
+    }
+}
+
+/// What is at `path`, looked at without waiting on it: the file's own type (a link is not followed), and
+/// for a socket a connect that does not block (one whose listener's queue is full answers at once that it
+/// would block, and counts as alive). One `lstat` and at most one `connect`; nothing is read or opened.
+pub fn look(path: &Path) -> Found {
+    use std::os::unix::fs::FileTypeExt as _;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Found::Gone,
+        Err(_) => return Found::Other,
+    };
+    let kind = meta.file_type();
+    if kind.is_symlink() {
+        Found::Link
+    } else if kind.is_fifo() {
+        Found::Fifo
+    } else if kind.is_file() {
+        Found::File
+    } else if kind.is_socket() {
+        if answers(path) {
+            Found::Live
+        } else {
+            Found::Dead
+        }
+    } else {
+        Found::Other
+    }
+}
+
+/// Whether something accepts connections on the socket at `path`, asked without blocking: only a refused
+/// connect (or a file gone meanwhile) says no.
+fn answers(path: &Path) -> bool {
+    use nix::errno::Errno;
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    let Ok(address) = UnixAddr::new(path) else {
+        return false;
+    };
+    let Ok(fd) = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    ) else {
+        // Out of descriptors: cannot tell, so not taken from whoever may be there.
+        return true;
+    };
+    use std::os::fd::AsRawFd as _;
+    !matches!(
+        connect(fd.as_raw_fd(), &address),
+        Err(Errno::ECONNREFUSED | Errno::ENOENT | Errno::ENOTSOCK)
+    )
+}
+
+/// What [`PluginSocket::keep_in_place`] found, and did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kept {
+    /// Our socket is in place.
+    InPlace,
+    /// Another process serves a socket there: left to it.
+    LeftTo,
+    /// Bound again over (or in place of) what was found.
+    Rebound(Found),
 }
 
 /// Where a socket is made before it is renamed into place.
@@ -194,6 +282,25 @@ impl PluginSocket {
         self.acceptor.abort();
         *self = PluginSocket::bind_staged(&self.path, self.staging, conns)?;
         Ok(())
+    }
+
+    /// The one rule for every socket the plugin serves (the device plugin's, the DRA driver's, its
+    /// registration, the control socket): our socket in place is kept; a live socket of another process
+    /// there (the other pod of a rolling update, under the same name) is left to it; anything else
+    /// (nothing, a FIFO, a file, a link, a socket nobody answers on, whether put there by a delete or by a
+    /// rename over ours) is replaced by our socket bound again, at once. The look is [`look`]'s: bounded,
+    /// never waiting on what is there.
+    pub fn keep_in_place(&mut self, conns: mpsc::Sender<UnixStream>) -> Result<Kept, KubeletError> {
+        if self.is_in_place() {
+            return Ok(Kept::InPlace);
+        }
+        match look(&self.path) {
+            Found::Live => Ok(Kept::LeftTo),
+            found => {
+                self.rebind(conns)?;
+                Ok(Kept::Rebound(found))
+            }
+        }
     }
 
     /// Path of the socket.
@@ -325,6 +432,103 @@ mod tests {
             );
             socket.remove();
         }
+        Ok(())
+    }
+
+    /// Puts `kind` at `path` in one rename, as someone replacing the socket would.
+    fn replace_with(path: &Path, kind: &str) -> Result<(), Box<dyn std::error::Error>> {
+        let dir = path.parent().ok_or("no directory")?;
+        let made = dir.join(format!("made-{kind}"));
+        match kind {
+            "fifo" => rustix::fs::mknodat(
+                rustix::fs::CWD,
+                &made,
+                rustix::fs::FileType::Fifo,
+                rustix::fs::Mode::from_raw_mode(0o600),
+                0,
+            )?,
+            "file" => std::fs::write(&made, b"not a socket")?,
+            "dead socket" => drop(std::os::unix::net::UnixListener::bind(&made)?),
+            "dangling link" => std::os::unix::fs::symlink(dir.join("nowhere"), &made)?,
+            _ => return Err(format!("no such kind {kind}").into()),
+        }
+        std::fs::rename(&made, path)?;
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_socket_replaced_by_anything_but_a_live_socket_is_bound_again_and_a_live_one_left()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("served.sock");
+        let (tx, mut rx) = mpsc::channel(4);
+        let mut socket = PluginSocket::bind(&path, tx.clone())?;
+        assert_eq!(socket.keep_in_place(tx.clone())?, Kept::InPlace);
+        std::fs::remove_file(&path)?;
+        assert_eq!(
+            socket.keep_in_place(tx.clone())?,
+            Kept::Rebound(Found::Gone)
+        );
+        for (kind, found) in [
+            ("fifo", Found::Fifo),
+            ("file", Found::File),
+            ("dead socket", Found::Dead),
+            ("dangling link", Found::Link),
+        ] {
+            replace_with(&path, kind)?;
+            assert_eq!(look(&path), found, "{kind}");
+            assert_eq!(
+                socket.keep_in_place(tx.clone())?,
+                Kept::Rebound(found),
+                "{kind}"
+            );
+            assert!(socket.is_in_place(), "{kind}");
+            // It serves: a client's connection reaches the channel.
+            let _client = UnixStream::connect(&path).await?;
+            let served = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await;
+            assert!(matches!(served, Ok(Some(_))), "{kind}");
+        }
+        // Another process's live socket under the name is left to it.
+        let made = dir.path().join("other.sock");
+        let _other = std::os::unix::net::UnixListener::bind(&made)?;
+        std::fs::rename(&made, &path)?;
+        assert_eq!(look(&path), Found::Live);
+        assert_eq!(socket.keep_in_place(tx)?, Kept::LeftTo);
+        assert!(!socket.is_in_place());
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_socket_whose_queue_is_full_is_alive_and_looked_at_without_waiting()
+    -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("busy.sock");
+        // Nobody accepts: connects fill the listener's queue, past which a blocking connect would wait.
+        let _listener = std::os::unix::net::UnixListener::bind(&path)?;
+        let mut held = Vec::new();
+        let address = nix::sys::socket::UnixAddr::new(&path)?;
+        loop {
+            use nix::sys::socket::{AddressFamily, SockFlag, SockType, connect, socket};
+            use std::os::fd::AsRawFd as _;
+            let fd = socket(
+                AddressFamily::Unix,
+                SockType::Stream,
+                SockFlag::SOCK_NONBLOCK,
+                None,
+            )?;
+            match connect(fd.as_raw_fd(), &address) {
+                Ok(()) => held.push(fd),
+                Err(nix::errno::Errno::EAGAIN) => break,
+                Err(e) => return Err(e.into()),
+            }
+            assert!(held.len() < 100_000, "the queue never filled");
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let looked = path.clone();
+        std::thread::spawn(move || {
+            let _sent = tx.send(look(&looked));
+        });
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5))?, Found::Live);
         Ok(())
     }
 
