@@ -23,7 +23,8 @@
 //!
 //! Not modelled: the periodic `GetInfo` liveness probe, gRPC's background reconnects to a plugin whose
 //! connection dropped (the next call or health stream reconnects), the 1 s pace of the kubelet's reconciler
-//! (an attempt starts as soon as the socket appears), `reservedFor` checks on claims; a socket renamed away
+//! (an attempt starts as soon as the socket appears; [`DraOptions::hold_registrations`] holds it as long as a
+//! test needs), `reservedFor` checks on claims; a socket renamed away
 //! is deregistered here, where the kubelet acts only on a removal.
 
 mod clock;
@@ -214,6 +215,8 @@ pub(crate) struct Shared {
     watch_errors: Mutex<Vec<String>>,
     /// Whether each driver that had a plugin has a connection up.
     usable: watch::Sender<BTreeMap<String, bool>>,
+    /// Whether registration attempts wait ([`DraOptions::hold_registrations`]).
+    held: watch::Sender<bool>,
 }
 
 impl Shared {
@@ -260,6 +263,7 @@ impl DraKubelet {
             .map_err(start_err)?;
         let shared = Arc::new(Shared {
             root: root.to_owned(),
+            held: watch::Sender::new(options.hold_registrations),
             options,
             clock: clock::Clock::new(),
             runtime: handle,
@@ -299,6 +303,12 @@ impl DraKubelet {
     /// slice wipe, registration backoff) that fall due fire.
     pub fn advance_clock(&self, by: Duration) {
         self.shared.clock.advance(by);
+    }
+
+    /// Lets registration attempts held by [`DraOptions::hold_registrations`] go on, as the plugin watcher's
+    /// reconciler does at its next pass.
+    pub fn release_registrations(&self) {
+        self.shared.held.send_replace(false);
     }
 
     /// The plugins registered now.

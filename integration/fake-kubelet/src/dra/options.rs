@@ -77,6 +77,7 @@ pub struct DraOptions {
     pub(super) wipe_delay: Duration,
     pub(super) call_timeout: Duration,
     pub(super) api: Option<(ApiServerLink, String)>,
+    pub(super) hold_registrations: bool,
 }
 
 impl Default for DraOptions {
@@ -92,6 +93,7 @@ impl Default for DraOptions {
             wipe_delay: Duration::from_secs(30),
             call_timeout: Duration::from_secs(45),
             api: None,
+            hold_registrations: false,
         }
     }
 }
@@ -113,6 +115,15 @@ impl DraOptions {
     /// kubelets 1.36 do (default: only for [`KubeletVersion::V1_36`]).
     pub fn watch_unadvertised_health(mut self, open: bool) -> Self {
         self.unadvertised_health = Some(open);
+        self
+    }
+
+    /// Holds every registration attempt until [`DraKubelet::release_registrations`](super::DraKubelet::release_registrations):
+    /// the window a real kubelet leaves between a registration socket appearing and its plugin watcher's
+    /// reconciler (once a second) registering it, made as long as a test needs. A driver whose slices go out
+    /// in that window has pods bound to it that the kubelet fails with "DRA driver ... is not registered".
+    pub fn hold_registrations(mut self) -> Self {
+        self.hold_registrations = true;
         self
     }
 

@@ -213,6 +213,11 @@ pub(super) async fn register_socket(
     life: CancellationToken,
 ) {
     let mut delay = shared.options.first_backoff;
+    let mut held = shared.held.subscribe();
+    tokio::select! {
+        () = token.cancelled() => return,
+        _released = held.wait_for(|h| !h) => {}
+    }
     loop {
         let (driver, outcome) = attempt(&shared, &socket, &token, &life).await;
         if token.is_cancelled() {
