@@ -54,6 +54,22 @@ impl DraNode {
         api_setup: impl FnOnce(&FakeApiServer),
         extra: &[&str],
     ) -> Result<DraNode, Box<dyn std::error::Error>> {
+        let node = Self::launch(gpus, dra, options, api_setup, extra).await?;
+        node.kubelet
+            .wait_registered(DRIVER, WAIT)
+            .await
+            .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+        Ok(node)
+    }
+
+    /// As [`DraNode::start_with_args`], without waiting for the kubelet to register the plugin.
+    async fn launch(
+        gpus: usize,
+        dra: &str,
+        options: impl FnOnce(DraOptions) -> DraOptions,
+        api_setup: impl FnOnce(&FakeApiServer),
+        extra: &[&str],
+    ) -> Result<DraNode, Box<dyn std::error::Error>> {
         let root = tempfile::tempdir()?;
         // With every GPU served through DRA the device plugin's directory is not needed: none is made.
         let device_plugins = (dra != "all").then_some("device-plugins");
@@ -111,10 +127,6 @@ impl DraNode {
             state,
             args,
         };
-        node.kubelet
-            .wait_registered(DRIVER, WAIT)
-            .await
-            .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
         Ok(node)
     }
 
@@ -1802,6 +1814,52 @@ async fn a_registration_directory_that_cannot_be_made_stops_the_plugin_with_the_
     assert!(
         !dir.path().join("plugins/gpu.nvidia.com/dra.sock").exists(),
         "the DRA socket is removed when the plugin stops"
+    );
+    Ok(())
+}
+
+/// A 1.36 kubelet's plugin watcher registers a new socket at its next pass, up to a second later; a slice
+/// published before that let the scheduler bind a pod the kubelet then failed with "DRA driver gpu.nvidia.com
+/// is not registered" (seen on a real 1.36 node, the pod started 10 s later). The slices wait for the
+/// registration.
+#[tokio::test]
+async fn slices_go_out_only_once_the_kubelet_has_registered_the_driver() -> TestResult {
+    let node = DraNode::launch(2, "all", |o| o.hold_registrations(), |_| {}, &[]).await?;
+    let registry = node.root.path().join("plugins_registry");
+    let socket = format!("{DRIVER}-reg.sock");
+    support::wait_for_file(&registry, WAIT, |n| n == socket)
+        .await
+        .ok_or_else(|| format!("no registration socket\n{}", node.plugin.log()))?;
+    // The socket is in place and the kubelet has not registered it: no slice in the next 2 s (before the
+    // change, the slice went out within milliseconds of the start).
+    let early = node
+        .api
+        .wait_for_slices(
+            "a slice before the registration",
+            std::time::Duration::from_secs(2),
+            |s| !s.is_empty(),
+        )
+        .await;
+    assert!(
+        early.is_err(),
+        "a ResourceSlice was published before the kubelet registered the driver"
+    );
+    let released = std::time::Instant::now();
+    node.kubelet.release_registrations();
+    node.kubelet.wait_registered(DRIVER, WAIT).await?;
+    let devices = node
+        .slice_devices("both GPUs published", |d| d.len() == 2)
+        .await?;
+    assert_eq!(devices.len(), 2);
+    let first_write = node
+        .api
+        .requests()
+        .into_iter()
+        .find(|r| r.method == "POST" && r.path.ends_with("/resourceslices"))
+        .ok_or("no ResourceSlice was created")?;
+    assert!(
+        first_write.at >= released,
+        "the first ResourceSlice went out before the registration was let through"
     );
     Ok(())
 }

@@ -155,6 +155,7 @@ pub fn spawn(
                     },
                     config.state_dir.clone(),
                     views.slices,
+                    status.subscribe(),
                     others_gone,
                     metrics.clone(),
                     shutdown.clone(),
@@ -234,19 +235,38 @@ async fn slice_writer(
     }
 }
 
+/// Waits until the kubelet has registered the driver (its `NotifyRegistrationStatus(true)`, sent once the
+/// kubelet's DRA manager knows the driver): a slice published before that lets the scheduler bind a pod the
+/// kubelet then fails with "DRA driver ... is not registered" and retries only after its backoff (about 10 s
+/// on a 1.36 kubelet, whose plugin watcher looks once a second). `false` at shutdown, or when the DRA side
+/// stopped without a registration.
+async fn registered(status: &mut watch::Receiver<DraStatus>, shutdown: &CancellationToken) -> bool {
+    tokio::select! {
+        () = shutdown.cancelled() => false,
+        seen = status.wait_for(|s| s.registered) => seen.is_ok(),
+    }
+}
+
 /// Keeps the node's ResourceSlices as `view` says, on a side thread of its own with its own API client: the
 /// JSON of the slices and the API server's answers are the scheduler's road, and never take a turn from the
-/// health stream and prepare on the DRA thread. Without that thread no slice is written, said once.
+/// health stream and prepare on the DRA thread. Without that thread no slice is written, said once. The
+/// first slice goes out once the kubelet has registered the driver ([`registered`]); a later refusal or
+/// restart of the kubelet leaves them (the kubelet wipes them itself when the driver is gone).
+#[allow(clippy::too_many_arguments)]
 fn publish_slices(
     api: kube::Config,
     config: slices::SliceConfig,
     state_dir: PathBuf,
     view: watch::Receiver<view::DraView>,
+    mut status: watch::Receiver<DraStatus>,
     others_gone: watch::Sender<u64>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     let started = spawn_on_own_thread("dra-slices", Priority::Side, async move {
+        if !registered(&mut status, &shutdown).await {
+            return;
+        }
         let Some(_writer) = slice_writer(&state_dir, &others_gone, &shutdown).await else {
             return;
         };
