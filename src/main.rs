@@ -957,7 +957,11 @@ fn plan_on_gpus(settings: &Settings) -> anyhow::Result<String> {
         ));
     }
     for warning in warnings {
-        out.push_str(&format!("warning: {warning}\n"));
+        // A plan's warning may quote every entry of a list from the file.
+        out.push_str(&format!(
+            "warning: {}\n",
+            gpu_device_plugin::util::text::shown(&warning, gpu_device_plugin::util::text::LINE_MAX)
+        ));
     }
     Ok(out)
 }

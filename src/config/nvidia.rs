@@ -963,6 +963,17 @@ fn full_resource_name(name: &str) -> Result<String, String> {
     Ok(full)
 }
 
+/// `items` without repeats, each where it first appears, in one pass: a list from the config file may hold
+/// about 100 000 entries within the file's size limit, and comparing each with every earlier one took
+/// 15 s.
+fn first_of_each<T: Eq + std::hash::Hash + Clone>(items: Vec<T>) -> Vec<T> {
+    let mut seen = std::collections::HashSet::with_capacity(items.len());
+    items
+        .into_iter()
+        .filter(|item| seen.insert(item.clone()))
+        .collect()
+}
+
 /// `devices` as NVIDIA's plugin reads it: `all`, a count above 0, or a list whose entries are GPU indices
 /// (numbers or strings), MIG indices `<gpu>:<mig>`, or GPU and MIG UUIDs.
 fn device_selection(devices: Option<&Value>) -> Result<DeviceSelection, String> {
@@ -1009,14 +1020,8 @@ fn device_selection(devices: Option<&Value>) -> Result<DeviceSelection, String> 
             _ => Err(format!("{n}: a count of devices must be > 0")),
         },
         Some(Value::Array(list)) if !list.is_empty() => {
-            let mut refs = Vec::with_capacity(list.len());
-            for value in list {
-                let text = entry(value)?;
-                if !refs.contains(&text) {
-                    refs.push(text);
-                }
-            }
-            Ok(DeviceSelection::List(refs))
+            let refs = list.iter().map(entry).collect::<Result<Vec<_>, _>>()?;
+            Ok(DeviceSelection::List(first_of_each(refs)))
         }
         Some(Value::Array(_)) => {
             Err("an empty list shares nothing; leave devices out for all".into())
@@ -1302,6 +1307,57 @@ pub fn apply(settings: &NvidiaSettings) -> Result<Applied, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A list entry that counts how often it is compared or hashed: the work a list costs.
+    #[derive(Clone)]
+    struct Counted(u32, std::rc::Rc<std::cell::Cell<u64>>);
+
+    impl PartialEq for Counted {
+        fn eq(&self, other: &Self) -> bool {
+            self.1.set(self.1.get() + 1);
+            self.0 == other.0
+        }
+    }
+
+    impl Eq for Counted {}
+
+    impl std::hash::Hash for Counted {
+        fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+            self.1.set(self.1.get() + 1);
+            self.0.hash(state);
+        }
+    }
+
+    #[test]
+    fn a_long_device_list_costs_a_few_steps_per_entry_not_one_per_pair() {
+        let work = std::rc::Rc::new(std::cell::Cell::new(0));
+        let n = 100_000u32;
+        let list: Vec<Counted> = (0..n)
+            .chain([7, 7, 99_999])
+            .map(|i| Counted(i, work.clone()))
+            .collect();
+        let kept: Vec<u32> = first_of_each(list).iter().map(|c| c.0).collect();
+        assert_eq!(
+            kept,
+            (0..n).collect::<Vec<_>>(),
+            "repeats left out, order kept"
+        );
+        // Comparing each entry with the ones before it would be about n²/2 = 5·10⁹ steps.
+        assert!(
+            work.get() <= 4 * u64::from(n),
+            "{} steps for {n} entries",
+            work.get()
+        );
+    }
+
+    #[test]
+    fn a_device_list_keeps_each_entry_once_in_order() {
+        let list = serde_json::json!([3, "GPU-a", "3", 1, "GPU-a"]);
+        match device_selection(Some(&list)) {
+            Ok(DeviceSelection::List(refs)) => assert_eq!(refs, ["3", "GPU-a", "1"]),
+            other => panic!("{other:?}"),
+        }
+    }
 
     fn load_str(yaml: &str) -> Result<Loaded, ConfigError> {
         let document = document(yaml).map_err(|message| ConfigError::ParseFile {
