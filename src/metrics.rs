@@ -267,6 +267,20 @@ impl Metrics {
             "DRA health streams ended to make room for a new one past the cap of 8 (the oldest first)",
             health_streams_ended.clone(),
         );
+        // Restarts of the plugin, for the dashboard: every counter starts again from zero and a restarted
+        // plugin's first registration brings `kubelet_registrations` back to where a plugin that registered once
+        // left it, so only a time set at start tells two processes apart (`changes()` over it counts restarts).
+        let start_time = Gauge::<i64>::default();
+        start_time.set(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX)),
+        );
+        registry.register(
+            "start_time_seconds",
+            "When this plugin process started, in seconds since the Unix epoch",
+            start_time,
+        );
         let build = Info::new(BuildLabels {
             version: env!("CARGO_PKG_VERSION").into(),
         });
@@ -495,5 +509,68 @@ impl Metrics {
             tracing::warn!(error = %e, "cannot encode the metrics");
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_condition_of_each_device_is_a_series_and_dra_registration_shows_only_with_dra() {
+        let metrics = Metrics::new();
+        let device = |index: usize, conditions| DeviceGauge {
+            resource: "nvidia.com/gpu",
+            device: if index == 0 { "GPU-a" } else { "GPU-b" },
+            index,
+            healthy: index == 0,
+            conditions,
+        };
+        let xid = |xid: u64, unhealthy| ConditionGauge {
+            kind: "xid",
+            value: Some(xid),
+            unhealthy,
+        };
+        let fenced = ConditionGauge {
+            kind: "fenced",
+            value: None,
+            unhealthy: true,
+        };
+        let text = metrics.render(
+            [
+                device(0, vec![xid(43, false)]),
+                device(1, vec![xid(79, true), fenced]),
+            ],
+            true,
+            1,
+        );
+        for line in [
+            r#"gpu_device_plugin_device_condition{resource="nvidia.com/gpu",device="GPU-a",index="0",kind="xid",value="43",effect="None"} 1"#,
+            r#"gpu_device_plugin_device_condition{resource="nvidia.com/gpu",device="GPU-b",index="1",kind="xid",value="79",effect="Unhealthy"} 1"#,
+            r#"gpu_device_plugin_device_condition{resource="nvidia.com/gpu",device="GPU-b",index="1",kind="fenced",value="",effect="Unhealthy"} 1"#,
+            r#"gpu_device_plugin_devices_with_condition{kind="xid"} 2"#,
+        ] {
+            assert!(text.contains(line), "missing {line}\n{text}");
+        }
+        assert!(
+            !text.contains("gpu_device_plugin_dra_registered{"),
+            "{text}"
+        );
+        assert!(
+            text.contains("gpu_device_plugin_start_time_seconds "),
+            "{text}"
+        );
+
+        // The next scrape: GPU-b released and recovered, DRA refused.
+        metrics.dra_registered(Some(("gpu.nvidia.com", false)));
+        let text = metrics.render([device(0, Vec::new()), device(1, Vec::new())], true, 1);
+        assert!(
+            !text.contains("gpu_device_plugin_device_condition{"),
+            "a cleared condition leaves no series behind: {text}"
+        );
+        assert!(
+            text.contains(r#"gpu_device_plugin_dra_registered{driver="gpu.nvidia.com"} 0"#),
+            "{text}"
+        );
     }
 }
