@@ -651,3 +651,31 @@ async fn reports_and_file_names_cannot_forge_log_lines_or_reach_a_terminal_raw()
     );
     Ok(())
 }
+
+/// A client that half-closes its side of the control socket once its request is sent (as `curl` over a
+/// socket or a script with `shutdown(SHUT_WR)` does) gets its answer. Before, its fence was applied and it
+/// got no answer.
+#[tokio::test]
+async fn a_control_client_that_half_closes_after_its_request_gets_its_answer() -> TestResult {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let node = NvmlNode::start(None, &[]).await?;
+    let socket = node.dir.path().join("state/control.sock");
+    let body = format!(r#"{{"device":"{}","reason":"half-closed client"}}"#, gpu(1));
+    let request = format!(
+        "POST /fence HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = tokio::net::UnixStream::connect(&socket).await?;
+    stream.write_all(request.as_bytes()).await?;
+    stream.shutdown().await?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(WAIT, stream.read_to_end(&mut answer)).await??;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert!(
+        answer.contains(&gpu(1)) && answer.contains("Unhealthy"),
+        "{answer}"
+    );
+    node.wait_unhealthy(&gpu(1)).await?;
+    Ok(())
+}

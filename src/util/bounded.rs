@@ -416,8 +416,13 @@ where
     });
     // Declared after `place` (a parameter), so dropped before it: the descriptor is closed before the
     // place is given back, and a connection waiting for that place never makes one more open at once.
+    // A client may shut its side down once its request is sent and still wait for the answer (a script
+    // with `shutdown(SHUT_WR)`, `curl` over a socket): without half-close hyper takes that end of input for
+    // the end of the connection, and the answer is never sent though the request was carried out. Such a
+    // connection is still held to the header timeout and the lifetime.
     let connection = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
+        .half_close(true)
         .header_read_timeout(bounds.header_read)
         .max_buf_size(bounds.max_buf.max(MIN_BUF))
         .serve_connection(TokioIo::new(io), service);
