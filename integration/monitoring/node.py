@@ -70,7 +70,7 @@ class Lines:
 class Node:
     """The fake kubelet and the plugin, with `config` as the plugin's config file (YAML text)."""
 
-    def __init__(self, config="", gpus=4):
+    def __init__(self, config="", gpus=4, dra=False):
         for path in (PLUGIN, FAKE_KUBELET, FAKE_NVML):
             if not os.path.exists(path):
                 raise Failure("%s is missing: run `cargo build --workspace` first" % path)
@@ -86,6 +86,8 @@ class Node:
         with open(self.config, "w") as f:
             f.write(config)
         self.gpus = gpus
+        # Every GPU through DRA: the fake kubelet is the kubelet's DRA side, with a fake API server.
+        self.dra = dra
         self.kubelet = None
         self.plugin = None
         self.addr = None
@@ -104,11 +106,15 @@ class Node:
         self.close()
 
     def start_kubelet(self):
-        self.kubelet = subprocess.Popen(
-            [FAKE_KUBELET, "--dir", self.kubelet_dir],
-            stdout=subprocess.PIPE, text=True)
+        if self.dra:
+            args = [FAKE_KUBELET, "--dir", self.dir, "--dra-node", "node-a"]
+            ready = "api "
+        else:
+            args = [FAKE_KUBELET, "--dir", self.kubelet_dir]
+            ready = "serving "
+        self.kubelet = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
         self.kubelet_lines = Lines(self.kubelet.stdout)
-        self.kubelet_lines.wait("fake kubelet serving", lambda l: l.startswith("serving "))
+        self.kubelet_lines.wait("fake kubelet serving", lambda l: l.startswith(ready))
 
     def stop_kubelet(self):
         """Stops the fake kubelet (SIGTERM), as a kubelet restart begins."""
@@ -125,14 +131,22 @@ class Node:
         self.plugin = subprocess.Popen(
             [PLUGIN, "--kubelet-dir", self.kubelet_dir, "--nvml-lib", FAKE_NVML,
              "--state-dir", self.state, "--boot-id-file", os.path.join(self.dir, "boot_id"),
-             "--http-addr", "127.0.0.1:0", "--config", self.config, "--kube-api", "false",
-             "--pod-resources-socket", os.path.join(self.dir, "no-pod-resources.sock")],
+             "--http-addr", "127.0.0.1:0", "--config", self.config,
+             "--kube-api", "true" if self.dra else "false",
+             "--pod-resources-socket", os.path.join(self.dir, "no-pod-resources.sock")]
+            + (["--dra", "all", "--node-name", "node-a",
+                "--kubeconfig", os.path.join(self.dir, "kubeconfig"),
+                "--kubelet-registrar-directory-path", os.path.join(self.dir, "plugins_registry"),
+                "--kubelet-plugins-directory-path", os.path.join(self.dir, "plugins")] if self.dra else []),
             env=env, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"))
         self.wait_registered()
         self.addr = self._http_addr()
 
     def wait_registered(self):
         """Waits for the kubelet's next registration and its first device list."""
+        if self.dra:
+            self.kubelet_lines.wait("the DRA driver registered", lambda l: l.startswith("registered gpu.nvidia.com "))
+            return
         self.registrations += 1
         n = self.registrations
         self.kubelet_lines.wait("registration %d" % n, lambda l: l.startswith("registered %d " % n))
