@@ -3,16 +3,29 @@
 //!
 //! Views of `resource.k8s.io/v1` written for what is read, rather than the generated types: those need a
 //! newer API level than the rest of the plugin speaks (the device-plugin mode works on older clusters).
+//!
+//! Claims are read and parsed on a thread of their own ([`ApiClaims::spawn`]), at the lower priority, never
+//! on the DRA thread that serves the health stream: a flood of prepares of large claims costs that thread
+//! a message each way, not the read and parse of each claim. A claim is parsed straight from the answer's
+//! bytes into the view (what the view does not hold is skipped, not kept), at most [`MAX_CLAIM_BYTES`].
 
 use std::time::Duration;
 
-use kube::api::{Api, ApiResource, DynamicObject};
+use kube::api::ApiResource;
 use serde::Deserialize;
 
 pub use super::device_config::AllocatedConfig;
 
 /// The longest a claim is waited for; the kubelet gives a whole prepare call 45 s.
 pub const GET_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The largest claim read: the API server stores an object of at most 1.5 MiB (etcd's request limit), and
+/// its JSON is a little larger. A larger answer is refused with its size, unparsed.
+pub const MAX_CLAIM_BYTES: usize = 2 * 1024 * 1024;
+
+/// Claims waiting for the claims' thread, at most: each is a few names and an answer channel; past it a
+/// read fails at once (the kubelet asks again) rather than queueing without end.
+const QUEUED: usize = 1024;
 
 /// The `resource.k8s.io/v1` ResourceClaim resource.
 pub fn claim_resource() -> ApiResource {
@@ -120,10 +133,55 @@ struct Devices {
 }
 
 impl Claim {
+    /// The view of a ResourceClaim as the API server sends it, read from its bytes: at most
+    /// [`MAX_CLAIM_BYTES`], refused with its size past that.
+    pub fn from_json(bytes: &[u8]) -> Result<Claim, String> {
+        if bytes.len() > MAX_CLAIM_BYTES {
+            return Err(format!(
+                "the ResourceClaim is {} bytes, more than the {MAX_CLAIM_BYTES} read (the API server stores \
+                 at most 1.5 MiB an object)",
+                bytes.len()
+            ));
+        }
+        let object: ClaimObject = serde_json::from_slice(bytes)
+            .map_err(|e| format!("not a ResourceClaim this plugin can read: {e}"))?;
+        Ok(Claim::from_view(object))
+    }
+
+    /// The claims of one page of a ResourceClaim list as the API server sends it (the page itself within
+    /// the answer's cap; a claim that cannot be read is left out: one is no reason to know none), and the
+    /// page's continue token, if more follow.
+    pub fn page_from_json(bytes: &[u8]) -> Result<(Vec<Claim>, Option<String>), String> {
+        #[derive(Deserialize)]
+        struct Page {
+            #[serde(default)]
+            metadata: PageMetadata,
+            #[serde(default)]
+            items: Vec<serde_json::Value>,
+        }
+        #[derive(Default, Deserialize)]
+        struct PageMetadata {
+            #[serde(default, rename = "continue")]
+            token: Option<String>,
+        }
+        let page: Page = serde_json::from_slice(bytes)
+            .map_err(|e| format!("not a list of ResourceClaims this plugin can read: {e}"))?;
+        let claims = page
+            .items
+            .into_iter()
+            .filter_map(|item| Claim::from_object(item).ok())
+            .collect();
+        Ok((claims, page.metadata.token.filter(|t| !t.is_empty())))
+    }
+
     /// The view of a ResourceClaim object.
     pub fn from_object(object: serde_json::Value) -> Result<Claim, String> {
         let object: ClaimObject = serde_json::from_value(object)
             .map_err(|e| format!("not a ResourceClaim this plugin can read: {e}"))?;
+        Ok(Claim::from_view(object))
+    }
+
+    fn from_view(object: ClaimObject) -> Claim {
         let (allocation, reserved_for) = object
             .status
             .map(|s| (s.allocation, s.reserved_for))
@@ -136,7 +194,7 @@ impl Claim {
             }
             None => (None, Vec::new()),
         };
-        Ok(Claim {
+        Claim {
             namespace: object.metadata.namespace.unwrap_or_default(),
             name: object.metadata.name.unwrap_or_default(),
             uid: object.metadata.uid.unwrap_or_default(),
@@ -147,7 +205,7 @@ impl Claim {
                 .filter(|c| c.api_group.is_empty() && c.resource == "pods" && !c.name.is_empty())
                 .map(|c| c.name)
                 .collect(),
-        })
+        }
     }
 }
 
@@ -178,39 +236,147 @@ pub fn holds_in(claim: &Claim, driver: &str, pool: &str) -> bool {
             .any(|r| r.driver == driver && r.pool == pool)
 }
 
-/// Claims from the API server.
+/// Claims from the API server, read and parsed on a thread of their own (`dra-claims`, at the side threads'
+/// lower priority) with a client of its own: the DRA thread only sends the ask and takes the answer.
 #[derive(Clone)]
 pub struct ApiClaims {
-    client: kube::Client,
+    asks: tokio::sync::mpsc::Sender<Ask>,
+}
+
+/// What the claims' thread is asked.
+enum Ask {
+    Get {
+        namespace: String,
+        name: String,
+        answer: tokio::sync::oneshot::Sender<Result<Option<Claim>, String>>,
+    },
+    List {
+        driver: String,
+        pool: String,
+        answer: tokio::sync::oneshot::Sender<Result<Vec<Claim>, String>>,
+    },
 }
 
 impl ApiClaims {
-    /// Reads with `client`.
-    pub fn new(client: kube::Client) -> Self {
-        ApiClaims { client }
+    /// Starts the claims' thread, with a client for the API server at `api` built there.
+    pub fn spawn(api: kube::Config) -> std::io::Result<ApiClaims> {
+        use crate::util::runtime::{Priority, spawn_on_own_thread};
+        let (asks, mut queue) = tokio::sync::mpsc::channel::<Ask>(QUEUED);
+        spawn_on_own_thread("dra-claims", Priority::Side, async move {
+            let client = crate::cluster::client::client(api)
+                .map_err(|e| format!("cannot build a Kubernetes API client to read claims: {e}"));
+            let in_flight = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            while let Some(ask) = queue.recv().await {
+                let client = client.clone();
+                let in_flight = in_flight.clone();
+                in_flight.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    match ask {
+                        Ask::Get {
+                            namespace,
+                            name,
+                            answer,
+                        } => {
+                            let read = match &client {
+                                Ok(client) => ClaimsClient(client).get(&namespace, &name).await,
+                                Err(e) => Err(e.clone()),
+                            };
+                            let _gone = answer.send(read);
+                        }
+                        Ask::List {
+                            driver,
+                            pool,
+                            answer,
+                        } => {
+                            let read = match &client {
+                                Ok(client) => {
+                                    ClaimsClient(client).allocated_in(&driver, &pool).await
+                                }
+                                Err(e) => Err(e.clone()),
+                            };
+                            let _gone = answer.send(read);
+                        }
+                    }
+                    // The last read of a burst done: what the answers took is handed back.
+                    if in_flight.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+                        crate::util::limits::return_freed_memory();
+                    }
+                });
+            }
+        })?;
+        Ok(ApiClaims { asks })
+    }
+
+    async fn ask<T>(
+        &self,
+        ask: impl FnOnce(tokio::sync::oneshot::Sender<Result<T, String>>) -> Ask,
+    ) -> Result<T, String> {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        self.asks.try_send(ask(answer)).map_err(|e| match e {
+            tokio::sync::mpsc::error::TrySendError::Full(_) => {
+                format!("{QUEUED} claims are waiting to be read already")
+            }
+            tokio::sync::mpsc::error::TrySendError::Closed(_) => {
+                "the thread that reads claims has stopped".to_string()
+            }
+        })?;
+        answered
+            .await
+            .map_err(|_| "the thread that reads claims has stopped".to_string())?
     }
 }
 
 #[tonic::async_trait]
 impl ClaimReader for ApiClaims {
     async fn get(&self, namespace: &str, name: &str) -> Result<Option<Claim>, String> {
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(self.client.clone(), namespace, &claim_resource());
-        let object = tokio::time::timeout(GET_TIMEOUT, api.get_opt(name))
-            .await
-            .map_err(|_| format!("the API server did not answer within {GET_TIMEOUT:?}"))?
-            .map_err(|e| crate::cluster::explain(&e, "get on resourceclaims"))?;
-        let Some(object) = object else {
-            return Ok(None);
-        };
-        let value = serde_json::to_value(object).map_err(|e| e.to_string())?;
-        Claim::from_object(value).map(Some)
+        let (namespace, name) = (namespace.to_string(), name.to_string());
+        self.ask(|answer| Ask::Get {
+            namespace,
+            name,
+            answer,
+        })
+        .await
     }
 
     async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String> {
+        let (driver, pool) = (driver.to_string(), pool.to_string());
+        self.ask(|answer| Ask::List {
+            driver,
+            pool,
+            answer,
+        })
+        .await
+    }
+}
+
+/// Reads claims with a client, on the caller's thread.
+struct ClaimsClient<'a>(&'a kube::Client);
+
+impl ClaimsClient<'_> {
+    /// The claim `namespace/name`: `Ok(None)` when there is none.
+    async fn get(&self, namespace: &str, name: &str) -> Result<Option<Claim>, String> {
+        let path = format!("/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims");
+        let request = kube::core::Request::new(path)
+            .get(name, &kube::api::GetParams::default())
+            .map_err(|e| e.to_string())?;
+        let text = match tokio::time::timeout(GET_TIMEOUT, self.0.request_text(request)).await {
+            Err(_) => {
+                return Err(format!(
+                    "the API server did not answer within {GET_TIMEOUT:?}"
+                ));
+            }
+            Ok(Err(kube::Error::Api(status))) if status.code == 404 => return Ok(None),
+            Ok(Err(e)) => return Err(crate::cluster::explain(&e, "get on resourceclaims")),
+            Ok(Ok(text)) => text,
+        };
+        Claim::from_json(text.as_bytes()).map(Some)
+    }
+
+    /// Every claim allocated a device of `driver` in `pool` and reserved for a pod, in pages.
+    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String> {
         use kube::api::ListParams;
         // Every namespace's: no field selector picks a claim by where it is allocated.
-        let api: Api<DynamicObject> = Api::all_with(self.client.clone(), &claim_resource());
+        let lists = kube::core::Request::new("/apis/resource.k8s.io/v1/resourceclaims");
         let mut limit = LIST_PAGE;
         let mut token: Option<String> = None;
         let mut held = Vec::new();
@@ -219,7 +385,8 @@ impl ClaimReader for ApiClaims {
             if let Some(token) = &token {
                 params = params.continue_token(token);
             }
-            let page = match tokio::time::timeout(GET_TIMEOUT, api.list(&params)).await {
+            let request = lists.list(&params).map_err(|e| e.to_string())?;
+            let text = match tokio::time::timeout(GET_TIMEOUT, self.0.request_text(request)).await {
                 Err(_) => {
                     return Err(format!(
                         "the API server did not answer a list of resourceclaims within {GET_TIMEOUT:?}"
@@ -231,20 +398,13 @@ impl ClaimReader for ApiClaims {
                     continue;
                 }
                 Ok(Err(e)) => return Err(crate::cluster::explain(&e, "list on resourceclaims")),
-                Ok(Ok(page)) => page,
+                Ok(Ok(text)) => text,
             };
-            for object in page.items {
-                let value = serde_json::to_value(object).map_err(|e| e.to_string())?;
-                // One claim this plugin cannot read is no reason to know none.
-                if let Ok(claim) = Claim::from_object(value) {
-                    if holds_in(&claim, driver, pool) {
-                        held.push(claim);
-                    }
-                }
-            }
-            match page.metadata.continue_ {
-                Some(next) if !next.is_empty() => token = Some(next),
-                _ => return Ok(held),
+            let (claims, next) = Claim::page_from_json(text.as_bytes())?;
+            held.extend(claims.into_iter().filter(|c| holds_in(c, driver, pool)));
+            match next {
+                Some(next) => token = Some(next),
+                None => return Ok(held),
             }
         }
         Err(format!(
@@ -279,7 +439,7 @@ impl crate::cluster::ClaimUsers for PreparedFor {
         let Some((namespace, claim)) = claim.split_once('/') else {
             return Vec::new();
         };
-        match ApiClaims::new(client.clone()).get(namespace, claim).await {
+        match ClaimsClient(client).get(namespace, claim).await {
             Ok(Some(read)) => read
                 .pods
                 .into_iter()
@@ -338,6 +498,51 @@ mod tests {
         );
         let opaque = claim.config[0].opaque.as_ref().expect("opaque");
         assert_eq!(opaque.parameters["kind"], "GpuConfig");
+    }
+
+    #[test]
+    fn a_claim_over_the_size_bound_is_refused_with_its_size_unparsed() {
+        let padding = "x".repeat(MAX_CLAIM_BYTES);
+        let big = serde_json::json!({"metadata": {"uid": "u", "annotations": {"pad": padding}}});
+        let bytes = serde_json::to_vec(&big).expect("json");
+        let why = Claim::from_json(&bytes).expect_err("too large");
+        assert!(
+            why.contains(&bytes.len().to_string()) && why.contains("more than"),
+            "{why}"
+        );
+        // One of 1 MB, within what the API server stores, is read, its padding not kept.
+        let padding = "x".repeat(1_000_000);
+        let fits = serde_json::json!({"metadata": {"uid": "u", "name": "c", "namespace": "ns",
+            "annotations": {"pad": padding}}, "status": {"allocation": {"devices": {"results": []}}}});
+        let claim = Claim::from_json(&serde_json::to_vec(&fits).expect("json")).expect("read");
+        assert_eq!(
+            (
+                claim.uid.as_str(),
+                claim.name.as_str(),
+                claim.namespace.as_str()
+            ),
+            ("u", "c", "ns")
+        );
+        assert_eq!(claim.allocated, Some(Vec::new()));
+    }
+
+    #[test]
+    fn a_page_of_claims_reads_every_claim_it_can_and_the_token_for_the_next() {
+        let page = serde_json::json!({"metadata": {"continue": "next-page"}, "items": [
+            {"metadata": {"uid": "u-1", "name": "a", "namespace": "ns"}},
+            {"metadata": {"uid": 7}},
+            {"metadata": {"uid": "u-3", "name": "c", "namespace": "ns"}},
+        ]});
+        let (claims, token) =
+            Claim::page_from_json(&serde_json::to_vec(&page).expect("json")).expect("page");
+        let uids: Vec<&str> = claims.iter().map(|c| c.uid.as_str()).collect();
+        assert_eq!(uids, ["u-1", "u-3"]);
+        assert_eq!(token.as_deref(), Some("next-page"));
+        let last = serde_json::json!({"metadata": {"continue": ""}, "items": []});
+        let (_, token) =
+            Claim::page_from_json(&serde_json::to_vec(&last).expect("json")).expect("page");
+        assert_eq!(token, None);
+        assert!(Claim::page_from_json(b"[1, 2]").is_err());
     }
 
     #[test]

@@ -135,11 +135,21 @@ pub fn spawn(
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<Result<(), DraError>>> {
     let (done, stopped) = tokio::sync::oneshot::channel();
     let slices_api = api.clone();
+    let claims_api = api.clone();
     // Bumped when another instance of this driver on the node has gone.
     let (others_gone, resend) = watch::channel(0_u64);
     spawn_on_own_thread("dra", Priority::FaultPath, async move {
-        let result = match crate::cluster::client::client(api) {
-            Ok(client) => {
+        // The client is built here to say at once when the configuration cannot make one; claims are read
+        // on a thread of their own, with its own.
+        let claims = crate::cluster::client::client(api)
+            .map_err(|e| DraError::Client(e.to_string()))
+            .and_then(|_checked| {
+                claims::ApiClaims::spawn(claims_api).map_err(|e| {
+                    DraError::Client(format!("cannot start the thread that reads claims: {e}"))
+                })
+            });
+        let result = match claims {
+            Ok(claims) => {
                 let views = view::follow(
                     devices.clone(),
                     conditions,
@@ -160,7 +170,7 @@ pub fn spawn(
                     metrics.clone(),
                     shutdown.clone(),
                 );
-                let claims = Arc::new(claims::ApiClaims::new(client));
+                let claims = Arc::new(claims);
                 run(
                     config,
                     devices,
@@ -172,7 +182,7 @@ pub fn spawn(
                 )
                 .await
             }
-            Err(e) => Err(DraError::Client(e.to_string())),
+            Err(e) => Err(e),
         };
         let _gone = done.send(result);
     })?;

@@ -31,8 +31,12 @@ use super::record::{Look, PreparedClaim, PreparedDevice, Record, RecordFile, Rec
 use crate::util::files::FileId;
 
 /// Claims read from the API server at once, at most, by all calls together: a flood of prepares of claims
-/// that do not exist is not a flood of requests to the API server.
-const MAX_READS: usize = 8;
+/// that do not exist is not a flood of requests to the API server, and the answers held at once are at most
+/// this many claims of [`super::claims::MAX_CLAIM_BYTES`].
+const MAX_READS: usize = 4;
+/// Prepare calls served at once, at most; others wait their turn (the kubelet makes one call per pod, and
+/// gives each 45 s): what a flood of calls holds (their claims, their answers) is this many calls' worth.
+pub const MAX_PREPARES: usize = 4;
 /// Refusals said in the log: 20 back to back, then one a second, with a count of those left out (every one
 /// is in the answer to the kubelet and in `/metrics`).
 const REFUSALS_SAID: crate::cluster::EventBudget = crate::cluster::EventBudget {
@@ -185,6 +189,8 @@ pub struct Preparer {
     seen: Arc<std::sync::Mutex<Option<FileId>>>,
     /// Permits for reading claims from the API server ([`MAX_READS`]).
     reads: Arc<tokio::sync::Semaphore>,
+    /// Permits for prepare calls ([`MAX_PREPARES`]).
+    prepares: Arc<tokio::sync::Semaphore>,
     /// Refusals said in the log, and how many were left out since the last one said.
     said: Arc<std::sync::Mutex<(crate::cluster::TokenBucket, u64)>>,
     status: Option<tokio::sync::watch::Sender<super::registration::DraStatus>>,
@@ -216,6 +222,7 @@ impl Preparer {
             // Looked at again before the first call: what is there may be of a newer format.
             seen: Arc::new(std::sync::Mutex::new(None)),
             reads: Arc::new(tokio::sync::Semaphore::new(MAX_READS)),
+            prepares: Arc::new(tokio::sync::Semaphore::new(MAX_PREPARES)),
             said: Arc::new(std::sync::Mutex::new((
                 crate::cluster::TokenBucket::new(REFUSALS_SAID, tokio::time::Instant::now()),
                 0,
@@ -249,6 +256,8 @@ impl Preparer {
         &self,
         claims: Vec<ClaimRef>,
     ) -> HashMap<String, Result<Vec<PreparedDevice>, String>> {
+        // Never closed: the permit always comes, in turn.
+        let _turn = self.prepares.acquire().await;
         // Claims are read before the lock, together: a slow API server delays this call, not every other.
         let known: Vec<bool> = {
             let held = self.record.lock().await;
