@@ -34,6 +34,7 @@ fn main() -> ExitCode {
         Some("status") => return status_command(),
         Some(command @ ("fence" | "release")) => return control_command(command == "fence"),
         Some("check-config") => return check_config_command(),
+        Some(config::reload::SUBCOMMAND) => return reload_check_command(),
         _ => {}
     }
     let argv: Vec<_> = std::env::args_os().collect();
@@ -601,9 +602,10 @@ fn socket_name_for(name: &str, resource: &str) -> String {
 /// reloaders) reads the config again: one that does not load is refused with one error line and the plugin
 /// goes on as it is; one that loads stops the plugin cleanly and the returned flag says to start it again.
 ///
-/// The new config is read and parsed on a thread of its own, never on this runtime's, which carries faults to
-/// the kubelet: a huge or pathological file costs that thread alone, is refused past [`RELOAD_CHECK_LIMIT`],
-/// and SIGTERM is answered meanwhile. One check runs at a time; a SIGHUP during one is said and ignored.
+/// The new config is read and checked in a process of its own at a lower priority (see
+/// [`config::reload`]), never on this runtime, which carries faults to the kubelet: a huge or pathological
+/// file costs that process alone, which is refused and killed past [`RELOAD_CHECK_LIMIT`], and SIGTERM is
+/// answered meanwhile. One check runs at a time; a SIGHUP during one is said and ignored.
 fn spawn_signal_handler(
     shutdown: CancellationToken,
 ) -> anyhow::Result<Arc<std::sync::atomic::AtomicBool>> {
@@ -614,26 +616,18 @@ fn spawn_signal_handler(
     let reload = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let reloading = reload.clone();
     tokio::spawn(async move {
-        // The check of the config a SIGHUP asked for, while one runs, and until when it may.
-        let mut checking: Option<(
-            tokio::sync::oneshot::Receiver<Result<(), String>>,
-            tokio::time::Instant,
-        )> = None;
-        // True while a check's thread runs, even one given up on: never more than one at a time.
-        let busy = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // The check of the config a SIGHUP asked for, while one runs: never more than one at a time.
+        let mut checking: Option<ConfigCheck> = None;
         loop {
             let name = tokio::select! {
                 _ = term.recv() => "SIGTERM",
                 _ = int.recv() => "SIGINT",
                 _ = hup.recv() => {
-                    if busy.load(std::sync::atomic::Ordering::SeqCst) {
+                    if checking.is_some() {
                         tracing::warn!(signal = "SIGHUP", "the config of an earlier SIGHUP is still being read; this one is ignored");
                         continue;
                     }
-                    match check_config_off_thread(busy.clone()) {
-                        Ok(answer) => checking = Some((answer, tokio::time::Instant::now() + RELOAD_CHECK_LIMIT)),
-                        Err(e) => tracing::error!(signal = "SIGHUP", "new config refused, the running one is kept: cannot start a thread to read it: {e}"),
-                    }
+                    checking = Some(Box::pin(config::reload::check_in_child(reload_check(), RELOAD_CHECK_LIMIT)));
                     continue;
                 }
                 outcome = config_checked(&mut checking) => {
@@ -658,58 +652,41 @@ fn spawn_signal_handler(
     Ok(reload)
 }
 
-/// How long reading and parsing the config after a SIGHUP may take before it is refused.
+/// How long reading and checking the config after a SIGHUP may take before it is refused and its process
+/// killed.
 const RELOAD_CHECK_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Loads the config from this process's own arguments on a new thread; the answer says whether it loads, or
-/// why not in one line. `busy` is true until the thread ends.
-fn check_config_off_thread(
-    busy: Arc<std::sync::atomic::AtomicBool>,
-) -> std::io::Result<tokio::sync::oneshot::Receiver<Result<(), String>>> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    busy.store(true, std::sync::atomic::Ordering::SeqCst);
-    let running = busy.clone();
-    let started = std::thread::Builder::new()
-        .name("config-reload".into())
-        .spawn(move || {
-            gpu_device_plugin::util::runtime::lower_priority();
-            let argv: Vec<_> = std::env::args_os().collect();
-            let outcome = match Settings::from_args(&argv) {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(e) => Err(gpu_device_plugin::util::text::shown(
-                    &config::usage_error_line(&e, &argv),
-                    gpu_device_plugin::util::text::LINE_MAX,
-                )),
-            };
-            // Free before the answer is read: a SIGHUP sent once the refusal is logged starts a new check.
-            running.store(false, std::sync::atomic::Ordering::SeqCst);
-            let _gave_up = tx.send(outcome);
-        });
-    if let Err(e) = started {
-        busy.store(false, std::sync::atomic::Ordering::SeqCst);
-        return Err(e);
-    }
-    Ok(rx)
+/// This process's own binary, run as `reload-check` with this process's arguments (its environment is
+/// inherited): the same settings a restart would read.
+fn reload_check() -> tokio::process::Command {
+    let mut command = tokio::process::Command::new("/proc/self/exe");
+    command
+        .arg(config::reload::SUBCOMMAND)
+        .args(std::env::args_os().skip(1));
+    command
 }
 
+/// `gpu-device-plugin reload-check [FLAGS]` (hidden; the plugin runs it on SIGHUP): loads the settings
+/// these flags and this environment give, at a lower priority, and exits non-zero with the one line a
+/// start would give when they do not load.
+fn reload_check_command() -> ExitCode {
+    gpu_device_plugin::util::runtime::lower_priority();
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    argv.remove(1);
+    match settings_or_exit(&argv) {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(exit) => exit,
+    }
+}
+
+/// A config check in progress: whether the config loads, or why not in one line.
+type ConfigCheck = std::pin::Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
+
 /// The outcome of the config check in progress; pending while there is none.
-async fn config_checked(
-    checking: &mut Option<(
-        tokio::sync::oneshot::Receiver<Result<(), String>>,
-        tokio::time::Instant,
-    )>,
-) -> Result<(), String> {
-    let Some((answer, deadline)) = checking else {
-        return std::future::pending().await;
-    };
-    match tokio::time::timeout_at(*deadline, answer).await {
-        Ok(Ok(outcome)) => outcome,
-        Ok(Err(_)) => Err("the config check ended without an answer".into()),
-        Err(_) => Err(format!(
-            "reading it took more than {} s",
-            RELOAD_CHECK_LIMIT.as_secs()
-        )),
+async fn config_checked(checking: &mut Option<ConfigCheck>) -> Result<(), String> {
+    match checking {
+        Some(check) => check.await,
+        None => std::future::pending().await,
     }
 }
 

@@ -15,6 +15,7 @@ use crate::monitor::MonitorConfig;
 use crate::sources::nvml::NvmlOptions;
 
 pub mod nvidia;
+pub mod reload;
 
 /// Default kubelet device plugin directory.
 pub const DEFAULT_KUBELET_DIR: &str = "/var/lib/kubelet/device-plugins";
@@ -1432,10 +1433,11 @@ fn load_file(path: &Path) -> Result<nvidia::Loaded, ConfigError> {
         // Not YAML to NVIDIA's (YAML 1.1) reader: its message where the file looks like NVIDIA's, else our
         // own parser's below.
         Err(message) => {
-            let looks_nvidias = serde_norway::from_str::<serde_norway::Value>(&text)
-                .ok()
-                .and_then(|v| serde_json::to_value(v).ok())
-                .is_some_and(|v| nvidia::is_nvidias(&v));
+            let looks_nvidias = nvidia::names_nvidias_keys(&text)
+                || serde_norway::from_str::<serde_norway::Value>(&text)
+                    .ok()
+                    .and_then(|v| serde_json::to_value(v).ok())
+                    .is_some_and(|v| nvidia::is_nvidias(&v));
             if looks_nvidias {
                 return Err(ConfigError::ParseFile {
                     path: path.to_owned(),
@@ -1643,6 +1645,32 @@ mod tests {
 
     use super::*;
     use clap::CommandFactory;
+
+    #[test]
+    fn nvidias_files_no_yaml_reader_takes_are_refused_with_the_yaml_1_1_readers_reason() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        for (yaml, reason) in [
+            ("version: v1\n~: x\n", "a mapping key is null"),
+            (
+                "version: v1\nflags:\n  [a]: b\n",
+                "a mapping key is a list or mapping",
+            ),
+            ("version: v1\nflags: {migStrategy: none\n", "line 2"),
+            (
+                "\"version\": v1\nflags:\n  migStrategy: none\n  migStrategy: none\n",
+                "given twice",
+            ),
+        ] {
+            let file = dir.path().join("config.yaml");
+            std::fs::write(&file, yaml).unwrap_or_else(|e| panic!("{e}"));
+            let e = load_file(&file)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(!e.contains("unknown field"), "{yaml:?}: {e}");
+            assert!(e.contains(reason), "{yaml:?}: {e}");
+        }
+    }
 
     fn settings(argv: &[&str]) -> Result<Settings, String> {
         let argv = std::iter::once("gpu-device-plugin").chain(argv.iter().copied());

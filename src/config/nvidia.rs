@@ -388,6 +388,21 @@ pub fn is_nvidias(document: &Value) -> bool {
     })
 }
 
+/// Whether `text` starts a line with one of NVIDIA's top-level keys (`version:`, `flags:`, ...), unindented
+/// and maybe quoted: NVIDIA's file for certain, even where no YAML reader takes it (a null key, a list as a
+/// key, a syntax error), so that its refusal is the YAML 1.1 reader's reason and not our format's "unknown
+/// field `version`". None of these keys is a key of ours.
+pub fn names_nvidias_keys(text: &str) -> bool {
+    text.lines().any(|line| {
+        let Some((key, _)) = line.split_once(':') else {
+            return false;
+        };
+        let key = key.trim_end().trim_matches(|c| c == '"' || c == '\'');
+        !line.starts_with(char::is_whitespace)
+            && TOP_KEYS.iter().any(|k| k.eq_ignore_ascii_case(key))
+    })
+}
+
 /// Reads NVIDIA's file: `document` is its text as [`document`] gives it, `text` the text itself (for our
 /// `health:` section, read by our own decoder). Errors name the file and the key.
 pub fn load(document: &Value, text: &str, path: &Path) -> Result<Loaded, ConfigError> {
@@ -847,6 +862,7 @@ fn replicated(
         return Err(invalid(".resources".into(), "no resources specified"));
     }
     let mut resources: Vec<SharedResource> = Vec::with_capacity(entries.len());
+    let mut names = std::collections::HashSet::with_capacity(entries.len());
     for (i, entry) in entries.into_iter().enumerate() {
         let at = |key: &str| format!(".resources[{i}]{key}");
         let entry = match entry {
@@ -863,6 +879,7 @@ fn replicated(
             ShareKind::TimeSlicing => "sharing.timeSlicing.resources[].",
             ShareKind::Mps => "sharing.mps.resources[].",
         };
+        let raw = entry;
         let entry = Level::read_opt(entry, entry_prefix, RESOURCE_KEYS, Match::Exact, warnings);
         let name = match entry.get("name") {
             None => None,
@@ -879,7 +896,8 @@ fn replicated(
             .filter(|n| !n.is_empty())
             .ok_or_else(|| invalid(at(".name"), "no resource name specified"))?;
         let name = full_resource_name(&name).map_err(|why| invalid(at(".name"), &why))?;
-        if resources.iter().any(|r| r.name == name) {
+        // A set, not a search of the entries so far: the list may hold tens of thousands of entries.
+        if !names.insert(name.clone()) {
             return Err(invalid(
                 at(".name"),
                 &format!("{name} is shared twice; give each resource one entry"),
@@ -905,7 +923,22 @@ fn replicated(
         }
         .filter(|rename| *rename != name);
         let replicas = match entry.get("replicas") {
-            None => return Err(invalid(at(".replicas"), "no replicas specified")),
+            None => {
+                // A key meant as `replicas` (`replica`, `Replicas`) is only warned about, and the refusal
+                // comes first: it says which key was meant.
+                let meant = raw
+                    .into_iter()
+                    .flat_map(|map| map.keys())
+                    .find(|k| suggestion(k, ["replicas"].into_iter()).is_some());
+                let why = match meant {
+                    Some(key) => format!(
+                        "no replicas specified (the entry has {}: did you mean replicas?)",
+                        crate::util::text::shown(key, crate::util::text::SHOWN_MAX)
+                    ),
+                    None => "no replicas specified".to_string(),
+                };
+                return Err(invalid(at(".replicas"), &why));
+            }
             // Go leaves the int at 0.
             Some(Value::Null) => 0,
             Some(value) => integer(value).ok_or_else(|| {
@@ -1370,6 +1403,60 @@ mod tests {
 
     fn err_of(result: Result<impl std::fmt::Debug, ConfigError>) -> String {
         result.err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_mistyped_replicas_key_is_refused_with_the_key_meant() {
+        let e = err_of(load_str(
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replica: 4\n",
+        ));
+        assert!(
+            e.contains("resources[0].replicas: no replicas specified (the entry has replica: did you mean replicas?)"),
+            "{e}"
+        );
+        let e = err_of(load_str(
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      count: 4\n",
+        ));
+        assert!(e.ends_with("no replicas specified"), "{e}");
+    }
+
+    #[test]
+    fn an_exact_duplicate_key_is_refused_naming_it() {
+        for yaml in [
+            "version: v1\nflags:\n  migStrategy: none\n  migStrategy: mixed\n",
+            "version: v1\nversion: v1\n",
+            "version: v1\nflags: {migStrategy: none, migStrategy: mixed}\n",
+        ] {
+            let e = document(yaml).err().unwrap_or_default();
+            assert!(e.contains("is given twice in one mapping"), "{yaml:?}: {e}");
+            let key = if yaml.contains("flags") {
+                "migStrategy"
+            } else {
+                "version"
+            };
+            assert!(e.contains(&format!("the key {key} ")), "{e}");
+        }
+        // A merge (`<<`) may set a key the mapping sets again: that is what merges are for.
+        assert!(document("base: &b {a: 1}\nx:\n  <<: *b\n  a: 2\n").is_ok());
+    }
+
+    #[test]
+    fn a_resource_shared_twice_in_a_long_list_is_refused() {
+        // 15 000 entries (75 000 values, within the reader's limit), each name looked up in a set rather
+        // than compared with every earlier one.
+        let mut yaml = String::from("version: v1\nsharing:\n  timeSlicing:\n    resources:\n");
+        for i in 0..15_000 {
+            yaml.push_str(&format!(
+                "    - name: example.com/r{i}\n      replicas: 2\n"
+            ));
+        }
+        assert!(load_str(&yaml).is_ok());
+        yaml.push_str("    - name: example.com/r7\n      replicas: 2\n");
+        let e = err_of(load_str(&yaml));
+        assert!(
+            e.contains("resources[15000].name") && e.contains("shared twice"),
+            "{e}"
+        );
     }
 
     #[test]

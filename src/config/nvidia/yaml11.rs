@@ -132,6 +132,14 @@ impl<'a> Reader<'a> {
                         None => return Err("the file ends inside a mapping".into()),
                     };
                     match key {
+                        // Go's reader keeps the last silently: one of the two is a mistake, and which one is
+                        // not for us to guess.
+                        Some(key) if map.contains_key(&key) => {
+                            return Err(format!(
+                                "the key {} is given twice in one mapping; give it once",
+                                crate::util::text::shown(&key, crate::util::text::SHOWN_MAX)
+                            ));
+                        }
                         Some(key) => {
                             map.insert(key, value);
                         }
@@ -331,9 +339,9 @@ mod tests {
     }
 
     #[test]
-    fn aliases_merges_and_later_duplicates_apply() -> Result<(), String> {
+    fn aliases_and_merges_apply_and_a_key_given_twice_is_refused() -> Result<(), String> {
         let value = to_json(
-            "base: &b {a: 1, b: 2}\nuse:\n  <<: *b\n  b: 3\nlist: [*b]\nk: 1\nk: 2\ny: key\n---\nsecond: 1\n",
+            "base: &b {a: 1, b: 2}\nuse:\n  <<: *b\n  b: 3\nlist: [*b]\nk: 2\ny: key\n---\nsecond: 1\n",
         )?;
         assert_eq!(
             value,
@@ -341,6 +349,9 @@ mod tests {
             json!({"base": {"a": 1, "b": 2}, "use": {"a": 1, "b": 3}, "list": [{"a": 1, "b": 2}], "k": 2,
                    "true": "key"})
         );
+        // yaml.v2 keeps the last of two equal keys silently; one of them is a mistake.
+        let err = to_json("k: 1\nk: 2\n").err().unwrap_or_default();
+        assert!(err.contains("the key k is given twice"), "{err}");
         Ok(())
     }
 
