@@ -46,8 +46,8 @@ th{background:#f2f2f2;font-weight:600;white-space:nowrap}\
 td.mono,.mono{font-family:ui-monospace,monospace}\
 table.conditions,table.fences{margin:0;min-width:0}\
 .health{font-weight:700;padding:.1em .5em;border-radius:.3em;color:#fff}\
-.healthy{background:#1e7b34}.unhealthy{background:#c0262d}.not-served{background:#6b6b6b}\
-table.device.unhealthy{border-left:.4em solid #c0262d}table.device.healthy{border-left:.4em solid #1e7b34}\
+.health.healthy{background:#1e7b34}.health.unhealthy{background:#c0262d}.health.not-served{background:#6b6b6b}\
+table.device{width:100%;max-width:80em}table.device>tbody>tr>th{width:9em}table.device.unhealthy{border-left:.4em solid #c0262d}table.device.healthy{border-left:.4em solid #1e7b34}\
 .none{color:#6b6b6b}";
 
 /// The report as an HTML page.
