@@ -126,6 +126,30 @@ impl ApiNode {
     }
 }
 
+/// Each request names the plugin and its version as its user agent: on a real API server the plugin's requests
+/// showed none (the audit log's `userAgent` empty), so no log or metric of the API server could tell them apart.
+#[tokio::test]
+async fn every_request_names_the_plugin_as_its_user_agent() -> TestResult {
+    let node = ApiNode::start(QUICK_RECOVERY).await?;
+    node.inject(&[format!("lost {}", gpu(1))]);
+    let requests = node
+        .wait("the condition and the node's Event", |r| {
+            !condition_patches(r).is_empty() && r.iter().any(|r| r.method == "POST")
+        })
+        .await?;
+    let expected = format!("gpu-device-plugin/{}", env!("CARGO_PKG_VERSION"));
+    for request in &requests {
+        assert_eq!(
+            request.user_agent.as_deref(),
+            Some(expected.as_str()),
+            "{} {}",
+            request.method,
+            request.path
+        );
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_fault_reaches_the_pod_and_the_node_and_recovery_clears_it() -> TestResult {
     let node = ApiNode::start(QUICK_RECOVERY).await?;

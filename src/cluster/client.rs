@@ -20,8 +20,18 @@ use kube::client::ClientBuilder;
 /// is several times anything a real API server sends, and a small part of the plugin's memory limit.
 pub const MAX_ANSWER_BYTES: u64 = 4 * 1024 * 1024;
 
-/// A client for the API server at `config`, its answers read with the size cap.
-pub fn client(config: kube::Config) -> Result<kube::Client, kube::Error> {
+/// What every request says it comes from (`User-Agent`): the API server's audit log, request logs and
+/// flow control name a client by it. Without it the plugin's requests carry none (kube-rs sends none), and a
+/// real API server's audit log shows them with no user agent at all.
+pub const USER_AGENT: &str = concat!("gpu-device-plugin/", env!("CARGO_PKG_VERSION"));
+
+/// A client for the API server at `config`, its answers read with the size cap, its requests named
+/// [`USER_AGENT`].
+pub fn client(mut config: kube::Config) -> Result<kube::Client, kube::Error> {
+    config.headers.push((
+        hyper::header::USER_AGENT,
+        hyper::header::HeaderValue::from_static(USER_AGENT),
+    ));
     let builder = ClientBuilder::try_from(config)?;
     Ok(builder.with_layer(&CapLayer).build())
 }

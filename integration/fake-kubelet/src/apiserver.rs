@@ -60,6 +60,8 @@ pub struct Recorded {
     pub query: String,
     /// `Content-Type`, if any.
     pub content_type: Option<String>,
+    /// `User-Agent`, if any: the real API server names a client by it in its audit log and request logs.
+    pub user_agent: Option<String>,
     /// The body as JSON (`Null` when empty).
     pub body: Value,
     /// The status code answered.
@@ -143,6 +145,7 @@ impl ApiServerLink {
                     selector.replace('=', "%3D").replace(',', "%2C")
                 ),
                 content_type: None,
+                user_agent: None,
                 body: Value::Null,
                 status: 200,
                 at: Instant::now(),
@@ -661,6 +664,11 @@ async fn handle(
         .get("content-type")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
+    let user_agent = request
+        .headers()
+        .get("user-agent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     // A client asking for metadata only (`as=PartialObjectMetadata`) gets it, as from the real API server.
     let metadata_only = request
         .headers()
@@ -684,6 +692,7 @@ async fn handle(
                         path,
                         query,
                         content_type,
+                        user_agent,
                         body: Value::Null,
                         status: 400,
                         at,
@@ -719,6 +728,7 @@ async fn handle(
             path,
             query,
             content_type,
+            user_agent,
             body,
             status: status.as_u16(),
             at,
@@ -749,6 +759,7 @@ async fn handle(
         path,
         query,
         content_type,
+        user_agent,
         body,
         status: status.as_u16(),
         at,
