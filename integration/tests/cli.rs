@@ -556,3 +556,28 @@ fn a_megabyte_config_value_is_refused_in_one_short_line() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.len() < 2048, "{} bytes", stderr.len());
 }
+
+#[test]
+fn a_node_name_that_is_no_nodes_name_stops_the_start_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state_arg(&dir);
+    let out = run(
+        &["--simulate", "1", "--state-dir", &state],
+        &[("NODE_NAME", "../x")],
+    );
+    assert_one_line_error(&out, &["NODE_NAME", "\"../x\"", "not a node's name"]);
+}
+
+#[test]
+fn a_relative_container_driver_root_is_refused_as_a_relative_driver_root_is() {
+    let out = run(&["check-config"], &[("NVIDIA_DRIVER_ROOT", "run/nvidia")]);
+    assert_one_line_error(&out, &["NVIDIA_DRIVER_ROOT", "absolute"]);
+    let out = run(
+        &["check-config"],
+        &[("CONTAINER_DRIVER_ROOT", "driver-root")],
+    );
+    assert_one_line_error(
+        &out,
+        &["CONTAINER_DRIVER_ROOT", "\"driver-root\"", "absolute"],
+    );
+}

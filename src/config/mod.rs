@@ -879,6 +879,15 @@ fn merge_nvidia(
         .or_else(|| from_file.container_driver_root.clone().map(PathBuf::from))
         .filter(|root| !root.as_os_str().is_empty())
         .unwrap_or_else(|| DEFAULT_CONTAINER_DRIVER_ROOT.into());
+    // NVML and the IMEX channels are looked for under it: a relative path would be taken from wherever the
+    // process runs, as a relative nvidiaDriverRoot would on the host.
+    if !container_driver_root.is_absolute() {
+        return Err(ConfigError::Invalid {
+            setting: "containerDriverRoot (--driver-root-ctr-path, DRIVER_ROOT_CTR_PATH, CONTAINER_DRIVER_ROOT)",
+            value: container_driver_root.to_string_lossy().into_owned(),
+            why: "must be an absolute path in this container, e.g. /driver-root".into(),
+        });
+    }
     let imex_ids = imex_channel_ids(&flags.imex_channel_ids)?;
     let fail_on_init_error = match std::env::var("FAIL_ON_INIT_ERROR") {
         Ok(value) => Some(parse_go_bool(&value).map_err(|why| ConfigError::Invalid {
@@ -1236,6 +1245,22 @@ fn dra_settings(
     }))
 }
 
+/// The node's name (`NODE_NAME`), none when not given: a name the API server could hold for a Node (a
+/// DNS-1123 subdomain), since it goes into the API's URL paths (`/api/v1/nodes/<name>`) and field selectors,
+/// where `../x` would name another path.
+fn node_name(name: Option<&str>) -> Result<Option<String>, ConfigError> {
+    match name.filter(|n| !n.is_empty()) {
+        None => Ok(None),
+        Some(name) if crate::util::text::is_dns_subdomain(name) => Ok(Some(name.to_string())),
+        Some(name) => Err(ConfigError::Invalid {
+            setting: "--node-name (NODE_NAME)",
+            value: name.to_string(),
+            why: "not a node's name: lower-case letters, digits, '-' and '.', at most 253 bytes (give                   spec.nodeName from the downward API)"
+                .into(),
+        }),
+    }
+}
+
 /// The pod's UID the DRA sockets are named after: none when not given (or given empty), else one a socket
 /// name can carry.
 fn pod_uid(uid: Option<&str>) -> Result<Option<String>, ConfigError> {
@@ -1304,7 +1329,7 @@ fn surface_settings(args: &Args, file: &FileConfig) -> Result<Surfaces, ConfigEr
             .map(PathBuf::from)
             .or_else(|| file.kubeconfig.clone())
             .filter(|p| !p.as_os_str().is_empty()),
-        node_name: args.node_name.clone().filter(|n| !n.is_empty()),
+        node_name: node_name(args.node_name.as_deref())?,
         budget: crate::cluster::EventBudget::default(),
     };
     let http_addr = parse_http_addr(
@@ -1982,6 +2007,17 @@ mod tests {
             assert!(why.contains(says), "{argv:?}: {why}");
         };
         refused(&["--dra", "all", "--node-name", ""], "NODE_NAME");
+        for bad in [
+            "../x",
+            "node/../../x",
+            "Node-A",
+            "a..b",
+            "-a",
+            &"a".repeat(254),
+        ] {
+            refused(&[&format!("--node-name={bad}")], "--node-name (NODE_NAME)");
+        }
+        assert!(settings(&["--node-name", "gpu-7.zone-b.example"]).is_ok());
         refused(
             &[
                 "--dra",
