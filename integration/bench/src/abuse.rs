@@ -26,6 +26,8 @@ use crate::measure::{ProcSample, one_fault_within};
 use crate::report::{Report, Stats};
 use crate::rig::{Plugin, Rig, WAIT, uuid};
 
+mod claims_flood;
+
 /// A fault the kubelet has not seen Unhealthy this long after its write is missed (counted, not waited for).
 const MISSED_AFTER: Duration = Duration::from_secs(5);
 
@@ -350,7 +352,7 @@ pub(crate) async fn abuse(
         died.is_none(),
         died.unwrap_or_default(),
     );
-    Ok(())
+    claims_flood::claims_flood(rig, devices, counts, report).await
 }
 
 /// Raises this process's soft limit of open files to the hard one, so that it can hold the connections
