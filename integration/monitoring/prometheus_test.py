@@ -233,8 +233,8 @@ def run():
           "recovered in Prometheus (%.1f s after the fault)"
           % (for_s, pending_at - fault, fired - fault, seen - fault, summary, resolved - recovered,
              resolved - fault))
-    print("dashboard: %d queries ran on Prometheus; the %d metric names in them are all in the plugin's scrapes"
-          % (queries, names))
+    print("dashboard: %d queries (the panels' and the node variable's) ran on Prometheus; the %d metric names "
+          "in them are all in the plugin's scrapes" % (queries, names))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The alert rules under `promtool test rules`, over series taken from the plugin's own /metrics.
 
 The plugin runs on the fake NVML (node.py) and goes through the faults the alerts are about, one at a time:
-an XID 79 and its recovery after the quiet period, a GPU lost and restored, a GPU fenced and released, the
+an XID 43 (no effect) and an XID 79, and their recovery after the quiet period, a GPU lost and restored, a GPU fenced and released, the
 kubelet gone and back. After each step the test scrapes /metrics once the change shows there: each scrape is a
 frame, every series in it exactly as the plugin wrote it. The promtool tests below are timelines of frames
 ("healthy for 5 minutes, then the XID frame for 10, then recovered") with the `instance` and `job` labels a
@@ -44,11 +44,13 @@ def capture():
     with node.Node(config) as n:
         frames["healthy"] = parse(n.scrape_when("four Healthy GPUs", all_healthy))
 
-        n.inject("xid %s 79" % gpu(1))
+        # XID 43 first, which the policy records without effect: the summary must name only xid-79.
+        n.inject("xid %s 43" % gpu(1), "xid %s 79" % gpu(1))
         frames["xid"] = parse(n.scrape_when(
-            "GPU 1 Unhealthy with xid-79",
+            "GPU 1 Unhealthy with xid-79, and xid-43 without effect",
             lambda s: value(s, HEALTHY, index=1) == 0
-            and value(s, CONDITION, index=1, kind="xid", value=79) == 1))
+            and value(s, CONDITION, index=1, kind="xid", value=79, effect="Unhealthy") == 1
+            and value(s, CONDITION, index=1, kind="xid", value=43, effect="None") == 1))
         n.scrape_when("GPU 1 recovered after the quiet period", all_healthy)
 
         n.inject("lost %s" % gpu(2))
