@@ -150,7 +150,15 @@ pub fn init() -> nvmlReturn_t {
     {
         let path = std::path::PathBuf::from(path);
         match Feed::open(&path, devices) {
-            Ok(opened) => *feed = Some(opened),
+            Ok(opened) => {
+                *feed = Some(opened);
+                // Waits that began while nothing was followed take the reader's turn now.
+                let mut events = lock(&EVENTS);
+                events.following = true;
+                for set in &events.sets {
+                    set.wake.notify_all();
+                }
+            }
             Err(e) => eprintln!(
                 "fake-nvml: cannot follow FAKE_NVML_EVENTS {}: {e}",
                 path.display()
@@ -171,6 +179,7 @@ pub fn shutdown() -> nvmlReturn_t {
     *initialized -= 1;
     if *initialized == 0 {
         *lock(&FEED) = None;
+        lock(&EVENTS).following = false;
     }
     code::SUCCESS
 }
@@ -294,7 +303,7 @@ enum Script {
     Taken,
     /// Nothing new: wait on this opening's inotify descriptor.
     Quiet(u64, Arc<OwnedFd>),
-    /// No script followed (none set, or the library shut down).
+    /// No script followed (the library shut down since the turn was taken).
     Absent,
 }
 
@@ -391,12 +400,16 @@ struct Events {
     sets: Vec<EventSet>,
     next_handle: usize,
     reading: bool,
+    /// Whether a fault script is followed: without one, waits wait on their sets for the timeout (or for an
+    /// `nvmlInit` that starts following one), holding no reader's turn.
+    following: bool,
 }
 
 static EVENTS: Mutex<Events> = Mutex::new(Events {
     sets: Vec::new(),
     next_handle: 1,
     reading: false,
+    following: false,
 });
 
 impl Events {
@@ -473,7 +486,7 @@ impl SetRef {
                 return None;
             }
             let wake = Arc::clone(&set.wake);
-            if events.reading {
+            if events.reading || !events.following {
                 if let Some(set) = events.set(self.0) {
                     set.waiters += 1;
                 }
@@ -493,9 +506,8 @@ impl SetRef {
             match look_at_script() {
                 Script::Taken => {}
                 Script::Quiet(generation, ready) => wait_for_script(generation, &ready, remaining),
-                // Nothing to follow (no script, or the library shut down meanwhile): only the timeout
-                // can end the wait.
-                Script::Absent => std::thread::sleep(remaining),
+                // Shut down meanwhile: the next turn of the loop waits on the set.
+                Script::Absent => {}
             }
             end_reader_turn();
             events = lock(&EVENTS);

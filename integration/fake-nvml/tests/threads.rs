@@ -313,6 +313,34 @@ fn the_last_shutdown_answers_at_once_and_the_wait_in_progress_ends_at_its_timeou
 }
 
 #[test]
+fn a_wait_across_the_last_shutdown_and_a_new_init_takes_only_faults_written_after_that_init() {
+    let _library = Library::take();
+    assert_eq!(fake_nvml::nvmlInit_v2(), code::SUCCESS);
+    let set = xid_set();
+    let gpu0 = uuid(gpu(0));
+    let waiter = Waiter::start(set, Duration::from_secs(30));
+
+    assert_eq!(
+        timed("the last nvmlShutdown", || fake_nvml::nvmlShutdown()),
+        code::SUCCESS
+    );
+    // Written while shut down: history once the library is initialised again.
+    append(&format!("xid {gpu0} 48"));
+    assert_eq!(
+        timed("nvmlInit_v2 after the last shutdown", || {
+            fake_nvml::nvmlInit_v2()
+        }),
+        code::SUCCESS
+    );
+    waiter.assert_waiting("nvmlInit after the last nvmlShutdown");
+
+    append(&format!("xid {gpu0} 79"));
+    let (rc, xid, _) = waiter.result();
+    assert_eq!((rc, xid), (code::SUCCESS, Some(79)));
+    assert_eq!(fake_nvml::nvmlEventSetFree(set), code::SUCCESS);
+}
+
+#[test]
 fn shutdown_is_counted_against_init_and_one_too_many_answers_uninitialized() {
     let _library = Library::take();
     assert_eq!(fake_nvml::nvmlInit_v2(), code::SUCCESS);
