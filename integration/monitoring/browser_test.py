@@ -3,7 +3,8 @@
 The plugin runs on the fake NVML (node.py); GPU 1 gets an XID 79 and GPU 3 is fenced with the plugin's own
 `fence` command. Once /status says so, Chromium loads http://127.0.0.1:<port>/status as a user would (it sends
 its own `Accept: text/html,...`). What it renders must show: a table per GPU with its index and UUID, GPU 1
-Unhealthy with the XID 79 message and its condition, GPU 3 fenced with who did it and why, GPU 0 Healthy. Its
+Unhealthy with the XID 79 message and its condition, GPU 3 fenced with who did it and why, GPU 0 Healthy (and
+any other client still gets the JSON, the `status` command its table). Its
 screenshot must show the health in colour (the page's red and green badges are in it), and is written where
 asked (docs/status-page.png is one).
 
@@ -11,6 +12,7 @@ Usage: python3 browser_test.py [--screenshot PATH] [CHROMIUM]   (default: chromi
 """
 
 import html.parser
+import json
 import os
 import shutil
 import struct
@@ -161,6 +163,13 @@ def run():
             s, "gpu_device_plugin_device_condition", index=1, kind="xid", value=79) == 1
             and node.value(s, "gpu_device_plugin_device_condition", index=3, kind="fenced") == 1)
         url = "http://%s/status" % n.addr
+        # Every other client keeps the JSON: curl's `*/*`, and no Accept at all (the `status` command).
+        for accept in ("*/*", None):
+            kind, body = n.get("/status", accept)
+            if not kind.startswith("application/json") or len(json.loads(body)["devices"]) != 4:
+                raise Failure("/status with Accept %r answered %s: %s" % (accept, kind, body[:500]))
+        if "GPU-fa4e0000-0000-4000-8000-000000000003" not in n.command("status", "--addr", n.addr):
+            raise Failure("the status command lost its table")
         dom = chromium(binary, "--dump-dom", url)
         out = tempfile.mkdtemp(prefix="gdp-screenshot-")
         try:
