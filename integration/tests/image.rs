@@ -54,15 +54,15 @@ fn from_dockerfile(dockerfile: &str) -> Image {
     for line in &lines {
         let words: Vec<&str> = line.split_whitespace().collect();
         for w in words.windows(3) {
-            if w[0] == "cp" {
-                if let Some(artifact) = w[1].strip_prefix("target/release/") {
-                    let dest = if w[2].ends_with('/') {
-                        format!("{}{artifact}", w[2])
-                    } else {
-                        w[2].to_string()
-                    };
-                    built.insert(dest, artifact.to_string());
-                }
+            if w[0] == "cp"
+                && let Some(artifact) = w[1].strip_prefix("target/release/")
+            {
+                let dest = if w[2].ends_with('/') {
+                    format!("{}{artifact}", w[2])
+                } else {
+                    w[2].to_string()
+                };
+                built.insert(dest, artifact.to_string());
             }
         }
     }
