@@ -663,3 +663,106 @@ async fn no_claim_is_prepared_before_the_api_server_says_what_the_node_holds() {
         "{why}"
     );
 }
+
+/// A reader whose claim reads wait until released, counting how many are waiting at once.
+#[derive(Default)]
+struct HeldReads {
+    inside: std::sync::atomic::AtomicUsize,
+    release: tokio::sync::Notify,
+}
+
+#[tonic::async_trait]
+impl ClaimReader for HeldReads {
+    async fn get(&self, namespace: &str, name: &str) -> Result<Option<Claim>, String> {
+        use std::sync::atomic::Ordering;
+        self.inside.fetch_add(1, Ordering::SeqCst);
+        self.release.notified().await;
+        self.inside.fetch_sub(1, Ordering::SeqCst);
+        Ok(Some(Claim {
+            namespace: namespace.into(),
+            name: name.into(),
+            uid: format!("u-{name}"),
+            allocated: None,
+            ..Claim::default()
+        }))
+    }
+
+    async fn allocated_in(&self, _driver: &str, _pool: &str) -> Result<Vec<Claim>, String> {
+        Ok(Vec::new())
+    }
+}
+
+#[tokio::test]
+async fn a_flood_of_prepare_calls_is_served_a_few_at_a_time_and_every_call_answered() {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().expect("dir");
+    let reads = Arc::new(HeldReads::default());
+    let devices = watch::Sender::new(Arc::new(inventory()));
+    let preparer = Preparer::new(
+        PrepareConfig {
+            driver: "gpu.nvidia.com".into(),
+            pool: "node-a".into(),
+            cdi_kind: "nvidia.com/gpu".into(),
+        },
+        devices.subscribe(),
+        reads.clone(),
+        Record::new(None),
+        RecordFile::in_dir(dir.path()),
+    );
+    // Calls of two claims each: the reads alone would let 4 calls in; the calls are held to 4 too, so at
+    // most 4 calls' claims are being read or held at once.
+    let calls: Vec<_> = (0..12)
+        .map(|i| {
+            let preparer = preparer.clone();
+            tokio::spawn(async move {
+                preparer
+                    .prepare(vec![
+                        claim(&format!("a{i}"), &format!("u-a{i}")),
+                        claim(&format!("b{i}"), &format!("u-b{i}")),
+                    ])
+                    .await
+            })
+        })
+        .collect();
+    let wait = async {
+        while reads.inside.load(Ordering::SeqCst) < MAX_READS {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(5), wait)
+        .await
+        .expect("reads under way");
+    assert_eq!(
+        preparer.prepares.available_permits(),
+        0,
+        "calls held to {MAX_PREPARES}"
+    );
+    assert_eq!(reads.inside.load(Ordering::SeqCst), MAX_READS);
+    // Let every read through, in turn: each call gets its answer.
+    let release = async {
+        loop {
+            reads.release.notify_waiters();
+            tokio::task::yield_now().await;
+        }
+    };
+    let answered = async {
+        let mut answers = Vec::new();
+        for call in calls {
+            answers.push(call.await.expect("call"));
+        }
+        answers
+    };
+    let answers = tokio::select! {
+        answers = answered => answers,
+        () = release => unreachable!(),
+    };
+    assert_eq!(answers.len(), 12);
+    for answer in answers {
+        assert_eq!(answer.len(), 2);
+        assert!(answer.values().all(|a| {
+            a.as_ref()
+                .is_err_and(|why| why.contains("not allocated yet"))
+        }));
+    }
+    assert_eq!(preparer.prepares.available_permits(), MAX_PREPARES);
+}
