@@ -21,7 +21,7 @@ use gpu_device_plugin::kubelet::{self, PluginConfig};
 use gpu_device_plugin::metrics::Metrics;
 use gpu_device_plugin::monitor;
 use gpu_device_plugin::sources::DeviceSource;
-use gpu_device_plugin::sources::nvml::{NvmlGpus, UnmonitoredGpus};
+use gpu_device_plugin::sources::nvml::{NvmlGpus, NvmlInitError, UnmonitoredGpus};
 use gpu_device_plugin::sources::simulated::SimulatedGpus;
 use std::sync::Arc;
 
@@ -176,7 +176,14 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         kubelet::socket_path_for(&plugin_config(&settings, &settings.resource_name))?;
     }
 
-    let source = open_source(&settings)?;
+    let Some(source) = open_source(&settings, &shutdown).await? else {
+        // SIGTERM (or a SIGHUP whose config loads) while NVML was loading.
+        if reload.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(Stopped::Reload);
+        }
+        tracing::info!("stopped while NVML was loading");
+        return Ok(Stopped::Shutdown);
+    };
     log_start(&settings, source.driver_version());
     let metrics = Arc::new(Metrics::new());
     let mut monitor_config = settings.monitor.clone();
@@ -310,29 +317,78 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     Ok(Stopped::Shutdown)
 }
 
+/// How long loading and initialising NVML may take. The driver answers in seconds on a node of eight GPUs;
+/// a load that does not end (a library on a hung mount, a driver that never answers `nvmlInit`) is then
+/// taken as NVML not loading, as `--fail-on-init-error` says.
+const NVML_LOAD_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Loads NVML on a thread of its own, for at most [`NVML_LOAD_LIMIT`], while SIGTERM is answered: `None`
+/// when the plugin is told to stop meanwhile.
+async fn open_nvml(
+    settings: &Settings,
+    shutdown: &CancellationToken,
+) -> Option<Result<NvmlGpus, NvmlInitError>> {
+    let library = gpu_device_plugin::util::text::shown(
+        &settings.nvml.library.to_string_lossy(),
+        gpu_device_plugin::util::text::SHOWN_MAX,
+    );
+    let failed = |cause: String| NvmlInitError::Load {
+        library: library.clone(),
+        cause,
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let options = settings.nvml.clone();
+    let started = std::thread::Builder::new()
+        .name("nvml-load".into())
+        .spawn(move || {
+            let _gave_up = tx.send(NvmlGpus::open(options));
+        });
+    if let Err(e) = started {
+        return Some(Err(failed(format!(
+            "cannot start a thread to load it: {e}"
+        ))));
+    }
+    tokio::select! {
+        loaded = tokio::time::timeout(NVML_LOAD_LIMIT, rx) => Some(match loaded {
+            Ok(Ok(opened)) => opened,
+            Ok(Err(_)) => Err(failed("its loading thread ended without an answer".into())),
+            Err(_) => Err(failed(format!(
+                "loading and initialising it took more than {} s",
+                NVML_LOAD_LIMIT.as_secs()
+            ))),
+        }),
+        () = shutdown.cancelled() => None,
+    }
+}
+
 /// Where the GPUs come from: simulated GPUs when asked, else NVML; without NVML, the driver's GPUs unmonitored
-/// or a refusal to start, as `--fail-on-init-error` says.
-fn open_source(settings: &Settings) -> anyhow::Result<Box<dyn DeviceSource>> {
-    Ok(match settings.simulate {
-        Some(count) => {
-            // The control handle is for tests; from the command line faults come from the fault script.
-            let (gpus, _control) = SimulatedGpus::new(count);
-            match &settings.simulate_events {
-                Some(script) => Box::new(gpus.with_fault_script(script)),
-                None => Box::new(gpus),
-            }
+/// or a refusal to start, as `--fail-on-init-error` says. `None` when the plugin is told to stop while NVML
+/// loads.
+async fn open_source(
+    settings: &Settings,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<Box<dyn DeviceSource>>> {
+    if let Some(count) = settings.simulate {
+        // The control handle is for tests; from the command line faults come from the fault script.
+        let (gpus, _control) = SimulatedGpus::new(count);
+        return Ok(Some(match &settings.simulate_events {
+            Some(script) => Box::new(gpus.with_fault_script(script)),
+            None => Box::new(gpus),
+        }));
+    }
+    let Some(opened) = open_nvml(settings, shutdown).await else {
+        return Ok(None);
+    };
+    Ok(Some(match opened {
+        Ok(gpus) => Box::new(gpus),
+        Err(e) if settings.fail_on_init_error => {
+            bail!("{e}; set --fail-on-init-error=false to serve the driver's GPUs unmonitored")
         }
-        None => match NvmlGpus::open(settings.nvml.clone()) {
-            Ok(gpus) => Box::new(gpus),
-            Err(e) if settings.fail_on_init_error => {
-                bail!("{e}; set --fail-on-init-error=false to serve the driver's GPUs unmonitored")
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "NVML unavailable; serving the driver's GPUs unmonitored");
-                Box::new(UnmonitoredGpus::from_procfs(&settings.nvml, e.to_string()))
-            }
-        },
-    })
+        Err(e) => {
+            tracing::warn!(error = %e, "NVML unavailable; serving the driver's GPUs unmonitored");
+            Box::new(UnmonitoredGpus::from_procfs(&settings.nvml, e.to_string()))
+        }
+    }))
 }
 
 /// Each resource's registration settings, with the view of the inventory it lists.

@@ -976,3 +976,163 @@ async fn facts_the_driver_cannot_give_are_left_out_and_the_gpu_is_still_served()
     assert_eq!(a100.pcie_root, None, "not in this sysfs");
     Ok(())
 }
+
+/// Runs the plugin on `library` with `--fail-on-init-error` as given (and `envs`), to its exit; its stderr.
+fn exit_on_library(
+    library: &std::path::Path,
+    envs: &[(&str, &OsStr)],
+) -> (std::process::ExitStatus, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+        .arg("--nvml-lib")
+        .arg(library)
+        .arg("--kubelet-dir")
+        .arg(dir.path())
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .env_remove("RUST_LOG")
+        .envs(envs.iter().copied())
+        .output()
+        .unwrap();
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A length that cuts the 64-bit little-endian shared object `image` pages before the end of the segments the
+/// loader maps (a copy cut after them, in the debug sections, still loads; one cut here was a SIGBUS inside
+/// the load).
+fn inside_last_segment(image: &[u8]) -> usize {
+    let read = |at: usize, width: usize| {
+        image[at..at + width]
+            .iter()
+            .rev()
+            .fold(0u64, |v, b| (v << 8) | u64::from(*b)) as usize
+    };
+    let (table, count) = (read(32, 8), read(56, 2));
+    let end = (0..count)
+        .map(|i| table + 56 * i)
+        .filter(|&at| read(at, 4) == 1)
+        .map(|at| read(at + 8, 8) + read(at + 32, 8))
+        .max()
+        .unwrap();
+    end - 3 * 4096
+}
+
+/// Asserts the plugin exited as `--fail-on-init-error` documents (status 1, one line, the flag named) with
+/// `says` in its line, not by a signal.
+fn assert_refused_in_one_line(status: std::process::ExitStatus, stderr: &str, says: &str) {
+    use std::os::unix::process::ExitStatusExt as _;
+    assert_eq!(status.signal(), None, "killed by a signal: {stderr}");
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    let lines: Vec<_> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].contains(says) && lines[0].contains("--fail-on-init-error"),
+        "{says:?} not in {stderr}"
+    );
+}
+
+#[test]
+fn a_truncated_nvml_library_is_refused_in_one_line_not_a_sigbus() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = std::fs::read(fake_nvml_lib()).unwrap();
+    let truncated = dir.path().join("libnvidia-ml.so.1");
+    std::fs::write(&truncated, &whole[..inside_last_segment(&whole)]).unwrap();
+    let (status, stderr) = exit_on_library(&truncated, &[]);
+    assert_refused_in_one_line(status, &stderr, "is not a whole shared library");
+    assert!(stderr.contains("past its"), "{stderr}");
+}
+
+#[test]
+fn a_fifo_a_directory_or_garbage_as_the_nvml_library_is_refused_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo.so");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let (status, stderr) = exit_on_library(&fifo, &[]);
+    assert_refused_in_one_line(status, &stderr, "is a FIFO, not a regular file");
+    let (status, stderr) = exit_on_library(dir.path(), &[]);
+    assert_refused_in_one_line(status, &stderr, "is a directory, not a regular file");
+    let garbage = dir.path().join("garbage.so");
+    std::fs::write(&garbage, vec![0x17u8; 100_000]).unwrap();
+    let (status, stderr) = exit_on_library(&garbage, &[]);
+    assert_refused_in_one_line(status, &stderr, "no ELF header");
+    // Given by name, as by default: the file the loader would find on LD_LIBRARY_PATH is the one checked.
+    let by_name = tempfile::tempdir().unwrap();
+    std::fs::rename(&fifo, by_name.path().join("libnvidia-ml.so.1")).unwrap();
+    let (status, stderr) = exit_on_library(
+        std::path::Path::new("libnvidia-ml.so.1"),
+        &[("LD_LIBRARY_PATH", by_name.path().as_os_str())],
+    );
+    assert_refused_in_one_line(status, &stderr, "is a FIFO");
+}
+
+#[tokio::test]
+async fn a_truncated_library_with_fail_on_init_error_false_serves_unmonitored_with_one_warning()
+-> TestResult {
+    let dir = tempfile::tempdir()?;
+    let whole = std::fs::read(fake_nvml_lib())?;
+    let truncated = dir.path().join("libnvidia-ml.so.1");
+    std::fs::write(&truncated, &whole[..inside_last_segment(&whole)])?;
+    let kubelet_dir = dir.path().join("device-plugins");
+    std::fs::create_dir(&kubelet_dir)?;
+    let _kubelet = FakeKubelet::start(&kubelet_dir).await?;
+    let plugin = PluginProcess::spawn(
+        &kubelet_dir,
+        &[
+            "--nvml-lib",
+            truncated.to_str().unwrap(),
+            "--fail-on-init-error=false",
+            "--proc-root",
+            dir.path().join("proc").to_str().unwrap(),
+        ],
+    );
+    let log = plugin
+        .wait_log(WAIT, |l| l.contains("NVML unavailable"))
+        .await
+        .ok_or_else(|| plugin.log())?;
+    let warned: Vec<_> = log
+        .lines()
+        .filter(|l| l.contains("NVML unavailable"))
+        .collect();
+    assert_eq!(warned.len(), 1, "{log}");
+    assert!(warned[0].contains("is not a whole shared library"), "{log}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn sigterm_while_nvml_is_loading_stops_the_plugin() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let hang = dir.path().join("hang");
+    std::fs::write(&hang, b"")?;
+    let kubelet_dir = dir.path().join("device-plugins");
+    std::fs::create_dir(&kubelet_dir)?;
+    let mut plugin = PluginProcess::spawn_with_env(
+        &kubelet_dir,
+        &["--nvml-lib", fake_nvml_lib().to_str().unwrap()],
+        &[("FAKE_NVML_INIT_HANG_FILE", hang.as_os_str())],
+    );
+    // The load is under way once the fake's nvmlInit says it was entered.
+    let entered = support::wait_for_file(dir.path(), WAIT, |n| n == "hang.entered").await;
+    assert!(
+        entered.is_some(),
+        "nvmlInit never entered: {}",
+        plugin.log()
+    );
+    plugin.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = plugin.wait_exit(WAIT).await.ok_or_else(|| plugin.log())?;
+    assert!(status.success(), "{status:?}: {}", plugin.log());
+    assert!(
+        plugin.log().contains("stopped while NVML was loading"),
+        "{}",
+        plugin.log()
+    );
+    Ok(())
+}

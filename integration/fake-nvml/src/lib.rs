@@ -171,13 +171,32 @@ fn with_handle(handle: nvmlDevice_t, f: impl FnOnce(Handle) -> nvmlReturn_t) -> 
 
 // ---- library -------------------------------------------------------------------------------------------
 
+/// `FAKE_NVML_INIT_HANG_FILE=<path>`: while that file exists, `nvmlInit` never returns (after writing
+/// `<path>.entered`, so that a test knows the load is under way), as with a driver that never answers; for
+/// testing that a plugin bounds its load and still answers SIGTERM.
+fn init_hang_if_asked() {
+    let Some(path) = std::env::var_os("FAKE_NVML_INIT_HANG_FILE") else {
+        return;
+    };
+    if std::path::Path::new(&path).exists() {
+        let mut entered = path.clone();
+        entered.push(".entered");
+        let _ = std::fs::write(entered, b"");
+        loop {
+            std::thread::park();
+        }
+    }
+}
+
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
+    init_hang_if_asked();
     state::init()
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> nvmlReturn_t {
+    init_hang_if_asked();
     state::init()
 }
 

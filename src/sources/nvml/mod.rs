@@ -21,6 +21,7 @@
 //! device of it.
 
 mod facts;
+pub mod library;
 mod raw;
 
 use std::collections::{HashMap, HashSet};
@@ -204,7 +205,16 @@ pub struct NvmlGpus {
 impl NvmlGpus {
     /// Loads and initialises NVML.
     pub fn open(options: NvmlOptions) -> Result<Self, NvmlInitError> {
-        let library = options.library.display().to_string();
+        let library = crate::util::text::shown(
+            &options.library.to_string_lossy(),
+            crate::util::text::SHOWN_MAX,
+        );
+        // Looked at before the loader maps it: a truncated copy is a SIGBUS inside the load, a FIFO a
+        // load that never ends.
+        library::check(&options.library).map_err(|problem| NvmlInitError::Load {
+            library: library.clone(),
+            cause: problem.to_string(),
+        })?;
         let nvml = Nvml::builder()
             .lib_path(OsStr::new(options.library.as_os_str()))
             .init()
