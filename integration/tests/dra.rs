@@ -1030,6 +1030,44 @@ async fn a_claim_asking_for_mps_is_refused_with_what_to_change_and_one_asking_no
     Ok(())
 }
 
+/// A claim's value echoed in its refusal reaches the kubelet escaped and cut to a few kilobytes: a megabyte
+/// echoed whole made the kubelet's answer a megabyte a claim (past 4 MiB its read fails with
+/// RESOURCE_EXHAUSTED instead of the reason).
+#[tokio::test]
+async fn a_huge_claim_value_echoed_in_a_refusal_reaches_the_kubelet_escaped_and_small() -> TestResult
+{
+    let node = DraNode::start(1, "all").await?;
+    let strategy = format!("\u{202E}{}\n", "x".repeat(600 * 1024));
+    let pod = node.pod_with_claim("huge", "gpu-0");
+    assert!(node.api.configure_claim(
+        "ml",
+        "huge-gpu",
+        vec![
+            serde_json::json!({"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER,
+            "parameters": {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                           "sharing": {"strategy": strategy}}}})
+        ]
+    ));
+    let why = node
+        .kubelet
+        .prepare_pod(&pod)
+        .await
+        .expect_err("an unknown strategy is refused")
+        .to_string();
+    assert!(
+        why.contains("unknown sharing strategy"),
+        "{}",
+        &why[..why.len().min(300)]
+    );
+    assert!(why.contains("more bytes)"), "not cut: {} bytes", why.len());
+    assert!(why.len() < 8 * 1024, "{} bytes", why.len());
+    assert!(
+        !why.contains('\u{202E}'),
+        "a right-to-left override reached the kubelet raw"
+    );
+    Ok(())
+}
+
 /// A call that names claims the API server does not hold (a flood of them, or a kubelet racing a deletion):
 /// every claim is refused with why, but the log says at most 20 of a burst, not one line each.
 #[tokio::test]
