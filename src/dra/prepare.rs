@@ -34,6 +34,8 @@ use crate::util::files::FileId;
 /// that do not exist is not a flood of requests to the API server, and the answers held at once are at most
 /// this many claims of [`super::claims::MAX_CLAIM_BYTES`].
 const MAX_READS: usize = 4;
+/// The least time between two lists of the claims for a listed claim that blocks another.
+const RELIST_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 /// Prepare calls served at once, at most; others wait their turn (the kubelet makes one call per pod, and
 /// gives each 45 s): what a flood of calls holds (their claims, their answers) is this many calls' worth.
 pub const MAX_PREPARES: usize = 4;
@@ -139,6 +141,10 @@ struct Holdings {
     /// Whether the claims must be listed before a claim not in the record is prepared: at the start, and
     /// each time the record is found unreadable or written by a newer instance.
     list_due: bool,
+    /// When the claims were last listed: a listed claim that blocks another is listed again at most every
+    /// [`RELIST_AFTER`] (the kubelet retries the blocked claim; each retry is not a list of every claim in
+    /// the cluster).
+    listed_at: Option<tokio::time::Instant>,
     /// The record's file is of a newer format (this version): it is left as it is, never written over.
     newer: Option<u32>,
     /// The record's file was set aside: written again from what is held at the next call.
@@ -216,6 +222,7 @@ impl Preparer {
                 record,
                 listed: Default::default(),
                 list_due: true,
+                listed_at: None,
                 newer: None,
                 rewrite: false,
             })),
@@ -297,12 +304,14 @@ impl Preparer {
         // the start, after the record could not be read, and when a listed claim alone holds a device asked
         // for (it may have let it go since).
         let fresh = |held: &Holdings, c: &ClaimRef| !held.record.claims.contains_key(&c.uid);
-        let suspect = claims.iter().zip(&read).any(|(c, read)| match read {
-            Ok(Some(Some(object))) => {
-                fresh(&held, c) && held.blocked_by_listed(c, object, &self.config.pool)
-            }
-            _ => false,
-        });
+        let stale = held.listed_at.is_none_or(|at| at.elapsed() >= RELIST_AFTER);
+        let suspect = stale
+            && claims.iter().zip(&read).any(|(c, read)| match read {
+                Ok(Some(Some(object))) => {
+                    fresh(&held, c) && held.blocked_by_listed(c, object, &self.config.pool)
+                }
+                _ => false,
+            });
         let mut unlisted = None;
         if (held.list_due || suspect) && claims.iter().any(|c| fresh(&held, c)) {
             if let Err(why) = self.list(&mut held).await {
@@ -523,6 +532,7 @@ impl Preparer {
             })
             .collect();
         held.list_due = false;
+        held.listed_at = Some(tokio::time::Instant::now());
         tracing::info!(
             claims = held.listed.len(),
             "claims holding devices of this node read from the API server"

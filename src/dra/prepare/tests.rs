@@ -613,7 +613,7 @@ async fn a_record_of_a_newer_format_is_left_untouched_while_claims_are_served() 
     assert!(names.is_empty(), "set aside: {names:?}");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn at_the_start_claims_the_api_server_has_on_the_pool_hold_their_gpus_whatever_the_record() {
     let s = setup();
     // Prepared by an instance whose record is gone (deleted, or set aside as unreadable).
@@ -631,9 +631,17 @@ async fn at_the_start_claims_the_api_server_has_on_the_pool_hold_their_gpus_what
             .is_err_and(|why| why.contains("ResourceClaim ns/first") && why.contains("gpu-0")),
         "{refused:?}"
     );
-    // The claim let its GPU go since (its pod ended, the claim deallocated): looked up again, not a
-    // refusal for ever.
+    // The kubelet retries at once: refused again without another list of every claim.
+    let lists = s.claims.lists.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(preparer.prepare(vec![claim("second", "u-2")]).await["u-2"].is_err());
+    assert_eq!(
+        s.claims.lists.load(std::sync::atomic::Ordering::Relaxed),
+        lists
+    );
+    // The claim let its GPU go since (its pod ended, the claim deallocated): listed again (at most once a
+    // second, as the kubelet retries), not a refusal for ever.
     s.claims.claims.lock().expect("lock").remove("first");
+    tokio::time::advance(RELIST_AFTER).await;
     let second = preparer.prepare(vec![claim("second", "u-2")]).await["u-2"].clone();
     assert!(second.is_ok(), "{second:?}");
     // Listed once at the start and once for the look again; a prepare answered from the record lists

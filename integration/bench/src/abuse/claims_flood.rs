@@ -38,6 +38,8 @@ const LIMIT: Duration = Duration::from_secs(5);
 /// How long the plugin may take to be idle again (no CPU tick in [`QUIET_WINDOW`]) after the flood.
 const SETTLE_LIMIT: Duration = Duration::from_secs(5);
 const QUIET_WINDOW: Duration = Duration::from_millis(500);
+/// Whether the first prepare's answer was said (once a run).
+static SAID: AtomicBool = AtomicBool::new(false);
 /// Prepares answered before the faults begin: the flood is under way.
 const FLOOD_UNDER_WAY: u64 = 16;
 
@@ -436,8 +438,21 @@ async fn prepare_in_a_loop(
                 claims: vec![claim],
             });
             match tokio::time::timeout(LIMIT, call).await {
-                Ok(Ok(_)) => {
-                    answered.fetch_add(1, Ordering::Relaxed);
+                Ok(Ok(answer)) => {
+                    if answered.fetch_add(1, Ordering::Relaxed) == 0
+                        && !SAID.swap(true, Ordering::Relaxed)
+                    {
+                        // What a prepare of the flood gets: the refusal after the claim was read.
+                        let errors: Vec<String> = answer
+                            .into_inner()
+                            .claims
+                            .into_values()
+                            .map(|c| c.error)
+                            .collect();
+                        eprintln!(
+                            "bench: abuse: claims flood: the first prepare's answer: {errors:?}"
+                        );
+                    }
                 }
                 _ => break,
             }
