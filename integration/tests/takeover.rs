@@ -397,3 +397,45 @@ async fn the_manifests_config_file_and_fake_gpu_list_load() -> TestResult {
     assert_eq!(got, want);
     Ok(())
 }
+
+/// On a kubelet up to 1.36, another plugin of the resource that registers after this one becomes the
+/// resource's only client, and this plugin's stream is left open. When the other plugin stops, the kubelet
+/// drops its client and every GPU of the resource with it; nothing tells this plugin, whose stream is still
+/// open, so it must see the other plugin's socket go and register again (seen on a real 1.36.2 kubelet:
+/// 0 allocatable GPUs until the plugin was restarted).
+#[tokio::test]
+async fn another_plugin_of_the_resource_that_registers_after_this_one_and_stops_leaves_the_gpus_served()
+-> TestResult {
+    let dir = tempfile::tempdir()?;
+    let kubelet = FakeKubelet::start_as(dir.path(), DeviceManager::Legacy).await?;
+    let ours = PluginProcess::spawn(dir.path(), &["--simulate", "8"]);
+    kubelet
+        .wait_list("this plugin's 8 GPUs", WAIT, |l| l.allocatable() == GPUS)
+        .await
+        .map_err(|e| format!("{e}\n{}", ours.log()))?;
+
+    let before = kubelet.registrations().len();
+    let other = start_other_plugin(dir.path(), (0..GPUS).map(simulated_uuid).collect()).await?;
+    kubelet
+        .wait_list("the other plugin's list", WAIT, |l| {
+            l.registration > before && l.messages >= 1
+        })
+        .await?;
+    let others = kubelet.registrations().len();
+
+    other.cancel();
+    let list = kubelet
+        .wait_list("all 8 GPUs Healthy from this plugin again", WAIT, |l| {
+            l.registration > others
+                && l.allocatable() == GPUS
+                && !l.disconnected
+                && kubelet
+                    .registrations()
+                    .get(l.registration - 1)
+                    .is_some_and(|r| r.endpoint.starts_with("gpu-device-plugin-"))
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", ours.log()))?;
+    assert_eq!(list.devices.len(), GPUS);
+    Ok(())
+}

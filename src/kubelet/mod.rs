@@ -525,7 +525,7 @@ impl Supervisor {
             {
                 *awaiting = None;
             }
-            if awaiting.is_none() && now.open == 0 {
+            if awaiting.is_none() && (now.open == 0 || now.newest_ended) {
                 let delay = self.registrar.lost_after(since.elapsed());
                 tracing::warn!(
                     held_ms = since.elapsed().as_millis() as u64,
@@ -596,6 +596,8 @@ impl Supervisor {
                 () = self.shutdown.cancelled() => return Ok(ControlFlow::Break(Stop::Shutdown)),
                 () = self.dir_watch.changed() => {
                     changed = true;
+                    // The registration under way makes us the kubelet's newest client anyway.
+                    self.dir_watch.take_other_left();
                     if self.dir_watch.replaced() {
                         return Ok(ControlFlow::Break(Stop::DirReplaced));
                     }
@@ -670,9 +672,19 @@ impl Supervisor {
     }
 
     /// A sign of a kubelet restart; our socket is looked at on the next turn. A sign that changed nothing (a
-    /// late duplicate of an event already acted on) must not register twice.
+    /// late duplicate of an event already acted on) must not register twice. Another plugin's socket gone
+    /// while we are registered: register again at once (see [`DirWatch::take_other_left`]); on a real 1.36
+    /// kubelet a plugin of our resource that registered after us and stopped left the node with no GPUs
+    /// until we were restarted.
     fn on_dir_change(&mut self) {
+        let other_left = self.dir_watch.take_other_left();
         if !self.link.holds(&self.kubelet_socket) && self.endpoint.is_in_place() {
+            self.link = self.registrar.owe_now();
+        } else if other_left && matches!(self.link, Link::Registered { awaiting: None, .. }) {
+            tracing::info!(
+                "another device plugin's socket was removed; registering again, in case it had taken this \
+                 resource from us (kubelets up to 1.36 then drop the resource with it)"
+            );
             self.link = self.registrar.owe_now();
         }
     }

@@ -54,25 +54,44 @@ pub struct Streams {
     pub open: usize,
     /// Streams ever opened: tells a stream opened after a registration from one that was already there.
     pub opened: u64,
+    /// The stream opened last has ended, older ones may still be open. A kubelet up to 1.36 replaces its
+    /// client of a resource on each registration without closing the one before, so after registering
+    /// twice (see `DirWatch::take_other_left`) only the newest stream says whether the kubelet still uses us.
+    pub newest_ended: bool,
 }
 
 /// Counts a stream as open for as long as it lives; tonic drops a stream when its client cancels it or the
 /// connection closes.
-struct OpenStream(watch::Sender<Streams>);
+struct OpenStream {
+    streams: watch::Sender<Streams>,
+    /// Which stream this is, of all opened (1-based).
+    number: u64,
+}
 
 impl OpenStream {
     fn new(streams: &watch::Sender<Streams>) -> Self {
+        let mut number = 0;
         streams.send_modify(|s| {
             s.open += 1;
             s.opened += 1;
+            s.newest_ended = false;
+            number = s.opened;
         });
-        OpenStream(streams.clone())
+        OpenStream {
+            streams: streams.clone(),
+            number,
+        }
     }
 }
 
 impl Drop for OpenStream {
     fn drop(&mut self) {
-        self.0.send_modify(|s| s.open = s.open.saturating_sub(1));
+        self.streams.send_modify(|s| {
+            s.open = s.open.saturating_sub(1);
+            if s.opened == self.number {
+                s.newest_ended = true;
+            }
+        });
     }
 }
 
@@ -361,6 +380,38 @@ mod tests {
             .filter(|d| d.health == "Unhealthy")
             .map(|d| d.id.as_str())
             .collect()
+    }
+
+    #[tokio::test]
+    async fn the_newest_stream_ending_is_told_apart_from_an_older_one_ending() {
+        let (_tx, rx) = watch::channel(Arc::new(inventory(1)));
+        let service = PluginService::new(rx, AllocateOptions::default(), CancellationToken::new());
+        let streams = service.streams();
+        let older = open(&service).await;
+        let newer = open(&service).await;
+        assert_eq!(
+            (streams.borrow().open, streams.borrow().newest_ended),
+            (2, false)
+        );
+        // An older stream (a client the kubelet replaced) ending says nothing about the one in use.
+        drop(older);
+        assert_eq!(
+            (streams.borrow().open, streams.borrow().newest_ended),
+            (1, false)
+        );
+        let newest = open(&service).await;
+        drop(newer);
+        assert!(!streams.borrow().newest_ended);
+        // The newest ending is the kubelet letting us go, though an older one may still be open.
+        let _kept = open(&service).await;
+        let last = open(&service).await;
+        drop(newest);
+        assert!(!streams.borrow().newest_ended);
+        drop(last);
+        assert_eq!(
+            (streams.borrow().open, streams.borrow().newest_ended),
+            (1, true)
+        );
     }
 
     #[tokio::test]

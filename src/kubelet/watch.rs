@@ -1,18 +1,23 @@
 //! Watching the device plugin directory with inotify for the two signs of a kubelet restart: `kubelet.sock`
 //! created, and our own socket removed (the kubelet deletes every socket in the directory when it starts);
 //! and for the directory itself moved or deleted, after which nothing this process binds can reach the
-//! kubelet (see [`DirWatch::replaced`]).
+//! kubelet (see [`DirWatch::replaced`]). Also for another plugin's socket removed: on kubelets up to 1.36 a
+//! plugin of our resource that registered after us took the resource's only client, and the kubelet drops
+//! that client when the plugin stops, leaving ours unregistered with its stream still open (see
+//! [`DirWatch::take_other_left`]).
 
 use std::ffi::OsString;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use notify::event::{ModifyKind, RenameMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use tokio::sync::Notify;
 
 use super::KubeletError;
+use super::socket::SOCKET_PREFIX;
 use crate::api::KUBELET_SOCKET;
 
 /// A running watch. Events are coalesced into one pending wake-up: whoever wakes looks at the directory as
@@ -21,6 +26,8 @@ use crate::api::KUBELET_SOCKET;
 pub struct DirWatch {
     _watcher: RecommendedWatcher,
     wake: Arc<Notify>,
+    /// Set when a socket other than ours and `kubelet.sock` was removed since the last look.
+    other_left: Arc<AtomicBool>,
     dir: PathBuf,
     /// Device and inode of the directory watched.
     identity: Option<(u64, u64)>,
@@ -35,11 +42,19 @@ impl DirWatch {
     pub fn start(dir: &Path, our_socket: &str) -> Result<Self, KubeletError> {
         let wake = Arc::new(Notify::new());
         let notify = wake.clone();
+        let other_left = Arc::new(AtomicBool::new(false));
+        let left = other_left.clone();
         let ours = OsString::from(our_socket);
         let watched = dir.to_path_buf();
         let mut watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
             let relevant = match event {
-                Ok(event) => is_restart_sign(&event, &ours) || is_about_dir(&event, &watched),
+                Ok(event) => {
+                    let other_gone = is_other_socket_gone(&event, &ours);
+                    if other_gone {
+                        left.store(true, Ordering::SeqCst);
+                    }
+                    other_gone || is_restart_sign(&event, &ours) || is_about_dir(&event, &watched)
+                }
                 // Queue overflow or a watch error: we may have missed something, so look again.
                 Err(e) => {
                     tracing::warn!(error = %e, "device plugin directory watch reported an error");
@@ -63,6 +78,7 @@ impl DirWatch {
         Ok(DirWatch {
             _watcher: watcher,
             wake,
+            other_left,
             dir: dir.to_path_buf(),
             identity: identity(dir),
         })
@@ -74,6 +90,14 @@ impl DirWatch {
     /// only a restart of the plugin mounts the new one.)
     pub fn replaced(&self) -> bool {
         identity(&self.dir) != self.identity
+    }
+
+    /// Whether another plugin's socket was removed since the last call. The kubelet keeps no record we can
+    /// ask of which plugin it uses for a resource, so a plugin registered with its stream open registers again
+    /// when this says so: if the plugin that left had taken our resource, the kubelet uses us again; if not,
+    /// the kubelet only replaces our client with a new one of ours.
+    pub fn take_other_left(&self) -> bool {
+        self.other_left.swap(false, Ordering::SeqCst)
     }
 
     /// Waits until something relevant happened since the last wake-up.
@@ -89,6 +113,27 @@ fn is_about_dir(event: &Event, dir: &Path) -> bool {
         EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(_))
     );
     moved_or_gone && event.paths.iter().any(|p| p == dir)
+}
+
+/// A socket of another plugin removed (as a plugin stopping removes its own): not ours, not `kubelet.sock`,
+/// and not another instance's of this plugin (a rolling update's old instance: the kubelet's own handling
+/// of its stream's end is followed through our streams).
+fn is_other_socket_gone(event: &Event, ours: &OsString) -> bool {
+    let vanished = matches!(
+        event.kind,
+        EventKind::Remove(_)
+            | EventKind::Modify(ModifyKind::Name(RenameMode::From | RenameMode::Any))
+    );
+    vanished
+        && event.paths.iter().any(|p| {
+            p.file_name().is_some_and(|name| {
+                let text = name.to_string_lossy();
+                name != KUBELET_SOCKET
+                    && name != ours.as_os_str()
+                    && !text.trim_start_matches('.').starts_with(SOCKET_PREFIX)
+                    && Path::new(name).extension().is_some_and(|e| e == "sock")
+            })
+        })
 }
 
 fn is_restart_sign(event: &Event, ours: &OsString) -> bool {
@@ -153,6 +198,30 @@ mod tests {
             &event(EventKind::Remove(RemoveKind::File), "other.sock"),
             dir
         ));
+    }
+
+    #[test]
+    fn another_plugins_socket_removed_is_told_apart_from_ours_and_the_kubelets() {
+        let ours = OsString::from("gpu-device-plugin-1.sock");
+        assert!(is_other_socket_gone(
+            &event(EventKind::Remove(RemoveKind::File), "nvidia-gpu.sock"),
+            &ours
+        ));
+        assert!(!is_other_socket_gone(
+            &event(EventKind::Create(CreateKind::File), "nvidia-gpu.sock"),
+            &ours
+        ));
+        for name in [
+            "gpu-device-plugin-1.sock",
+            "gpu-device-plugin-2.sock",
+            "kubelet.sock",
+            "kubelet_internal_checkpoint",
+        ] {
+            assert!(
+                !is_other_socket_gone(&event(EventKind::Remove(RemoveKind::File), name), &ours),
+                "{name}"
+            );
+        }
     }
 
     #[test]
