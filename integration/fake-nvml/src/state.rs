@@ -401,7 +401,9 @@ struct Events {
     next_handle: usize,
     reading: bool,
     /// Whether a fault script is followed: without one, waits wait on their sets for the timeout (or for an
-    /// `nvmlInit` that starts following one), holding no reader's turn.
+    /// `nvmlInit` that starts following one), holding no reader's turn. It says what [`FEED`] holds, kept here
+    /// because a wait decides under this lock, and taking [`FEED`] under it would invert the order in which
+    /// a reader takes the two (the feed, then the sets it delivers to).
     following: bool,
 }
 
@@ -503,11 +505,10 @@ impl SetRef {
             // is held while it waits: other threads' calls go on meanwhile, as with the real library.
             events.reading = true;
             drop(events);
-            match look_at_script() {
-                Script::Taken => {}
-                Script::Quiet(generation, ready) => wait_for_script(generation, &ready, remaining),
-                // Shut down meanwhile: the next turn of the loop waits on the set.
-                Script::Absent => {}
+            // Lines taken in, or shut down meanwhile: the next turn of the loop looks at the queue, or waits
+            // on the set.
+            if let Script::Quiet(generation, ready) = look_at_script() {
+                wait_for_script(generation, &ready, remaining);
             }
             end_reader_turn();
             events = lock(&EVENTS);
