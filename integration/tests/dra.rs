@@ -473,7 +473,8 @@ async fn dra_sockets_replaced_by_a_fifo_a_file_a_dead_socket_or_a_dangling_link_
             std::fs::rename(&made, socket)?;
             let deadline = std::time::Instant::now() + WAIT;
             loop {
-                let bound = std::fs::symlink_metadata(socket).is_ok_and(|m| m.file_type().is_socket())
+                let bound = std::fs::symlink_metadata(socket)
+                    .is_ok_and(|m| m.file_type().is_socket())
                     && std::os::unix::net::UnixStream::connect(socket).is_ok();
                 if bound {
                     break;
@@ -491,7 +492,9 @@ async fn dra_sockets_replaced_by_a_fifo_a_file_a_dead_socket_or_a_dangling_link_
         }
     }
     node.plugin
-        .wait_log(WAIT, |l| l.contains("DRA socket was replaced by a FIFO: bound again"))
+        .wait_log(WAIT, |l| {
+            l.contains("DRA socket was replaced by a FIFO: bound again")
+        })
         .await
         .ok_or("the rebinding is said")?;
     // The kubelet reaches the driver through the new DRA socket.

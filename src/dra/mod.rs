@@ -282,7 +282,8 @@ fn publish_slices(
         };
         let mut watch_api = api.clone();
         watch_api.read_timeout = None;
-        match crate::cluster::client::client(api).and_then(|c| Ok((c, crate::cluster::client::client(watch_api)?)))
+        match crate::cluster::client::client(api)
+            .and_then(|c| Ok((c, crate::cluster::client::client(watch_api)?)))
         {
             Ok(clients) => slices::publish(clients, config, view, metrics, shutdown).await,
             Err(e) => {
