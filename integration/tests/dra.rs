@@ -1892,11 +1892,19 @@ async fn slices_go_out_only_once_the_kubelet_has_registered_the_driver() -> Test
         .slice_devices("both GPUs published", |d| d.len() == 2)
         .await?;
     assert_eq!(devices.len(), 2);
-    let first_write = node
+    // The fake API server stores a slice before it records the request: wait for the record too.
+    let is_create = |r: &fake_kubelet::apiserver::Recorded| {
+        r.method == "POST" && r.path.ends_with("/resourceslices")
+    };
+    let requests = node
         .api
-        .requests()
-        .into_iter()
-        .find(|r| r.method == "POST" && r.path.ends_with("/resourceslices"))
+        .wait_for("the ResourceSlice's creation recorded", WAIT, |r| {
+            r.iter().any(is_create)
+        })
+        .await?;
+    let first_write = requests
+        .iter()
+        .find(|r| is_create(r))
         .ok_or("no ResourceSlice was created")?;
     assert!(
         first_write.at >= released,
