@@ -146,14 +146,19 @@ fn init_logging(format: LogFormat) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
     match format {
         // Fields quote outside text (names, reasons, errors from other processes): each shown escaped.
         LogFormat::Text => builder
+            .with_writer(std::io::stderr)
             .fmt_fields(gpu_device_plugin::util::text::log_fields())
             .init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
+        // JSON escapes control characters; the writer escapes the bidirectional overrides JSON leaves.
+        LogFormat::Json => builder
+            .with_writer(|| gpu_device_plugin::util::text::JsonLogWriter(std::io::stderr()))
+            .json()
+            .flatten_event(true)
+            .init(),
     }
 }
 

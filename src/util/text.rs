@@ -112,6 +112,42 @@ pub fn log_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + 
     .delimited(" ")
 }
 
+/// The JSON log's writer. JSON escapes control characters itself but writes the bidirectional overrides and
+/// isolates as they are, so a JSON line quoting outside text could reorder what a terminal shows after it;
+/// this writes each as its `\uXXXX` escape, which a JSON reader reads back as the same string. (Inside a
+/// line of valid UTF-8 their bytes, E2 80 AA-AE and E2 81 A6-A9, cannot start anywhere else: 0xE2 is never a
+/// continuation byte.) The formatter hands each event over in one write.
+pub struct JsonLogWriter<W>(pub W);
+
+impl<W: std::io::Write> std::io::Write for JsonLogWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut start = 0;
+        let mut at = 0;
+        while at + 2 < buf.len() {
+            let code = match (buf[at], buf[at + 1], buf[at + 2]) {
+                (0xE2, 0x80, low @ 0xAA..=0xAE) => Some(0x2000 | u32::from(low & 0x3F)),
+                (0xE2, 0x81, low @ 0xA6..=0xA9) => Some(0x2040 | u32::from(low & 0x3F)),
+                _ => None,
+            };
+            match code {
+                Some(code) => {
+                    self.0.write_all(&buf[start..at])?;
+                    write!(self.0, "\\u{code:04x}")?;
+                    at += 3;
+                    start = at;
+                }
+                None => at += 1,
+            }
+        }
+        self.0.write_all(&buf[start..])?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
 /// Whether `s` is a DNS label as Kubernetes names take it (a namespace): 1-63 lower-case letters, digits
 /// and '-', starting and ending with a letter or digit.
 pub fn is_dns_label(s: &str) -> bool {
@@ -146,6 +182,34 @@ mod tests {
         assert_eq!(printable("\u{1b}[2J\r"), "\\u{1b}[2J\\r");
         assert_eq!(printable("a\u{202E}b"), "a\\u{202e}b");
         assert_eq!(printable("tab\there é"), "tab\\there é");
+    }
+
+    #[test]
+    fn the_json_log_writes_bidirectional_overrides_as_escapes_that_read_back_the_same() {
+        use std::io::Write as _;
+        let mut line = String::from("{\"message\":\"GPU-1");
+        for bidi in [
+            '\u{202A}', '\u{202B}', '\u{202C}', '\u{202D}', '\u{202E}', '\u{2066}', '\u{2067}',
+            '\u{2068}', '\u{2069}',
+        ] {
+            line.push(bidi);
+            line.push('x');
+        }
+        line.push_str("\u{e9}\u{2028}\"}\n");
+        let mut out = Vec::new();
+        let written = JsonLogWriter(&mut out).write(line.as_bytes()).ok();
+        assert_eq!(written, Some(line.len()));
+        let out = String::from_utf8(out).unwrap_or_default();
+        assert!(
+            !out.chars()
+                .any(|c| matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')),
+            "{out}"
+        );
+        assert!(out.contains("\\u202e") && out.contains("\\u2069") && out.contains('\u{e9}'));
+        let read: Option<serde_json::Value> = serde_json::from_str(&out).ok();
+        let original: Option<serde_json::Value> = serde_json::from_str(&line).ok();
+        assert!(read.is_some());
+        assert_eq!(read, original);
     }
 
     #[test]
