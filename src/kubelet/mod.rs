@@ -525,7 +525,9 @@ impl Supervisor {
             {
                 *awaiting = None;
             }
-            if awaiting.is_none() && (now.open == 0 || now.newest_ended) {
+            // Past the wait for its stream, the newest stream ending is the registration lost, whether or not
+            // older ones are still open (with none open, the newest has ended too).
+            if awaiting.is_none() && now.newest_ended {
                 let delay = self.registrar.lost_after(since.elapsed());
                 tracing::warn!(
                     held_ms = since.elapsed().as_millis() as u64,

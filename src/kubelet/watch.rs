@@ -119,12 +119,7 @@ fn is_about_dir(event: &Event, dir: &Path) -> bool {
 /// and not another instance's of this plugin (a rolling update's old instance: the kubelet's own handling
 /// of its stream's end is followed through our streams).
 fn is_other_socket_gone(event: &Event, ours: &OsString) -> bool {
-    let vanished = matches!(
-        event.kind,
-        EventKind::Remove(_)
-            | EventKind::Modify(ModifyKind::Name(RenameMode::From | RenameMode::Any))
-    );
-    vanished
+    vanished(event)
         && event.paths.iter().any(|p| {
             p.file_name().is_some_and(|name| {
                 let text = name.to_string_lossy();
@@ -136,6 +131,15 @@ fn is_other_socket_gone(event: &Event, ours: &OsString) -> bool {
         })
 }
 
+/// An entry removed or renamed away.
+fn vanished(event: &Event) -> bool {
+    matches!(
+        event.kind,
+        EventKind::Remove(_)
+            | EventKind::Modify(ModifyKind::Name(RenameMode::From | RenameMode::Any))
+    )
+}
+
 fn is_restart_sign(event: &Event, ours: &OsString) -> bool {
     let appeared = matches!(
         event.kind,
@@ -144,17 +148,12 @@ fn is_restart_sign(event: &Event, ours: &OsString) -> bool {
                 RenameMode::To | RenameMode::Both | RenameMode::Any
             ))
     );
-    let vanished = matches!(
-        event.kind,
-        EventKind::Remove(_)
-            | EventKind::Modify(ModifyKind::Name(RenameMode::From | RenameMode::Any))
-    );
     if event.need_rescan() {
         return true;
     }
     event.paths.iter().any(|p| match p.file_name() {
         Some(name) if name == KUBELET_SOCKET => appeared,
-        Some(name) if name == ours.as_os_str() => vanished,
+        Some(name) if name == ours.as_os_str() => vanished(event),
         _ => false,
     })
 }
