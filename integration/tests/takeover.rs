@@ -439,3 +439,47 @@ async fn another_plugin_of_the_resource_that_registers_after_this_one_and_stops_
     assert_eq!(list.devices.len(), GPUS);
     Ok(())
 }
+
+/// Other plugins' sockets removed in a loop (a root process in the kubelet's directory) make this plugin
+/// register again at most once a second, not once per removal, and it stays registered with its GPUs.
+#[tokio::test]
+async fn other_plugins_sockets_removed_in_a_loop_cost_at_most_a_registration_a_second() -> TestResult
+{
+    let dir = tempfile::tempdir()?;
+    let kubelet = FakeKubelet::start_as(dir.path(), DeviceManager::Legacy).await?;
+    let ours = PluginProcess::spawn(dir.path(), &["--simulate", "8"]);
+    kubelet
+        .wait_list("this plugin's 8 GPUs", WAIT, |l| l.allocatable() == GPUS)
+        .await
+        .map_err(|e| format!("{e}\n{}", ours.log()))?;
+    let before = kubelet.registrations().len();
+    let started = std::time::Instant::now();
+    for i in 0..300 {
+        let path = dir.path().join(format!("other-{i}.sock"));
+        let listener = std::os::unix::net::UnixListener::bind(&path)?;
+        std::fs::remove_file(&path)?;
+        drop(listener);
+        // The removals spread over about a second, each seen on its own.
+        tokio::time::sleep(std::time::Duration::from_millis(3)).await;
+    }
+    // The last removal's registration, held back to a second after the one before, comes.
+    kubelet
+        .wait_registrations(before + 1, WAIT)
+        .await
+        .map_err(|e| format!("{e}\n{}", ours.log()))?;
+    let list = kubelet
+        .wait_list("all 8 GPUs Healthy from this plugin", WAIT, |l| {
+            l.allocatable() == GPUS && !l.disconnected
+        })
+        .await?;
+    assert_eq!(list.devices.len(), GPUS);
+    let made = kubelet.registrations().len() - before;
+    let allowed = started.elapsed().as_secs() as usize + 1;
+    assert!(
+        made <= allowed,
+        "{made} registrations for 300 removals in {:?} (at most {allowed})\n{}",
+        started.elapsed(),
+        ours.log()
+    );
+    Ok(())
+}
