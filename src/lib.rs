@@ -23,6 +23,8 @@
 //! - [`fence`]: operator inputs: the control socket (`fence`, `release`), the fence directory, the Node
 //!   annotation.
 //! - [`config`]: command line, environment, our config file and NVIDIA's.
+//! - [`reload`]: a SIGHUP's reload: the change of roads checked against what is in use, the GPUs watched
+//!   across the restart in place.
 
 pub mod api;
 pub mod cluster;
@@ -35,5 +37,6 @@ pub mod http;
 pub mod kubelet;
 pub mod metrics;
 pub mod monitor;
+pub mod reload;
 pub mod sources;
 pub mod util;

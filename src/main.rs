@@ -20,6 +20,7 @@ use gpu_device_plugin::kubelet::pods::PodResources;
 use gpu_device_plugin::kubelet::{self, PluginConfig};
 use gpu_device_plugin::metrics::Metrics;
 use gpu_device_plugin::monitor;
+use gpu_device_plugin::reload::{self, handover};
 use gpu_device_plugin::sources::DeviceSource;
 use gpu_device_plugin::sources::nvml::{NvmlGpus, NvmlInitError, UnmonitoredGpus};
 use gpu_device_plugin::sources::simulated::SimulatedGpus;
@@ -35,6 +36,7 @@ fn main() -> ExitCode {
         Some(command @ ("fence" | "release")) => return control_command(command == "fence"),
         Some("check-config") => return check_config_command(),
         Some(config::reload::SUBCOMMAND) => return reload_check_command(),
+        Some(handover::SUBCOMMAND) => return handover_watch_command(),
         _ => {}
     }
     let argv: Vec<_> = std::env::args_os().collect();
@@ -64,7 +66,7 @@ fn main() -> ExitCode {
     runtime.shutdown_timeout(std::time::Duration::from_millis(100));
     match outcome {
         Ok(Stopped::Shutdown) => ExitCode::SUCCESS,
-        Ok(Stopped::Reload) => restart_in_place(),
+        Ok(Stopped::Reload { watcher }) => restart_in_place(watcher),
         Err(e) => fail(&one_line(&e)),
     }
 }
@@ -73,22 +75,32 @@ fn main() -> ExitCode {
 enum Stopped {
     /// SIGTERM or SIGINT.
     Shutdown,
-    /// SIGHUP with a config that loads: start again with it.
-    Reload,
+    /// SIGHUP with a config that loads: start again with it, taking over from the watcher (its process ID)
+    /// that covers the restart, where one was started.
+    Reload {
+        /// The watcher's process ID.
+        watcher: Option<u32>,
+    },
 }
 
 /// Runs this program again in this process (same PID, arguments and environment), which reads the config
-/// anew; health state carries over in the checkpoint, flushed at shutdown.
-fn restart_in_place() -> ExitCode {
+/// anew; health state carries over in the checkpoint, flushed at shutdown, and what the driver reported
+/// since the old image stopped watching comes from `watcher` (see [`handover`]).
+fn restart_in_place(watcher: Option<u32>) -> ExitCode {
     use std::os::unix::process::CommandExt as _;
     let exe = match std::env::current_exe() {
         Ok(exe) => exe,
         Err(e) => return fail(&format!("cannot restart after SIGHUP: {e}")),
     };
     tracing::info!("restarting with the new config");
-    let e = std::process::Command::new(exe)
-        .args(std::env::args_os().skip(1))
-        .exec();
+    let mut again = std::process::Command::new(exe);
+    again.args(std::env::args_os().skip(1));
+    match watcher {
+        Some(pid) => again.env(handover::PID_VAR, pid.to_string()),
+        // One an earlier reload named is long gone.
+        None => again.env_remove(handover::PID_VAR),
+    };
+    let e = again.exec();
     fail(&format!("cannot restart after SIGHUP: {e}"))
 }
 
@@ -167,7 +179,8 @@ fn init_logging(format: LogFormat) {
 async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     // Signals first: SIGHUP's default action would kill the process.
     let shutdown = CancellationToken::new();
-    let reload = spawn_signal_handler(shutdown.clone())?;
+    let gate = Arc::new(std::sync::OnceLock::new());
+    let reload = spawn_signal_handler(shutdown.clone(), gate.clone())?;
     config::prepare_state_dir(&settings.state_dir)?;
     // Settle the directory now, so that a bad one is reported before anything starts; with every GPU served
     // through DRA the device plugin never registers, and the kubelet's device plugin directory is not needed.
@@ -181,14 +194,22 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         kubelet::socket_path_for(&plugin_config(&settings, &settings.resource_name))?;
     }
 
-    let Some(source) = open_source(&settings, &shutdown).await? else {
+    let Some(mut source) = open_source(&settings, &shutdown).await? else {
         // SIGTERM (or a SIGHUP whose config loads) while NVML was loading.
-        if reload.load(std::sync::atomic::Ordering::SeqCst) {
-            return Ok(Stopped::Reload);
+        if let Some(&watcher) = reload.get() {
+            return Ok(Stopped::Reload { watcher });
         }
         tracing::info!("stopped while NVML was loading");
         return Ok(Stopped::Shutdown);
     };
+    if let Some(watcher) = handover::HandedOver::watcher_from_env() {
+        // Restarted by a SIGHUP: what the watcher saw since the old image stopped watching comes next.
+        source = Box::new(handover::HandedOver::new(
+            source,
+            handover::socket_path(&settings.state_dir),
+            Some(watcher),
+        ));
+    }
     log_start(&settings, source.driver_version());
     let metrics = Arc::new(Metrics::new());
     let mut monitor_config = settings.monitor.clone();
@@ -234,6 +255,7 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         _ => None,
     };
     let pods = pod_resources(&settings, &plugins, &monitored);
+    let pods_for_gate = pods.clone();
     let api_stop = api.map(|api| {
         // The kubelet first: the API client starts once the first registration is accepted, or after a
         // couple of seconds without one. Health changes meanwhile are reported then.
@@ -289,6 +311,16 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
         },
         &shutdown,
     )?;
+    let _set = gate.set(reload::Gate {
+        inventory: monitored.inventory.clone(),
+        unserved: monitored.unserved.clone(),
+        dra: settings.dra.as_ref().map(|d| d.gpus.clone()),
+        claims: dra_status
+            .as_ref()
+            .map(tokio::sync::watch::Sender::subscribe),
+        pods: pods_for_gate,
+        watcher: handover_watcher,
+    });
     let failed = serve(plugins, dra, &shutdown).await;
 
     // The checkpoint holds what the kubelet was last told before the process goes: a write still queued when
@@ -310,8 +342,8 @@ async fn run(settings: Settings) -> anyhow::Result<Stopped> {
     if let Some(e) = failed {
         return Err(e);
     }
-    if reload.load(std::sync::atomic::Ordering::SeqCst) {
-        return Ok(Stopped::Reload);
+    if let Some(&watcher) = reload.get() {
+        return Ok(Stopped::Reload { watcher });
     }
     // Stopping for good (a rollback, the DaemonSet deleted): the node condition must not go on claiming
     // what nothing watches any more.
@@ -659,6 +691,13 @@ fn socket_name_for(name: &str, resource: &str) -> String {
     format!("{stem}-{short}.sock")
 }
 
+/// Whether a SIGHUP's reload was admitted: set once, with the watcher's process ID where one covers the
+/// restart.
+type ReloadAsked = Arc<std::sync::OnceLock<Option<u32>>>;
+
+/// What the running plugin weighs before a reload, once it serves (see [`reload::Gate`]).
+type GateSlot = Arc<std::sync::OnceLock<reload::Gate>>;
+
 /// SIGTERM (the kubelet stopping the pod) and SIGINT (Ctrl-C) both start a clean shutdown. SIGHUP (config
 /// reloaders) reads the config again: one that does not load is refused with one error line and the plugin
 /// goes on as it is; one that loads stops the plugin cleanly and the returned flag says to start it again.
@@ -667,14 +706,19 @@ fn socket_name_for(name: &str, resource: &str) -> String {
 /// [`config::reload`]), never on this runtime, which carries faults to the kubelet: a huge or pathological
 /// file costs that process alone, which is refused and killed past [`RELOAD_CHECK_LIMIT`], and SIGTERM is
 /// answered meanwhile. One check runs at a time; a SIGHUP during one is said and ignored.
+///
+/// Once the plugin serves, a config that loads is also weighed by the [`reload::Gate`]: a change of `dra`
+/// that would put a GPU in use on both roads is refused, and the restart waits for a watcher that covers it,
+/// so that no fault is lost meanwhile.
 fn spawn_signal_handler(
     shutdown: CancellationToken,
-) -> anyhow::Result<Arc<std::sync::atomic::AtomicBool>> {
+    gate: GateSlot,
+) -> anyhow::Result<ReloadAsked> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
     let mut hup = signal(SignalKind::hangup()).context("cannot install the SIGHUP handler")?;
-    let reload = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reload: ReloadAsked = Arc::default();
     let reloading = reload.clone();
     tokio::spawn(async move {
         // The check of the config a SIGHUP asked for, while one runs: never more than one at a time.
@@ -688,15 +732,15 @@ fn spawn_signal_handler(
                         tracing::warn!(signal = "SIGHUP", "the config of an earlier SIGHUP is still being read; this one is ignored");
                         continue;
                     }
-                    checking = Some(Box::pin(config::reload::check_in_child(reload_check(), RELOAD_CHECK_LIMIT)));
+                    checking = Some(Box::pin(checked_reload(gate.clone())));
                     continue;
                 }
                 outcome = config_checked(&mut checking) => {
                     checking = None;
                     match outcome {
-                        Ok(()) => {
+                        Ok(watcher) => {
                             tracing::info!(signal = "SIGHUP", "config loads; restarting with it");
-                            reloading.store(true, std::sync::atomic::Ordering::SeqCst);
+                            let _set = reloading.set(watcher);
                             shutdown.cancel();
                             return;
                         }
@@ -711,6 +755,64 @@ fn spawn_signal_handler(
         }
     });
     Ok(reload)
+}
+
+/// A SIGHUP's reload from start to decision: the config checked in a process of its own, then, once the
+/// plugin serves, weighed by the gate. `Ok` carries the watcher's process ID, where one was started.
+async fn checked_reload(gate: GateSlot) -> Result<Option<u32>, String> {
+    let said = config::reload::check_in_child(reload_check(), RELOAD_CHECK_LIMIT).await?;
+    let Some(gate) = gate.get() else {
+        // Not serving yet (NVML still loading): nothing is handed out, nor watched, to carry over.
+        return Ok(None);
+    };
+    let new = config::reload::new_roads(&said)?;
+    gate.admit(new).await.map(Some)
+}
+
+/// The watcher that covers a restart in place: this binary as [`handover::SUBCOMMAND`] with this process's
+/// arguments (its environment is inherited).
+fn handover_watcher() -> std::process::Command {
+    let mut command = std::process::Command::new("/proc/self/exe");
+    command
+        .arg(handover::SUBCOMMAND)
+        .args(std::env::args_os().skip(1));
+    command
+}
+
+/// `gpu-device-plugin handover-watch [FLAGS]` (hidden; a reloading plugin runs it): opens the device source
+/// these flags give, says `ready` on stdout once it watches, and hands what it sees to the restarted plugin
+/// (see [`handover`]).
+fn handover_watch_command() -> ExitCode {
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    argv.remove(1);
+    let settings = match settings_or_exit(&argv) {
+        Ok(settings) => settings,
+        Err(exit) => return exit,
+    };
+    init_logging(settings.log_format);
+    let runtime = match command_runtime() {
+        Ok(runtime) => runtime,
+        Err(exit) => return exit,
+    };
+    let socket = handover::socket_path(&settings.state_dir);
+    let watched = runtime.block_on(async {
+        let never = CancellationToken::new();
+        let source = open_source(&settings, &never)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("stopped while NVML was loading"))?;
+        let mut ready = std::io::stdout();
+        handover::watch(source, &socket, &mut ready, handover::WATCH_LIMIT)
+            .await
+            .map_err(anyhow::Error::from)
+    });
+    runtime.shutdown_timeout(std::time::Duration::from_millis(100));
+    match watched {
+        Ok(events) => {
+            tracing::info!(events, "handed the events seen during the restart over");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&format!("the restart's watcher: {}", one_line(&e))),
+    }
 }
 
 /// How long reading and checking the config after a SIGHUP may take before it is refused and its process
@@ -735,16 +837,24 @@ fn reload_check_command() -> ExitCode {
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     argv.remove(1);
     match settings_or_exit(&argv) {
-        Ok(_) => ExitCode::SUCCESS,
+        Ok(settings) => {
+            // What the running plugin weighs before it restarts (see `reload::Gate`).
+            println!(
+                "{}",
+                config::reload::roads_line(settings.dra.as_ref().map(|d| &d.gpus))
+            );
+            ExitCode::SUCCESS
+        }
         Err(exit) => exit,
     }
 }
 
-/// A config check in progress: whether the config loads, or why not in one line.
-type ConfigCheck = std::pin::Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
+/// A reload's check in progress: the watcher to take over from when the config is admitted, or why not in
+/// one line.
+type ConfigCheck = std::pin::Pin<Box<dyn Future<Output = Result<Option<u32>, String>> + Send>>;
 
 /// The outcome of the config check in progress; pending while there is none.
-async fn config_checked(checking: &mut Option<ConfigCheck>) -> Result<(), String> {
+async fn config_checked(checking: &mut Option<ConfigCheck>) -> Result<Option<u32>, String> {
     match checking {
         Some(check) => check.await,
         None => std::future::pending().await,

@@ -22,6 +22,7 @@ const ROOMS: &[&str] = &[
     "http", // /healthz, /readyz, /status, /metrics and the status report
     "fence", // operator inputs: the control socket, the fence directory, the Node annotation
     "config", // flags, environment, our config file and NVIDIA's
+    "reload", // a SIGHUP's reload: the roads' change checked, the GPUs watched across the restart
 ];
 
 /// What the health engine may use, of the rooms below it.

@@ -96,13 +96,17 @@ impl DraNode {
         std::fs::write(&faults, "")?;
         let state = root.path().join("state");
         let path = |p: &Path| p.to_string_lossy().into_owned();
+        // An empty `dra`: the setting comes from the config file the extra arguments name.
+        let dra_flag = (!dra.is_empty()).then(|| ["--dra".to_string(), dra.to_string()]);
         let args = vec![
             "--simulate".to_string(),
             gpus.to_string(),
             "--simulate-events".into(),
             path(&faults),
-            "--dra".into(),
-            dra.into(),
+        ]
+        .into_iter()
+        .chain(dra_flag.into_iter().flatten())
+        .chain([
             "--kubeconfig".into(),
             path(&kubeconfig),
             "--node-name".into(),
@@ -113,8 +117,7 @@ impl DraNode {
             path(&root.path().join("plugins")),
             "--state-dir".into(),
             path(&state),
-        ]
-        .into_iter()
+        ])
         .chain(extra.iter().map(|a| a.to_string()))
         .collect::<Vec<String>>();
         let plugin = spawn(root.path(), &args);
@@ -1910,5 +1913,94 @@ async fn slices_go_out_only_once_the_kubelet_has_registered_the_driver() -> Test
         first_write.at >= released,
         "the first ResourceSlice went out before the registration was let through"
     );
+    Ok(())
+}
+
+/// A change of `dra` by SIGHUP while a GPU is in use on the road it leaves is refused with what to drain, and
+/// the running config kept; once drained, the same change goes through. Both ways: a claim prepared through
+/// DRA, and a pod's container holding a device-plugin GPU.
+#[tokio::test]
+async fn a_switch_of_roads_by_sighup_waits_until_the_road_it_leaves_holds_nothing() -> TestResult {
+    let config_dir = tempfile::tempdir()?;
+    let config = config_dir.path().join("config.yaml");
+    std::fs::write(&config, "dra: \"0\"\n")?;
+    let pods_socket = config_dir.path().join("pod-resources.sock");
+    let (config_arg, pods_arg) = (
+        config.to_string_lossy().into_owned(),
+        pods_socket.to_string_lossy().into_owned(),
+    );
+    let node = DraNode::start_with_args(
+        2,
+        "",
+        |o| o,
+        |_| {},
+        &["--config", &config_arg, "--pod-resources-socket", &pods_arg],
+    )
+    .await?;
+    let mut dp = fake_kubelet::FakeKubelet::start(&node.root.path().join("device-plugins")).await?;
+    dp.serve_pod_resources(&pods_socket)?;
+    dp.wait_list("GPU 1 through the device plugin", WAIT, |l| {
+        l.devices.len() == 1
+    })
+    .await
+    .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    let refusals = |log: &str| log.matches("new config refused").count();
+
+    // DRA → the device plugin while claim ml/a-gpu holds gpu-0: refused, gpu-0 stays off the device plugin.
+    let pod = node.pod_with_claim("a", "gpu-0");
+    node.prepared_with_gpu(&pod, 0).await?;
+    std::fs::write(&config, "dra: off\n")?;
+    node.plugin.signal(nix::sys::signal::Signal::SIGHUP);
+    let refused = node
+        .plugin
+        .wait_log(WAIT, |l| refusals(l) == 1)
+        .await
+        .unwrap_or_else(|| node.plugin.log());
+    let line = refused
+        .lines()
+        .find(|l| l.contains("new config refused"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("GPU 0") && line.contains("claim ml/a-gpu") && line.contains("from 0 to off"),
+        "{refused}"
+    );
+    assert_eq!(dp.registrations().len(), 1, "no restart: {refused}");
+    assert_eq!(dp.list().devices.len(), 1, "gpu-0 not on both roads");
+
+    // The claim's pod ended: the same change goes through, and the device plugin serves both GPUs.
+    node.kubelet.end_pod(&pod).await?;
+    node.plugin.signal(nix::sys::signal::Signal::SIGHUP);
+    dp.wait_list("both GPUs through the device plugin", WAIT, |l| {
+        l.registration >= 2 && l.devices.len() == 2
+    })
+    .await
+    .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+
+    // The device plugin → DRA while a pod's container holds GPU 1: refused, naming the pod.
+    dp.allocate_to("ml", "trainer", "main", &[&simulated_uuid(1)])
+        .await?;
+    std::fs::write(&config, "dra: all\n")?;
+    node.plugin.signal(nix::sys::signal::Signal::SIGHUP);
+    let refused = node
+        .plugin
+        .wait_log(WAIT, |l| refusals(l) == 2)
+        .await
+        .unwrap_or_else(|| node.plugin.log());
+    let line = refused
+        .lines()
+        .filter(|l| l.contains("new config refused"))
+        .nth(1)
+        .unwrap_or_default();
+    assert!(
+        line.contains("GPU 1") && line.contains("ml/trainer (main)"),
+        "{refused}"
+    );
+    assert!(!line.contains("GPU 0 "), "GPU 0 is free: {line}");
+
+    // The pod gone: every GPU moves to DRA.
+    assert!(dp.remove_pod("ml", "trainer"));
+    node.plugin.signal(nix::sys::signal::Signal::SIGHUP);
+    node.slice_devices("both GPUs through DRA", |d| d.len() == 2)
+        .await?;
     Ok(())
 }

@@ -12,37 +12,33 @@ pub const SUBCOMMAND: &str = "reload-check";
 /// [`crate::util::text::LINE_MAX`]).
 const MAX_ANSWER_BYTES: usize = 16 * 1024;
 
-/// Runs `command`, a config check, for at most `limit`: `Ok` when it exits 0, else the one line it wrote to
+/// Runs `command`, a config check, for at most `limit`: when it exits 0, what it wrote to stdout (what the
+/// new config says that the running plugin must weigh: see [`new_roads`]); else the one line it wrote to
 /// stderr (without the program's `gpu-device-plugin: error: ` prefix). Past `limit` the process is killed
 /// and reaped before the answer, so nothing of the check runs on.
 pub async fn check_in_child(
     mut command: tokio::process::Command,
     limit: Duration,
-) -> Result<(), String> {
-    use tokio::io::AsyncReadExt as _;
+) -> Result<String, String> {
     command
         .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true);
     let mut child = command
         .spawn()
         .map_err(|e| format!("cannot start a process to read it: {e}"))?;
-    let stderr = child.stderr.take();
+    let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
     let run = async {
-        let mut answer = Vec::new();
-        if let Some(stderr) = stderr {
-            // Read to the end (the process's exit closes it), keeping the first bytes only.
-            let mut limited = stderr.take(MAX_ANSWER_BYTES as u64);
-            let _read = limited.read_to_end(&mut answer).await;
-            let _rest = tokio::io::copy(&mut limited.into_inner(), &mut tokio::io::sink()).await;
-        }
-        (child.wait().await, answer)
+        let (said, answer) = tokio::join!(first_bytes(stdout), first_bytes(stderr));
+        (child.wait().await, said, answer)
     };
     let outcome = tokio::time::timeout(limit, run).await;
     match outcome {
-        Ok((Ok(status), _)) if status.success() => Ok(()),
-        Ok((Ok(status), answer)) => {
+        Ok((Ok(status), said, _)) if status.success() => {
+            Ok(String::from_utf8_lossy(&said).into_owned())
+        }
+        Ok((Ok(status), _, answer)) => {
             let text = String::from_utf8_lossy(&answer);
             let line = text
                 .lines()
@@ -51,7 +47,7 @@ pub async fn check_in_child(
                 .map(|l| crate::util::text::shown(l, crate::util::text::LINE_MAX));
             Err(line.unwrap_or_else(|| format!("the check ended with {status} and said nothing")))
         }
-        Ok((Err(e), _)) => Err(format!("cannot wait for the check: {e}")),
+        Ok((Err(e), _, _)) => Err(format!("cannot wait for the check: {e}")),
         Err(_) => {
             // The read and the wait were dropped with the timeout: the child is ours to stop now.
             let stopped = match child.kill().await {
@@ -66,9 +62,49 @@ pub async fn check_in_child(
     }
 }
 
+/// Reads `pipe` to its end (the process's exit closes it), keeping the first [`MAX_ANSWER_BYTES`] only.
+async fn first_bytes(pipe: Option<impl tokio::io::AsyncRead + Unpin>) -> Vec<u8> {
+    use tokio::io::AsyncReadExt as _;
+    let mut kept = Vec::new();
+    if let Some(pipe) = pipe {
+        let mut limited = pipe.take(MAX_ANSWER_BYTES as u64);
+        let _read = limited.read_to_end(&mut kept).await;
+        let _rest = tokio::io::copy(&mut limited.into_inner(), &mut tokio::io::sink()).await;
+    }
+    kept
+}
+
+/// What the check says of the new config's `dra` (printed by the check, read by the running plugin).
+const DRA_LINE: &str = "dra=";
+
+/// The check's line for the new config's `dra` selection.
+pub fn roads_line(dra: Option<&crate::devices::selection::DraSelection>) -> String {
+    format!("{DRA_LINE}{}", crate::devices::selection::setting(dra))
+}
+
+/// The new config's `dra` selection, from the check's answer: `Err` when the answer does not say it.
+pub fn new_roads(said: &str) -> Result<Option<crate::devices::selection::DraSelection>, String> {
+    let value = said
+        .lines()
+        .find_map(|line| line.strip_prefix(DRA_LINE))
+        .ok_or("the check did not say which GPUs the new config serves through DRA")?;
+    crate::devices::selection::DraSelection::parse(value)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::selection::DraSelection;
+
+    #[test]
+    fn the_new_roads_read_back_as_the_check_printed_them() {
+        for value in ["off", "all", "1,GPU-2"] {
+            let selection = DraSelection::parse(value).unwrap_or_else(|e| panic!("{e}"));
+            let said = format!("{}\n", roads_line(selection.as_ref()));
+            assert_eq!(new_roads(&said), Ok(selection));
+        }
+        assert!(new_roads("").is_err());
+    }
 
     fn shell(script: &str) -> tokio::process::Command {
         let mut command = tokio::process::Command::new("/bin/sh");
@@ -104,8 +140,8 @@ mod tests {
         .await;
         assert_eq!(refused, Err("invalid --resource-name \"gpu\"".into()));
         assert_eq!(
-            check_in_child(shell("exit 0"), Duration::from_secs(600)).await,
-            Ok(())
+            check_in_child(shell("echo dra=0,1"), Duration::from_secs(600)).await,
+            Ok("dra=0,1\n".into())
         );
     }
 }

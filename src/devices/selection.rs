@@ -106,6 +106,15 @@ impl std::fmt::Display for DraSelection {
     }
 }
 
+/// `dra` as its setting spells it.
+pub fn setting(selection: Option<&DraSelection>) -> String {
+    match selection {
+        None => "off".into(),
+        Some(DraSelection::All) => "all".into(),
+        Some(DraSelection::Gpus(gpus)) => gpus.join(","),
+    }
+}
+
 /// Whether `entry` names the GPU `info` is or is part of.
 fn names(info: &DeviceInfo, entry: &str) -> bool {
     let gpu_uuid = info
