@@ -23,11 +23,16 @@
 //! - [`fence`]: operator inputs: the control socket (`fence`, `release`), the fence directory, the Node
 //!   annotation.
 //! - [`config`]: command line, environment, our config file and NVIDIA's.
+//! - [`roads`]: which GPU is served by which road (the device plugin or DRA), each resource's registration,
+//!   and a change of roads checked against what is in use.
 //! - [`reload`]: a SIGHUP's reload: the change of roads checked against what is in use, the GPUs watched
-//!   across the restart in place.
+//!   across the restart in place; the process's signals.
+//! - [`commands`]: the binary's commands (`status`, `fence`, `release`, `check-config`) and the ones the
+//!   plugin runs itself as on a reload.
 
 pub mod api;
 pub mod cluster;
+pub mod commands;
 pub mod config;
 pub mod devices;
 pub mod dra;
@@ -38,5 +43,6 @@ pub mod kubelet;
 pub mod metrics;
 pub mod monitor;
 pub mod reload;
+pub mod roads;
 pub mod sources;
 pub mod util;

@@ -22,7 +22,9 @@ const ROOMS: &[&str] = &[
     "http", // /healthz, /readyz, /status, /metrics and the status report
     "fence", // operator inputs: the control socket, the fence directory, the Node annotation
     "config", // flags, environment, our config file and NVIDIA's
+    "roads", // which GPU on which road, each resource's registration, a change of roads checked
     "reload", // a SIGHUP's reload: the roads' change checked, the GPUs watched across the restart
+    "commands", // the binary's commands: status, fence, release, check-config, the reload's own
 ];
 
 /// What the health engine may use, of the rooms below it.

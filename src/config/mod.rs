@@ -16,6 +16,8 @@ use crate::sources::nvml::NvmlOptions;
 
 pub mod nvidia;
 pub mod reload;
+mod start;
+pub use start::socket_name_for;
 
 /// Default kubelet device plugin directory.
 pub const DEFAULT_KUBELET_DIR: &str = "/var/lib/kubelet/device-plugins";

@@ -1,9 +1,10 @@
-//! A SIGHUP's reload: the new config's change of roads checked against what is in use ([`roads`]), and the
+//! A SIGHUP's reload: the new config's change of roads checked against what is in use
+//! ([`crate::roads::switch`]), and the
 //! GPUs watched across the restart in place ([`handover`]). The config itself is read and checked in a
 //! process of its own ([`crate::config::reload`]).
 
 pub mod handover;
-pub mod roads;
+pub mod signals;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,6 +35,26 @@ pub struct Gate {
     pub watcher: fn() -> std::process::Command,
 }
 
+/// Runs this program again in this process (same PID, arguments and environment), which reads the config
+/// anew; health state carries over in the checkpoint, flushed at shutdown, and what the driver reported
+/// since the old image stopped watching comes from `watcher` (see [`handover`]). Returns only when the
+/// program cannot be run again, with why.
+pub fn restart_in_place(watcher: Option<u32>) -> std::io::Error {
+    use std::os::unix::process::CommandExt as _;
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return e,
+    };
+    let mut again = std::process::Command::new(exe);
+    again.args(std::env::args_os().skip(1));
+    match watcher {
+        Some(pid) => again.env(handover::PID_VAR, pid.to_string()),
+        // One an earlier reload named is long gone.
+        None => again.env_remove(handover::PID_VAR),
+    };
+    again.exec()
+}
+
 impl Gate {
     /// Whether the plugin may restart with a config whose DRA selection is `new`: the roads' change checked
     /// against what is in use, then the watcher started. `Ok` carries the watcher's process ID, for the
@@ -53,12 +74,12 @@ impl Gate {
                 None => Err("the pod-resources API is off (--pod-resources-socket)"),
             };
             let inventory = self.inventory.borrow().clone();
-            roads::check_switch(
+            crate::roads::switch::check_switch(
                 &inventory,
                 &self.unserved,
                 self.dra.as_ref(),
                 new.as_ref(),
-                roads::InUse {
+                crate::roads::switch::InUse {
                     claims: &claims,
                     pods: holders.as_ref().map_err(|why| *why),
                 },

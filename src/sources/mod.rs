@@ -6,6 +6,7 @@
 //! monitor's channel (`crate::monitor`), and answers the probes the engine asks for.
 
 pub mod nvml;
+pub mod open;
 pub mod script;
 pub mod simulated;
 
