@@ -21,7 +21,7 @@ use gpu_device_plugin::kubelet::{self, PluginConfig};
 use gpu_device_plugin::metrics::Metrics;
 use gpu_device_plugin::monitor;
 use gpu_device_plugin::sources::DeviceSource;
-use gpu_device_plugin::sources::nvml::{NvmlGpus, NvmlInitError, UnmonitoredGpus};
+use gpu_device_plugin::sources::nvml::{self, NvmlGpus, NvmlInitError, UnmonitoredGpus};
 use gpu_device_plugin::sources::simulated::SimulatedGpus;
 use std::sync::Arc;
 
@@ -35,6 +35,7 @@ fn main() -> ExitCode {
         Some(command @ ("fence" | "release")) => return control_command(command == "fence"),
         Some("check-config") => return check_config_command(),
         Some(config::reload::SUBCOMMAND) => return reload_check_command(),
+        Some(nvml::library::TRIAL_LOAD) => return nvml::library::trial_load_command(),
         _ => {}
     }
     let argv: Vec<_> = std::env::args_os().collect();
