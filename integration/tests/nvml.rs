@@ -1285,3 +1285,74 @@ async fn sigterm_while_nvml_is_loading_stops_the_plugin() -> TestResult {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn two_thousand_distinct_xids_keep_series_status_and_checkpoint_bounded() -> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    let addr = node
+        .plugin
+        .http_addr()
+        .await
+        .ok_or_else(|| node.plugin.log())?;
+    // XID 79 (the GPU has fallen off the bus), then 1 999 values a broken driver might raise: 2 000 in all.
+    let mut lines = vec![format!("xid {} 79", gpu(1))];
+    lines.extend((1001..=2999).map(|xid| format!("xid {} {xid}", gpu(1))));
+    node.inject(&lines);
+    let checkpoint = node.dir.path().join("state").join("health-checkpoint.json");
+    let has_last = |text: &str| {
+        serde_json::from_str::<serde_json::Value>(text)
+            .ok()
+            .and_then(|v| {
+                let conditions = v["devices"][gpu(1)]["conditions"].as_array()?.clone();
+                conditions.iter().any(|c| c["value"] == 2999).then_some(())
+            })
+            .is_some()
+    };
+    let saved = support::wait_for_content(&checkpoint, WAIT, has_last)
+        .await
+        .ok_or_else(|| {
+            format!(
+                "the last XID never reached the checkpoint\n{}",
+                node.plugin.log()
+            )
+        })?;
+    node.wait_unhealthy(&gpu(1)).await?;
+
+    let (status, metrics) = gpu_device_plugin::http::get(&addr, "/metrics").await?;
+    assert!(status.is_success());
+    let metrics = String::from_utf8_lossy(&metrics).into_owned();
+    let series = metrics.lines().filter(|l| !l.starts_with('#')).count();
+    let conditions = metrics
+        .lines()
+        .filter(|l| l.starts_with("gpu_device_plugin_device_condition{"))
+        .count();
+    let xid_series = metrics
+        .lines()
+        .filter(|l| l.starts_with("gpu_device_plugin_xid_events_total{"))
+        .count();
+    let (_, report) = gpu_device_plugin::http::get(&addr, "/status").await?;
+    println!(
+        "2 000 distinct XIDs: {series} series ({conditions} device_condition, {xid_series} xid_events), \
+         /status {} bytes, checkpoint {} bytes",
+        report.len(),
+        saved.len()
+    );
+    assert!(conditions <= 16, "{conditions} condition series");
+    assert_eq!(xid_series, 2, "XID 79 and xid=\"other\":\n{metrics}");
+    assert!(series <= 100, "{series} series");
+    assert!(
+        report.len() <= 32 * 1024,
+        "/status is {} bytes",
+        report.len()
+    );
+    assert!(
+        saved.len() <= 16 * 1024,
+        "the checkpoint is {} bytes",
+        saved.len()
+    );
+    // The fatal XID still holds the GPU, named first in its message.
+    let status = String::from_utf8_lossy(&report);
+    assert!(status.contains("XID 79"), "{status}");
+    assert!(status.contains("other XIDs"), "{status}");
+    Ok(())
+}
