@@ -191,6 +191,16 @@ def check_rendered(path, versions):
                 endpoint.get("port"), sorted(ports)))
         if endpoint.get("path", "/metrics") != "/metrics":
             raise Failure("the PodMonitor scrapes %s, not /metrics" % endpoint["path"])
+    # The job the prometheus-operator gives the PodMonitor's targets: the pod label named by jobLabel, else
+    # `<namespace>/<name>`. GPUPluginDown reads `up` by that job, as the rules file spells it.
+    job_label = monitor["spec"].get("jobLabel")
+    job = labels.get(job_label) if job_label else None
+    job = job or "%s/%s" % (monitor["metadata"].get("namespace"), monitor["metadata"]["name"])
+    with open(RULES) as f:
+        exprs = [r["expr"] for g in yaml.safe_load(f)["groups"] for r in g["rules"]]
+    read = set(m for e in exprs for m in re.findall(r'\bup\{job="([^"]*)"\}', e))
+    if read != {job}:
+        raise Failure("the rules read up for job %s; the PodMonitor's targets have job %r" % (sorted(read), job))
     dashboards = [c for c in by_kind["ConfigMap"] if c["metadata"].get("labels", {}).get("grafana_dashboard")]
     if not dashboards or json.loads(dashboards[0]["data"]["gpu-device-plugin.json"])["uid"] != "gpu-device-plugin":
         raise Failure("no ConfigMap with the dashboard for Grafana's sidecar")

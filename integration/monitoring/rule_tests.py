@@ -228,6 +228,34 @@ def tests(f):
             {"eval_time": "16m", "alertname": "GPUPluginNotRegistered", "exp_alerts": []},
         ],
     })
+    # The plugin cannot be scraped: its target's `up` is 0 and none of its own series come (a pod crash-looping
+    # before it serves, or a /metrics answering 503). Every other alert reads the plugin's series, so this one
+    # must fire on `up` alone; and not while the scrapes succeed.
+    up, down = [("up", {}, 1)], [("up", {}, 0)]
+    tests.append({
+        "name": "GPUPluginDown: up 0 for 35 minutes with no plugin series",
+        "interval": "1m",
+        "input_series": series([(f["healthy"] + up, 5), (down, 35)]),
+        "alert_rule_test": [
+            {"eval_time": "9m", "alertname": "GPUPluginDown", "exp_alerts": []},
+            {"eval_time": "16m", "alertname": "GPUPluginDown", "exp_alerts": [alert(
+                "GPUPluginDown", "critical",
+                "gpu-device-plugin on node-a could not be scraped for most of the last 10 minutes",
+                instance="node-a", job=JOB)]},
+            {"eval_time": "39m", "alertname": "GPUPluginDown", "exp_alerts": [alert(
+                "GPUPluginDown", "critical",
+                "gpu-device-plugin on node-a could not be scraped for most of the last 10 minutes",
+                instance="node-a", job=JOB)]},
+        ],
+    })
+    tests.append({
+        "name": "GPUPluginDown: scraped for 40 minutes, nothing fires",
+        "interval": "1m",
+        "input_series": series([(f["healthy"] + up, 40)]),
+        "alert_rule_test": [
+            {"eval_time": "%dm" % m, "alertname": "GPUPluginDown", "exp_alerts": []} for m in (5, 16, 39)
+        ],
+    })
     tests.append({
         "name": "GPUNodeCapacityReduced: GPU 1 out for 40 minutes",
         "interval": "1m",

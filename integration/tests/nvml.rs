@@ -1045,6 +1045,155 @@ fn a_truncated_nvml_library_is_refused_in_one_line_not_a_sigbus() {
     assert!(stderr.contains("past its"), "{stderr}");
 }
 
+/// Field `width` bytes wide at `at` of a little-endian image.
+fn le(image: &[u8], at: usize, width: usize) -> u64 {
+    image[at..at + width]
+        .iter()
+        .rev()
+        .fold(0u64, |v, b| (v << 8) | u64::from(*b))
+}
+
+/// The program headers of the 64-bit little-endian `image`: (type, offset, address, size in the file).
+fn program_headers(image: &[u8]) -> Vec<(u64, usize, u64, usize)> {
+    let (table, count) = (le(image, 32, 8) as usize, le(image, 56, 2) as usize);
+    (0..count)
+        .map(|i| table + 56 * i)
+        .map(|at| {
+            (
+                le(image, at, 4),
+                le(image, at + 8, 8) as usize,
+                le(image, at + 16, 8),
+                le(image, at + 32, 8) as usize,
+            )
+        })
+        .collect()
+}
+
+/// Writes the three damaged copies of the fake library that passed the old check and crashed the loader
+/// inside `dir`: a full-size copy with only its first 200 kB written, one whose dynamic section points its
+/// string and symbol tables out of range, and its first 200 kB followed by a 64 GiB hole.
+fn damaged_libraries(dir: &std::path::Path) -> Vec<(&'static str, std::path::PathBuf)> {
+    let whole = std::fs::read(fake_nvml_lib()).unwrap();
+    let written = 200 * 1024;
+    let (_, dynamic, _, size) = program_headers(&whole)
+        .into_iter()
+        .find(|(kind, ..)| *kind == 2)
+        .unwrap();
+    assert!(
+        dynamic > written,
+        "the fake's dynamic section lies past 200 kB"
+    );
+    let half = dir.join("half-written.so");
+    let mut bytes = whole[..written].to_vec();
+    bytes.resize(whole.len(), 0);
+    std::fs::write(&half, &bytes).unwrap();
+    let out_of_range = dir.join("tables-out-of-range.so");
+    let mut bytes = whole.clone();
+    for at in (dynamic..dynamic + size).step_by(16) {
+        if matches!(le(&bytes, at, 8), 5 | 6) {
+            let moved = le(&bytes, at + 8, 8) + 0x7fff_0000_0000;
+            bytes[at + 8..at + 16].copy_from_slice(&moved.to_le_bytes());
+        }
+    }
+    std::fs::write(&out_of_range, &bytes).unwrap();
+    let hole = dir.join("hole.so");
+    std::fs::write(&hole, &whole[..written]).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&hole)
+        .unwrap()
+        .set_len(64 << 30)
+        .unwrap();
+    vec![
+        ("half-written", half),
+        ("tables out of range", out_of_range),
+        ("64 GiB hole", hole),
+    ]
+}
+
+#[test]
+fn a_half_written_a_dangling_or_a_holed_nvml_library_is_refused_in_one_line_not_a_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    for (shape, library) in damaged_libraries(dir.path()) {
+        let (status, stderr) = exit_on_library(&library, &[]);
+        assert_refused_in_one_line(status, &stderr, "is not a whole shared library");
+        assert!(
+            stderr.contains(library.to_str().unwrap()),
+            "{shape}: the file is not named: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn a_library_that_crashes_the_loader_is_caught_by_the_trial_load_and_refused_in_one_line() {
+    // Whole and well-formed, but its start-up code (DT_INIT) is an invalid instruction: nothing in the file
+    // says it will crash; only loading it does.
+    let dir = tempfile::tempdir().unwrap();
+    let mut bytes = std::fs::read(fake_nvml_lib()).unwrap();
+    let headers = program_headers(&bytes);
+    let (_, dynamic, _, size) = headers.iter().copied().find(|h| h.0 == 2).unwrap();
+    let init = (dynamic..dynamic + size)
+        .step_by(16)
+        .find(|&at| le(&bytes, at, 8) == 12)
+        .map(|at| le(&bytes, at + 8, 8))
+        .unwrap();
+    let (_, offset, address, _) = headers
+        .iter()
+        .copied()
+        .find(|&(kind, _, address, size)| {
+            kind == 1 && address <= init && init < address + size as u64
+        })
+        .unwrap();
+    let at = offset + (init - address) as usize;
+    bytes[at..at + 2].copy_from_slice(&[0x0f, 0x0b]); // ud2
+    let library = dir.path().join("libnvidia-ml.so.1");
+    std::fs::write(&library, &bytes).unwrap();
+    let (status, stderr) = exit_on_library(&library, &[]);
+    assert_refused_in_one_line(
+        status,
+        &stderr,
+        "crashed the dynamic loader when loaded in a trial process (killed by SIGILL)",
+    );
+    assert!(stderr.contains(library.to_str().unwrap()), "{stderr}");
+}
+
+#[tokio::test]
+async fn a_damaged_library_with_fail_on_init_error_false_serves_unmonitored_with_one_warning()
+-> TestResult {
+    let dir = tempfile::tempdir()?;
+    for (shape, library) in damaged_libraries(dir.path()) {
+        let kubelet_dir = dir
+            .path()
+            .join(format!("device-plugins-{}", shape.replace(' ', "-")));
+        std::fs::create_dir(&kubelet_dir)?;
+        let _kubelet = FakeKubelet::start(&kubelet_dir).await?;
+        let plugin = PluginProcess::spawn(
+            &kubelet_dir,
+            &[
+                "--nvml-lib",
+                library.to_str().unwrap(),
+                "--fail-on-init-error=false",
+                "--proc-root",
+                dir.path().join("proc").to_str().unwrap(),
+            ],
+        );
+        let log = plugin
+            .wait_log(WAIT, |l| l.contains("NVML unavailable"))
+            .await
+            .ok_or_else(|| format!("{shape}: {}", plugin.log()))?;
+        let warned: Vec<_> = log
+            .lines()
+            .filter(|l| l.contains("NVML unavailable"))
+            .collect();
+        assert_eq!(warned.len(), 1, "{shape}: {log}");
+        assert!(
+            warned[0].contains("is not a whole shared library"),
+            "{shape}: {log}"
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn a_fifo_a_directory_or_garbage_as_the_nvml_library_is_refused_in_one_line() {
     let dir = tempfile::tempdir().unwrap();
@@ -1134,5 +1283,76 @@ async fn sigterm_while_nvml_is_loading_stops_the_plugin() -> TestResult {
         "{}",
         plugin.log()
     );
+    Ok(())
+}
+
+#[tokio::test]
+async fn two_thousand_distinct_xids_keep_series_status_and_checkpoint_bounded() -> TestResult {
+    let node = NvmlNode::start(None, &[]).await?;
+    let addr = node
+        .plugin
+        .http_addr()
+        .await
+        .ok_or_else(|| node.plugin.log())?;
+    // XID 79 (the GPU has fallen off the bus), then 1 999 values a broken driver might raise: 2 000 in all.
+    let mut lines = vec![format!("xid {} 79", gpu(1))];
+    lines.extend((1001..=2999).map(|xid| format!("xid {} {xid}", gpu(1))));
+    node.inject(&lines);
+    let checkpoint = node.dir.path().join("state").join("health-checkpoint.json");
+    let has_last = |text: &str| {
+        serde_json::from_str::<serde_json::Value>(text)
+            .ok()
+            .and_then(|v| {
+                let conditions = v["devices"][gpu(1)]["conditions"].as_array()?.clone();
+                conditions.iter().any(|c| c["value"] == 2999).then_some(())
+            })
+            .is_some()
+    };
+    let saved = support::wait_for_content(&checkpoint, WAIT, has_last)
+        .await
+        .ok_or_else(|| {
+            format!(
+                "the last XID never reached the checkpoint\n{}",
+                node.plugin.log()
+            )
+        })?;
+    node.wait_unhealthy(&gpu(1)).await?;
+
+    let (status, metrics) = gpu_device_plugin::http::get(&addr, "/metrics").await?;
+    assert!(status.is_success());
+    let metrics = String::from_utf8_lossy(&metrics).into_owned();
+    let series = metrics.lines().filter(|l| !l.starts_with('#')).count();
+    let conditions = metrics
+        .lines()
+        .filter(|l| l.starts_with("gpu_device_plugin_device_condition{"))
+        .count();
+    let xid_series = metrics
+        .lines()
+        .filter(|l| l.starts_with("gpu_device_plugin_xid_events_total{"))
+        .count();
+    let (_, report) = gpu_device_plugin::http::get(&addr, "/status").await?;
+    println!(
+        "2 000 distinct XIDs: {series} series ({conditions} device_condition, {xid_series} xid_events), \
+         /status {} bytes, checkpoint {} bytes",
+        report.len(),
+        saved.len()
+    );
+    assert!(conditions <= 16, "{conditions} condition series");
+    assert_eq!(xid_series, 2, "XID 79 and xid=\"other\":\n{metrics}");
+    assert!(series <= 100, "{series} series");
+    assert!(
+        report.len() <= 32 * 1024,
+        "/status is {} bytes",
+        report.len()
+    );
+    assert!(
+        saved.len() <= 16 * 1024,
+        "the checkpoint is {} bytes",
+        saved.len()
+    );
+    // The fatal XID still holds the GPU, named first in its message.
+    let status = String::from_utf8_lossy(&report);
+    assert!(status.contains("XID 79"), "{status}");
+    assert!(status.contains("other XIDs"), "{status}");
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! The binary's commands beside the plugin itself: `status`, `fence` and `release`, `check-config`, and the
-//! hidden ones the plugin runs itself as (`reload-check` on SIGHUP, `handover-watch` across a restart); and
+//! hidden ones the plugin runs itself as (`reload-check` on SIGHUP, `handover-watch` across a restart, the
+//! NVML library's trial load before it is loaded for real); and
 //! how every command ends: one line on stderr and a failure, or the help printed.
 
 mod check_config;
@@ -22,6 +23,9 @@ pub fn dispatch() -> Option<ExitCode> {
         "check-config" => check_config::run(),
         config::reload::SUBCOMMAND => reload::check(),
         crate::reload::handover::SUBCOMMAND => reload::watch(),
+        crate::sources::nvml::library::TRIAL_LOAD => {
+            crate::sources::nvml::library::trial_load_command()
+        }
         _ => return None,
     })
 }

@@ -9,8 +9,14 @@ use crate::devices::Health;
 /// KEP-4680's limit on a health message, in characters.
 pub const MAX_MESSAGE_CHARS: usize = 1024;
 
-/// The message for a device with `conditions` (Unhealthy ones first), or `None` when it has none.
-pub fn compose(health: Health, conditions: &[Condition], policy: &Policy) -> Option<String> {
+/// The message for a device with `conditions` (Unhealthy ones first) and `other_xids` beyond them, or `None`
+/// when it has no condition.
+pub fn compose(
+    health: Health,
+    conditions: &[Condition],
+    other_xids: super::OtherXids,
+    policy: &Policy,
+) -> Option<String> {
     if conditions.is_empty() {
         return None;
     }
@@ -22,6 +28,24 @@ pub fn compose(health: Health, conditions: &[Condition], policy: &Policy) -> Opt
             Effect::Unhealthy => unhealthy.push(text),
             Effect::None => recorded.push(text),
         }
+    }
+    if other_xids.events > 0 {
+        // Right after the first condition, where the 1024-character cut does not reach it: past 16 XIDs the
+        // list of those kept alone is longer than that.
+        let note = format!(
+            "Also {} event(s) of other XIDs (the latest dropped: {}), counted only: a GPU keeps {} distinct XIDs, the strongest and newest.",
+            other_xids.events,
+            other_xids
+                .last
+                .map_or_else(|| "unknown".to_string(), |x| x.to_string()),
+            super::MAX_XID_CONDITIONS
+        );
+        let list = if unhealthy.is_empty() {
+            &mut recorded
+        } else {
+            &mut unhealthy
+        };
+        list.insert(list.len().min(1), note);
     }
     let mut text = format!("{health}: ");
     text.push_str(&unhealthy.join(" "));

@@ -10,6 +10,11 @@
 //!   fails until it answers again, so `gpu-lost` and XID 79 clear only then;
 //! - never, for conditions whose rule says `recover: never`;
 //! - on a new boot, for every condition but those (see [`HealthEngine::restore`]).
+//!
+//! A device keeps at most [`MAX_XID_CONDITIONS`] distinct XIDs as conditions (a broken driver can raise
+//! thousands of values, each of which would be a condition, a metric series, a line of `/status` and of the
+//! checkpoint). Past the bound the weakest is dropped, so what is kept always decides health at least as
+//! strictly as what was dropped; the dropped ones are counted (see [`DeviceHealth::other_xids`]).
 
 pub mod checkpoint;
 pub mod message;
@@ -265,10 +270,27 @@ pub struct Condition {
     pub last_seen: SystemTime,
 }
 
+/// The most distinct XIDs a device keeps as conditions. NVIDIA's catalog names about 160 XIDs and a real
+/// fault raises one to three of them; 16 keeps every XID of any real episode while bounding what a driver
+/// raising random values costs (conditions, metric series, `/status`, the checkpoint).
+pub const MAX_XID_CONDITIONS: usize = 16;
+
+/// XID events not kept as conditions because the device already held [`MAX_XID_CONDITIONS`] stronger or
+/// newer ones.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OtherXids {
+    /// How many events (of XIDs dropped from, or never entered into, the kept set).
+    pub events: u64,
+    /// The latest XID dropped.
+    pub last: Option<u64>,
+}
+
 /// Per-device conditions and what the engine needs to decide recovery.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeviceHealth {
     conditions: Vec<Condition>,
+    /// XID events beyond the [`MAX_XID_CONDITIONS`] kept: counted, not kept.
+    other_xids: OtherXids,
     /// Latest observation of a condition with an Unhealthy effect; the quiet period counts from here.
     last_unhealthy: Option<SystemTime>,
     /// When to probe next; `None` when nothing waits for a probe.
@@ -291,6 +313,11 @@ impl DeviceHealth {
     /// Whether the driver reports a recovery action for this GPU.
     pub fn reports_recovery_action(&self) -> Option<bool> {
         self.recovery_field
+    }
+
+    /// XID events past the bound of [`MAX_XID_CONDITIONS`] distinct XIDs, counted only.
+    pub fn other_xids(&self) -> OtherXids {
+        self.other_xids
     }
 }
 
@@ -367,7 +394,12 @@ impl HealthEngine {
     /// The message for `device`, or `None` when it has no condition.
     pub fn message(&self, device: &str) -> Option<String> {
         let state = self.devices.get(device)?;
-        message::compose(self.health_of(state), &state.conditions, &self.policy)
+        message::compose(
+            self.health_of(state),
+            &state.conditions,
+            state.other_xids,
+            &self.policy,
+        )
     }
 
     /// Records `observation` on `device` at `now`.
@@ -379,6 +411,7 @@ impl HealthEngine {
         match observation {
             Observation::Xid(xid) => {
                 self.record(&mut state, ConditionKind::Xid(*xid), None, now);
+                self.bound_xids(&mut state);
                 // XID 154 announces a new recovery action: read it.
                 probe_now =
                     xid_info(*xid).is_some_and(|i| i.action == XidAction::FollowRecoveryAction);
@@ -459,7 +492,7 @@ impl HealthEngine {
                 .map(|c| c.kind.to_string())
                 .collect(),
             message: wanted
-                .then(|| message::compose(new, &state.conditions, &self.policy))
+                .then(|| message::compose(new, &state.conditions, state.other_xids, &self.policy))
                 .flatten(),
             probe_now,
         }
@@ -493,6 +526,49 @@ impl HealthEngine {
                 first_seen: now,
                 last_seen: now,
             }),
+        }
+    }
+
+    /// How strictly a condition holds a device: no effect, Unhealthy until it recovers, Unhealthy for good.
+    fn strength(&self, kind: &ConditionKind) -> u8 {
+        match (self.policy.effect(kind), self.policy.recover(kind)) {
+            (Effect::None, _) => 0,
+            (Effect::Unhealthy, Recover::Auto) => 1,
+            (Effect::Unhealthy, Recover::Never) => 2,
+        }
+    }
+
+    /// Keeps at most [`MAX_XID_CONDITIONS`] XID conditions, dropping the weakest (among equals, one the
+    /// catalog does not name, then the oldest) into the count of other XIDs. Health cannot get weaker by it: a dropped Unhealthy XID leaves only XIDs
+    /// at least as strong, and every XID that recovers does so at the same moment (the quiet period counts
+    /// from the device's last Unhealthy event, whichever XID it was, and the driver's recovery action clears
+    /// them all).
+    fn bound_xids(&self, state: &mut DeviceHealth) {
+        let xids = || {
+            state
+                .conditions
+                .iter()
+                .filter(|c| matches!(c.kind, ConditionKind::Xid(_)))
+        };
+        if xids().count() <= MAX_XID_CONDITIONS {
+            return;
+        }
+        let weakest = state
+            .conditions
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| matches!(c.kind, ConditionKind::Xid(_)))
+            .min_by_key(|(_, c)| {
+                // Among equals, an XID NVIDIA's catalog names (79: fallen off the bus) says more to the
+                // operator than a value it does not know.
+                let known = c.kind.value().and_then(xid_info).is_some();
+                (self.strength(&c.kind), known, c.last_seen)
+            })
+            .map(|(at, _)| at);
+        if let Some(at) = weakest {
+            let dropped = state.conditions.remove(at);
+            state.other_xids.events = state.other_xids.events.saturating_add(dropped.count);
+            state.other_xids.last = dropped.kind.value();
         }
     }
 
@@ -637,6 +713,16 @@ impl HealthEngine {
             last_unhealthy,
             ..DeviceHealth::default()
         };
+        // A checkpoint written before the bound, or by hand, may hold more.
+        while state
+            .conditions
+            .iter()
+            .filter(|c| matches!(c.kind, ConditionKind::Xid(_)))
+            .count()
+            > MAX_XID_CONDITIONS
+        {
+            self.bound_xids(&mut state);
+        }
         self.reschedule(&mut state, now);
         if state.next_probe.is_some() {
             // Whatever the quiet period left, look at the GPU soon after start: it may have been reset while

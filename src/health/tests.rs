@@ -584,3 +584,82 @@ fn condition_names_for_a_release_are_read_as_the_config_file_names_them() {
         "{bad}"
     );
 }
+
+/// A config that records XIDs 1000-2999 without effect.
+fn ignoring_1000_to_2999() -> String {
+    let xids: Vec<String> = (1000..3000).map(|x| x.to_string()).collect();
+    format!("ignoredXids: [{}]\n", xids.join(", "))
+}
+
+/// The XIDs `device` keeps as conditions.
+fn kept_xids(e: &HealthEngine, device: &str) -> Vec<u64> {
+    e.device(device)
+        .map(|d| {
+            d.conditions()
+                .iter()
+                .filter_map(|c| match c.kind {
+                    ConditionKind::Xid(x) => Some(x),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn two_thousand_harmless_xids_after_a_fatal_one_keep_sixteen_conditions_and_the_gpu_unhealthy() {
+    // XIDs 1000-2999 recorded without effect (as a node's config may say), XID 79 before them.
+    let mut e = engine(&ignoring_1000_to_2999());
+    e.observe(GPU, &Observation::Xid(79), t(0));
+    for (i, xid) in (1000..3000).enumerate() {
+        e.observe(GPU, &Observation::Xid(xid), t(1 + i as u64 / 100));
+    }
+    let kept = kept_xids(&e, GPU);
+    assert_eq!(kept.len(), MAX_XID_CONDITIONS, "{kept:?}");
+    assert!(kept.contains(&79), "the fatal XID is kept: {kept:?}");
+    assert!(kept.contains(&2999), "the newest is kept: {kept:?}");
+    assert_eq!(e.health(GPU), Health::Unhealthy);
+    let other = e.device(GPU).map(|d| d.other_xids()).unwrap_or_default();
+    assert_eq!((other.events, other.last.is_some()), (2000 - 15, true));
+    let message = e.message(GPU).unwrap_or_default();
+    assert!(message.starts_with("Unhealthy: XID 79"), "{message}");
+    assert!(message.chars().count() <= message::MAX_MESSAGE_CHARS);
+}
+
+#[test]
+fn a_recover_never_xid_outlives_a_flood_of_recoverable_ones_and_their_recovery() {
+    let mut e = engine("conditions:\n  xid-109: {recover: never}\n");
+    e.observe(GPU, &Observation::Xid(109), t(0));
+    // Other XIDs are Unhealthy until they recover: as strong for health, weaker for recovery.
+    for xid in 1000..3000 {
+        e.observe(GPU, &Observation::Xid(xid), t(1));
+    }
+    let kept = kept_xids(&e, GPU);
+    assert_eq!(kept.len(), MAX_XID_CONDITIONS);
+    assert!(kept.contains(&109), "{kept:?}");
+    // A quiet period later the GPU answers: the recoverable XIDs clear, the recover-never one holds.
+    e.observe(GPU, &answered(None), t(1 + 600));
+    assert_eq!(kept_xids(&e, GPU), vec![109]);
+    assert_eq!(e.health(GPU), Health::Unhealthy);
+}
+
+#[test]
+fn a_checkpoint_with_more_xids_than_the_bound_is_cut_to_it_on_restore() {
+    let mut before = engine(&ignoring_1000_to_2999());
+    before.observe(GPU, &Observation::Xid(79), t(0));
+    let mut conditions = before
+        .device(GPU)
+        .map(|d| d.conditions().to_vec())
+        .unwrap_or_default();
+    for xid in 1000..1100 {
+        let mut c = conditions[0].clone();
+        c.kind = ConditionKind::Xid(xid);
+        conditions.push(c);
+    }
+    let mut after = engine(&ignoring_1000_to_2999());
+    let restored = after.restore(GPU, conditions, before.last_unhealthy(GPU), false, t(60));
+    assert_eq!(restored.new, Health::Unhealthy);
+    let kept = kept_xids(&after, GPU);
+    assert_eq!(kept.len(), MAX_XID_CONDITIONS);
+    assert!(kept.contains(&79));
+}
