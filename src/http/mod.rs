@@ -231,6 +231,27 @@ fn event_threads(heartbeat: &Heartbeat, stuck_after: Duration) -> Option<String>
     })
 }
 
+/// `/healthz`'s answer while the plugin is alive. Devices served unmonitored (NVML unavailable at start) do not
+/// make it red: a restart would not bring the driver back, and every restart ends the kubelet's stream, taking
+/// the GPUs out of service for nothing. It says so, for whoever reads the probe.
+fn alive(devices: &[DeviceSnapshot]) -> String {
+    let unmonitored = devices
+        .iter()
+        .filter(|d| {
+            d.conditions
+                .iter()
+                .any(|c| c.condition.kind == crate::health::ConditionKind::Unmonitored)
+        })
+        .count();
+    if unmonitored == 0 {
+        return "ok\n".into();
+    }
+    format!(
+        "ok; {unmonitored} of {} devices are served unmonitored, their faults not seen (see /status)\n",
+        devices.len()
+    )
+}
+
 async fn route<B>(
     context: &Context,
     connections: &bounded::Gate,
@@ -241,12 +262,13 @@ async fn route<B>(
     }
     match request.uri().path() {
         "/healthz" => match tokio::time::timeout(MONITOR_ANSWER, context.devices.devices()).await {
-            Ok(Some(_)) => match context.event_thread.as_ref() {
-                Some(heartbeat) => event_threads(heartbeat, context.stuck_after).map_or_else(
-                    || text(StatusCode::OK, "ok\n".into()),
-                    |why| text(StatusCode::SERVICE_UNAVAILABLE, why),
-                ),
-                None => text(StatusCode::OK, "ok\n".into()),
+            Ok(Some(devices)) => match context
+                .event_thread
+                .as_ref()
+                .and_then(|heartbeat| event_threads(heartbeat, context.stuck_after))
+            {
+                Some(why) => text(StatusCode::SERVICE_UNAVAILABLE, why),
+                None => text(StatusCode::OK, alive(&devices)),
             },
             Ok(None) => text(
                 StatusCode::SERVICE_UNAVAILABLE,

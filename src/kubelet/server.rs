@@ -234,8 +234,6 @@ impl DevicePlugin for PluginService {
         let naming = self.options.naming.clone();
         let stream = WatchStream::new(self.inventory.clone())
             .filter_map(move |inventory: Arc<Inventory>| {
-                // The stream owns the guard: it counts as open until tonic drops it.
-                let _open = &open;
                 let version = inventory.listed_version();
                 let changed = last_sent != Some(version);
                 last_sent = Some(version);
@@ -244,7 +242,12 @@ impl DevicePlugin for PluginService {
             // If the inventory's sender is ever gone, keep the stream open on the last list: an ended
             // stream makes the kubelet mark every device unhealthy and it never re-opens it.
             .chain(futures_util::stream::pending())
-            .take_until(self.shutdown.clone().cancelled_owned());
+            .take_until(self.shutdown.clone().cancelled_owned())
+            // The whole stream owns the guard, so it counts as open until tonic drops it: a part of it that
+            // ends early (the list's watch, once its sender is gone) is not the kubelet closing the stream.
+            .inspect(move |_| {
+                let _open = &open;
+            });
         Ok(Response::new(Box::pin(stream)))
     }
 
