@@ -917,3 +917,61 @@ async fn unmonitored_gpus_stay_on_one_stream_with_healthz_green_and_the_reason_s
     assert!(!log.contains("closed our ListAndWatch stream"), "{log}");
     Ok(())
 }
+
+/// On a kubelet up to 1.36, which keeps every client a registration replaces, a `*.sock` made and removed
+/// every 0.1 s (each removal possibly another plugin of the resource leaving) makes the plugin register once
+/// a second; the streams of the clients replaced are ended, so open streams stay within a small bound, and
+/// the GPUs stay served.
+#[tokio::test]
+async fn sockets_made_and_removed_in_a_loop_leave_a_bounded_number_of_streams_open() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let kubelet = FakeKubelet::start_as(dir.path(), DeviceManager::Legacy).await?;
+    let plugin = PluginProcess::spawn(dir.path(), &["--simulate", "2"]);
+    kubelet
+        .wait_list("2 GPUs", WAIT, |l| l.allocatable() == 2)
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    let before = kubelet.registrations().len();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let looping = {
+        let (dir, stop) = (dir.path().to_path_buf(), stop.clone());
+        tokio::spawn(async move {
+            let mut i = 0_u64;
+            while !stop.is_cancelled() {
+                let path = dir.join(format!("other-{i}.sock"));
+                if let Ok(listener) = std::os::unix::net::UnixListener::bind(&path) {
+                    let _ = std::fs::remove_file(&path);
+                    drop(listener);
+                }
+                i += 1;
+                // The loop's pace, not a wait for anything.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    // Eight registrations, about a second apart: without a bound, eight more streams.
+    let mut most = 0;
+    let mut registrations = kubelet.watch_registrations();
+    for n in 1..=8 {
+        tokio::time::timeout(WAIT, registrations.wait_for(|r| r.len() >= before + n))
+            .await
+            .map_err(|_| format!("registration {n} never came\n{}", plugin.log()))??;
+        most = most.max(kubelet.clients().len());
+    }
+    stop.cancel();
+    looping.await?;
+    let list = kubelet
+        .wait_list("2 GPUs served after the loop", WAIT, |l| {
+            l.allocatable() == 2 && !l.disconnected
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    assert_eq!(list.devices.len(), 2);
+    let open = kubelet.clients().len();
+    assert!(
+        most <= 4 && open <= 4,
+        "{most} clients open at most, {open} at the end\n{}",
+        plugin.log()
+    );
+    Ok(())
+}
