@@ -103,6 +103,7 @@ struct Recorders {
     kubelet_registered: Gauge,
     dra_registered: Family<DriverLabels, Gauge>,
     streams: Gauge,
+    unmonitored: Gauge,
     transitions: Family<HealthLabels, Counter>,
     xid_events: Family<XidLabels, Counter>,
     events: Family<KindLabels, Counter>,
@@ -194,6 +195,15 @@ impl Metrics {
             "dra_registered",
             "1 while the kubelet has accepted the DRA driver's registration, by driver; absent when no GPU is served through DRA",
             dra_registered.clone(),
+        );
+        // Always present, 0 when every device is watched: an alert on it needs no `absent()`, unlike the
+        // per-kind count of conditions, which has no series while no device has the condition.
+        let unmonitored = Gauge::default();
+        registry.register(
+            "unmonitored_devices",
+            "Devices served whose faults are not watched (NVML unavailable, or their event registration or \
+             waits failing): they stay allocatable, and /status says why",
+            unmonitored.clone(),
         );
         let streams = Gauge::default();
         registry.register(
@@ -306,6 +316,7 @@ impl Metrics {
             kubelet_registered,
             dra_registered,
             streams,
+            unmonitored,
             transitions,
             xid_events,
             events,
@@ -485,6 +496,7 @@ impl Metrics {
         m.device_healthy.clear();
         m.devices_with_condition.clear();
         m.device_condition.clear();
+        let mut unmonitored = 0_i64;
         for d in devices {
             let labels = DeviceLabels {
                 resource: d.resource.to_string(),
@@ -508,12 +520,16 @@ impl Metrics {
             }
             let kinds: std::collections::BTreeSet<&str> =
                 d.conditions.iter().map(|c| c.kind).collect();
+            if kinds.contains(crate::health::ConditionKind::Unmonitored.name()) {
+                unmonitored = unmonitored.saturating_add(1);
+            }
             for kind in kinds {
                 m.devices_with_condition
                     .get_or_create(&KindLabels { kind: kind.into() })
                     .inc();
             }
         }
+        m.unmonitored.set(unmonitored);
         m.kubelet_registered.set(i64::from(registered));
         m.streams
             .set(i64::try_from(streams_open).unwrap_or(i64::MAX));

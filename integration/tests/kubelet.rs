@@ -791,3 +791,187 @@ async fn silent_connections_to_the_plugin_socket_are_capped_and_closed_and_the_k
     );
     Ok(())
 }
+
+/// `--fail-on-init-error=false` with NVML failing its init: the driver's GPUs are served unmonitored, and
+/// the plugin holds still. One registration and one stream, held while an operator's fence and release reach
+/// the kubelet over it; `/healthz` green (a restart would not bring the driver back) with the reason in
+/// `/status` and `/metrics`; `/readyz` by the registration.
+#[tokio::test]
+async fn unmonitored_gpus_stay_on_one_stream_with_healthz_green_and_the_reason_shown() -> TestResult
+{
+    let dir = tempfile::tempdir()?;
+    let kubelet_dir = dir.path().join("device-plugins");
+    std::fs::create_dir(&kubelet_dir)?;
+    let proc_root = dir.path().join("proc");
+    support::write_driver_gpu_list(&proc_root, 2);
+    // An unknown key makes the fake library's nvmlInit fail (NVML_ERROR_UNKNOWN).
+    let broken = dir.path().join("gpus.json");
+    std::fs::write(&broken, r#"{"not-a-key": true}"#)?;
+    let state = dir.path().join("state");
+    let kubelet = FakeKubelet::start_as(&kubelet_dir, DeviceManager::Legacy).await?;
+    let lib = support::fake_nvml_lib();
+    let plugin = PluginProcess::spawn_with_env(
+        &kubelet_dir,
+        &[
+            "--nvml-lib",
+            lib.to_str().ok_or("utf-8 path")?,
+            "--fail-on-init-error=false",
+            "--proc-root",
+            proc_root.to_str().ok_or("utf-8 path")?,
+            "--state-dir",
+            state.to_str().ok_or("utf-8 path")?,
+        ],
+        &[("FAKE_NVML_CONFIG", broken.as_os_str())],
+    );
+    let gpu0 = support::fake_nvml_gpu(0);
+    kubelet
+        .wait_list("the driver's 2 GPUs", WAIT, |l| l.allocatable() == 2)
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+
+    // An operator's fence and release travel the monitor → stream road: each is seen by the kubelet on the
+    // first registration's stream.
+    let fence = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_gpu-device-plugin"))
+            .args(args)
+            .arg("--state-dir")
+            .arg(&state)
+            .env_remove("RUST_LOG")
+            .output()
+    };
+    let out = fence(&["fence", &gpu0, "--reason", "checking the stream"])?;
+    assert!(out.status.success(), "{out:?}\n{}", plugin.log());
+    kubelet
+        .wait_list("the fence", WAIT, |l| l.health(&gpu0) == Some("Unhealthy"))
+        .await?;
+    let out = fence(&["release", &gpu0])?;
+    assert!(out.status.success(), "{out:?}\n{}", plugin.log());
+    let list = kubelet
+        .wait_list("the release", WAIT, |l| l.allocatable() == 2)
+        .await?;
+    assert_eq!(
+        (list.registration, kubelet.registrations().len()),
+        (1, 1),
+        "the plugin registered again\n{}",
+        plugin.log()
+    );
+    assert!(list.messages >= 3, "{list:?}");
+
+    let addr = plugin.http_addr().await.ok_or("no HTTP address")?;
+    let get = |path: &'static str| {
+        let addr = addr.clone();
+        async move {
+            let (status, body) = gpu_device_plugin::http::get(&addr, path).await?;
+            Ok::<_, Box<dyn std::error::Error>>((
+                status.as_u16(),
+                String::from_utf8_lossy(&body).into_owned(),
+            ))
+        }
+    };
+    let (status, body) = get("/healthz").await?;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("2 of 2 devices are served unmonitored"),
+        "{body}"
+    );
+    let (status, body) = get("/readyz").await?;
+    assert_eq!((status, body.as_str()), (200, "ready\n"));
+    let (status, body) = get("/status").await?;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("unmonitored") && body.contains("NVML"),
+        "{body}"
+    );
+    let (status, body) = get("/metrics").await?;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.lines()
+            .any(|l| l == "gpu_device_plugin_unmonitored_devices 2"),
+        "{body}"
+    );
+    assert!(
+        body.lines()
+            .any(|l| l == "gpu_device_plugin_list_and_watch_streams 1"),
+        "{body}"
+    );
+
+    // Held: no registration comes within a quiet period longer than the plugin ever waited between
+    // registrations it made for a stream it took as closed (the first ones came within milliseconds).
+    let again = kubelet
+        .wait_registrations(2, Duration::from_secs(3))
+        .await
+        .map(|r| r.len());
+    assert!(
+        again.is_err(),
+        "registered again: {again:?}\n{}",
+        plugin.log()
+    );
+    assert_eq!(kubelet.list().registration, 1);
+    // Said once.
+    let log = plugin.log();
+    assert_eq!(
+        log.matches("serving the driver's GPUs unmonitored").count(),
+        1,
+        "{log}"
+    );
+    assert!(!log.contains("closed our ListAndWatch stream"), "{log}");
+    Ok(())
+}
+
+/// On a kubelet up to 1.36, which keeps every client a registration replaces, a `*.sock` made and removed
+/// every 0.1 s (each removal possibly another plugin of the resource leaving) makes the plugin register once
+/// a second; the streams of the clients replaced are ended, so open streams stay within a small bound, and
+/// the GPUs stay served.
+#[tokio::test]
+async fn sockets_made_and_removed_in_a_loop_leave_a_bounded_number_of_streams_open() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let kubelet = FakeKubelet::start_as(dir.path(), DeviceManager::Legacy).await?;
+    let plugin = PluginProcess::spawn(dir.path(), &["--simulate", "2"]);
+    kubelet
+        .wait_list("2 GPUs", WAIT, |l| l.allocatable() == 2)
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    let before = kubelet.registrations().len();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let looping = {
+        let (dir, stop) = (dir.path().to_path_buf(), stop.clone());
+        tokio::spawn(async move {
+            let mut i = 0_u64;
+            while !stop.is_cancelled() {
+                let path = dir.join(format!("other-{i}.sock"));
+                if let Ok(listener) = std::os::unix::net::UnixListener::bind(&path) {
+                    let _ = std::fs::remove_file(&path);
+                    drop(listener);
+                }
+                i += 1;
+                // The loop's pace, not a wait for anything.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    // Eight registrations, about a second apart: without a bound, eight more streams.
+    let mut most = 0;
+    let mut registrations = kubelet.watch_registrations();
+    for n in 1..=8 {
+        tokio::time::timeout(WAIT, registrations.wait_for(|r| r.len() >= before + n))
+            .await
+            .map_err(|_| format!("registration {n} never came\n{}", plugin.log()))??;
+        most = most.max(kubelet.clients().len());
+    }
+    stop.cancel();
+    looping.await?;
+    let list = kubelet
+        .wait_list("2 GPUs served after the loop", WAIT, |l| {
+            l.allocatable() == 2 && !l.disconnected
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", plugin.log()))?;
+    assert_eq!(list.devices.len(), 2);
+    let open = kubelet.clients().len();
+    assert!(
+        most <= 4 && open <= 4,
+        "{most} clients open at most, {open} at the end\n{}",
+        plugin.log()
+    );
+    Ok(())
+}

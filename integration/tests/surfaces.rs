@@ -670,3 +670,77 @@ async fn a_fence_reason_and_user_with_control_characters_cannot_forge_a_log_line
     assert!(!log.contains(['\r', '\u{1b}']), "{log}");
     Ok(())
 }
+
+/// One raw HTTP/1.1 exchange: the status line and headers (names lower-cased) of the answer to `method path`
+/// with `accept`.
+async fn answer_headers(
+    addr: &str,
+    method: &str,
+    path: &str,
+    accept: &str,
+) -> (String, Vec<(String, String)>) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\naccept: {accept}\r\ncontent-length: 0\r\n\
+         connection: close\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut raw = Vec::new();
+    tokio::time::timeout(WAIT, stream.read_to_end(&mut raw))
+        .await
+        .expect("an answer in time")
+        .expect("read");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let head = text.split("\r\n\r\n").next().unwrap_or_default();
+    let mut lines = head.lines();
+    let status = lines.next().unwrap_or_default().to_string();
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    (status, headers)
+}
+
+#[tokio::test]
+async fn every_http_answer_errors_included_carries_a_content_security_policy_and_nosniff()
+-> TestResult {
+    let dir = tempfile::tempdir()?;
+    // No kubelet: /readyz answers 503, an error answer like the others.
+    let plugin = PluginProcess::spawn(dir.path(), &["--simulate", "1"]);
+    let addr = plugin
+        .http_addr()
+        .await
+        .ok_or_else(|| format!("no HTTP address in the log\n{}", plugin.log()))?;
+    let asks = [
+        ("GET", "/healthz", "*/*", "200"),
+        ("GET", "/readyz", "*/*", "503"),
+        ("GET", "/status", "application/json", "200"),
+        ("GET", "/status", "text/html", "200"),
+        ("GET", "/metrics", "*/*", "200"),
+        ("GET", "/nothing-here", "*/*", "404"),
+        ("POST", "/healthz", "*/*", "405"),
+        ("DELETE", "/status", "text/html", "405"),
+    ];
+    for (method, path, accept, code) in asks {
+        let (status, headers) = answer_headers(&addr, method, path, accept).await;
+        assert!(status.contains(code), "{method} {path}: {status}");
+        let header = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(
+            header("x-content-type-options"),
+            Some("nosniff"),
+            "{method} {path} ({status}): {headers:?}"
+        );
+        let policy = header("content-security-policy").unwrap_or_default();
+        assert!(
+            policy.contains("default-src 'none'") && policy.contains("frame-ancestors 'none'"),
+            "{method} {path} ({status}): {headers:?}"
+        );
+    }
+    Ok(())
+}

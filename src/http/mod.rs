@@ -231,6 +231,27 @@ fn event_threads(heartbeat: &Heartbeat, stuck_after: Duration) -> Option<String>
     })
 }
 
+/// `/healthz`'s answer while the plugin is alive. Devices served unmonitored (NVML unavailable at start) do not
+/// make it red: a restart would not bring the driver back, and every restart ends the kubelet's stream, taking
+/// the GPUs out of service for nothing. It says so, for whoever reads the probe.
+fn alive(devices: &[DeviceSnapshot]) -> String {
+    let unmonitored = devices
+        .iter()
+        .filter(|d| {
+            d.conditions
+                .iter()
+                .any(|c| c.condition.kind == crate::health::ConditionKind::Unmonitored)
+        })
+        .count();
+    if unmonitored == 0 {
+        return "ok\n".into();
+    }
+    format!(
+        "ok; {unmonitored} of {} devices are served unmonitored, their faults not seen (see /status)\n",
+        devices.len()
+    )
+}
+
 async fn route<B>(
     context: &Context,
     connections: &bounded::Gate,
@@ -241,12 +262,13 @@ async fn route<B>(
     }
     match request.uri().path() {
         "/healthz" => match tokio::time::timeout(MONITOR_ANSWER, context.devices.devices()).await {
-            Ok(Some(_)) => match context.event_thread.as_ref() {
-                Some(heartbeat) => event_threads(heartbeat, context.stuck_after).map_or_else(
-                    || text(StatusCode::OK, "ok\n".into()),
-                    |why| text(StatusCode::SERVICE_UNAVAILABLE, why),
-                ),
-                None => text(StatusCode::OK, "ok\n".into()),
+            Ok(Some(devices)) => match context
+                .event_thread
+                .as_ref()
+                .and_then(|heartbeat| event_threads(heartbeat, context.stuck_after))
+            {
+                Some(why) => text(StatusCode::SERVICE_UNAVAILABLE, why),
+                None => text(StatusCode::OK, alive(&devices)),
             },
             Ok(None) => text(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -330,13 +352,12 @@ async fn route<B>(
                     .get(hyper::header::ACCEPT)
                     .and_then(|a| a.to_str().ok());
                 if page::wants_html(accept) {
-                    return Response::builder()
-                        .status(StatusCode::OK)
-                        .header("content-type", "text/html; charset=utf-8")
-                        .header("content-security-policy", page::CONTENT_SECURITY_POLICY)
-                        .header("x-content-type-options", "nosniff")
-                        .body(Full::new(Bytes::from(page::html(&report))))
-                        .unwrap_or_default();
+                    return answer(
+                        StatusCode::OK,
+                        "text/html; charset=utf-8",
+                        page::CONTENT_SECURITY_POLICY,
+                        page::html(&report),
+                    );
                 }
                 match serde_json::to_vec_pretty(&report) {
                     Ok(body) => respond(StatusCode::OK, "application/json", body),
@@ -444,14 +465,33 @@ fn resource_of(context: &Context, device: &DeviceSnapshot, main: &KubeletStatus)
     }
 }
 
+/// The Content-Security-Policy of every answer but the HTML page: nothing in it may be run, styled, framed or
+/// loaded. `/status` carries outside text (fence reasons, device names) raw in its JSON; a browser told to
+/// render it, or a page that frames it, must find nothing it may act on.
+pub const PLAIN_CONTENT_SECURITY_POLICY: &str =
+    "default-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
 fn respond(
     status: StatusCode,
     content_type: &str,
     body: impl Into<Bytes>,
 ) -> Response<Full<Bytes>> {
+    answer(status, content_type, PLAIN_CONTENT_SECURITY_POLICY, body)
+}
+
+/// Every HTTP answer goes through here, errors included, so that each carries its Content-Security-Policy
+/// and `X-Content-Type-Options: nosniff` (a browser must not guess HTML or script from a text or JSON body).
+fn answer(
+    status: StatusCode,
+    content_type: &str,
+    policy: &str,
+    body: impl Into<Bytes>,
+) -> Response<Full<Bytes>> {
     Response::builder()
         .status(status)
         .header("content-type", content_type)
+        .header("content-security-policy", policy)
+        .header("x-content-type-options", "nosniff")
         .body(Full::new(body.into()))
         .unwrap_or_default()
 }

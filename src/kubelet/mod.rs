@@ -229,10 +229,16 @@ pub async fn run(
     let (conns, conn_rx) = mpsc::channel::<UnixStream>(64);
     let endpoint = Endpoint::bind(path, conns)?;
     tracing::info!(socket = %endpoint.path.display(), resource = %config.resource_name, "serving device plugin API");
-    let (server, streams) = Server::start(&config, inventory, conn_rx, &shutdown);
+    let (server, streams, ender) = Server::start(&config, inventory, conn_rx, &shutdown);
 
-    let mut supervisor =
-        Supervisor::new(config, shutdown, dir_watch, endpoint, streams, socket_name);
+    let mut supervisor = Supervisor::new(
+        config,
+        shutdown,
+        dir_watch,
+        endpoint,
+        (streams, ender),
+        socket_name,
+    );
     let stop = supervisor.supervise().await?;
 
     supervisor.endpoint.close();
@@ -358,7 +364,11 @@ impl Server {
         inventory: InventoryWatch,
         conns: mpsc::Receiver<UnixStream>,
         shutdown: &CancellationToken,
-    ) -> (Server, tokio::sync::watch::Receiver<server::Streams>) {
+    ) -> (
+        Server,
+        tokio::sync::watch::Receiver<server::Streams>,
+        server::StreamEnder,
+    ) {
         // A child of the process's token: the server and its streams also stop when the supervisor gives up
         // on its own.
         let server_shutdown = shutdown.child_token();
@@ -367,6 +377,7 @@ impl Server {
                 .with_pre_start_check(config.pre_start_check)
                 .with_metrics(config.metrics.clone());
         let streams = service.streams();
+        let ender = service.stream_ender();
         // Held to a cap, as the DRA sockets are: only the kubelet should connect here.
         let metrics = config.metrics.clone();
         let incoming = crate::util::bounded::held_connections(
@@ -383,7 +394,7 @@ impl Server {
             task,
             shutdown: server_shutdown,
         };
-        (server, streams)
+        (server, streams, ender)
     }
 
     /// Ends every stream and waits for the server to stop, at most [`SHUTDOWN_GRACE`], so that the process
@@ -413,6 +424,8 @@ struct Supervisor {
     endpoint: Endpoint,
     /// The ListAndWatch streams the server holds open.
     streams: tokio::sync::watch::Receiver<server::Streams>,
+    /// Ends the streams the kubelet replaced (see [`Supervisor::end_replaced_streams`]).
+    ender: server::StreamEnder,
     kubelet_socket: PathBuf,
     registrar: Registrar,
     link: Link,
@@ -422,6 +435,10 @@ struct Supervisor {
     /// this instant, still registered meanwhile.
     register_again_at: Option<Instant>,
 }
+
+/// The most ListAndWatch streams of ours left open when registering again for another plugin's socket gone
+/// (see [`Supervisor::register_again_for_other_left`]).
+const MAX_OPEN_STREAMS: usize = 3;
 
 /// At most one registration a second for other plugins' sockets going away: a process removing sockets in a
 /// loop (root, in the kubelet's directory) would otherwise make the plugin, and the kubelet, register once
@@ -435,7 +452,10 @@ impl Supervisor {
         shutdown: CancellationToken,
         dir_watch: DirWatch,
         endpoint: Endpoint,
-        streams: tokio::sync::watch::Receiver<server::Streams>,
+        (streams, ender): (
+            tokio::sync::watch::Receiver<server::Streams>,
+            server::StreamEnder,
+        ),
         socket_name: String,
     ) -> Self {
         let kubelet_socket = config.kubelet_dir.join(KUBELET_SOCKET);
@@ -452,6 +472,7 @@ impl Supervisor {
             dir_watch,
             endpoint,
             streams,
+            ender,
             kubelet_socket,
             registrar,
             link: Link::Owed(Some(Instant::now())),
@@ -570,7 +591,11 @@ impl Supervisor {
             Link::Registered {
                 lost: Some(delay), ..
             } => {
-                self.link = self.registrar.owe_after_lost(*delay);
+                let delay = *delay;
+                // The kubelet dropped the client it used (ours): it uses none of ours now, so the end of the
+                // clients it replaced before cuts nothing.
+                self.end_replaced_streams();
+                self.link = self.registrar.owe_after_lost(delay);
                 Wake::Again
             }
             Link::Registered {
@@ -710,13 +735,35 @@ impl Supervisor {
     }
 
     /// Owes a registration now because another plugin's socket went (see [`Supervisor::on_dir_change`]).
+    ///
+    /// A kubelet up to 1.36 keeps the client each registration replaces, stream open, for good: without a
+    /// bound, a socket made and removed in a loop left one more stream per registration. Past
+    /// [`MAX_OPEN_STREAMS`], every stream is ended before registering: such a kubelet then drops the
+    /// client it uses (ours, or nobody's if the plugin that went had taken the resource) until the new
+    /// registration's first list, a moment later.
     fn register_again_for_other_left(&mut self) {
         tracing::info!(
             "another device plugin's socket was removed; registering again, in case it had taken this \
              resource from us (kubelets up to 1.36 then drop the resource with it)"
         );
+        if self.streams.borrow().open >= MAX_OPEN_STREAMS {
+            tracing::info!(
+                open = self.streams.borrow().open,
+                "ending this plugin's ListAndWatch streams before registering again: a kubelet up to 1.36 \
+                 keeps every client a registration replaces"
+            );
+            self.end_replaced_streams();
+        }
         self.register_again_at = None;
         self.link = self.registrar.owe_now();
+    }
+
+    /// Ends every stream opened so far: the next registration's stream is the one the kubelet uses.
+    fn end_replaced_streams(&self) {
+        let streams = *self.streams.borrow();
+        if streams.open > 0 {
+            self.ender.end_through(streams.opened);
+        }
     }
 
     /// The time set by [`Supervisor::next_wake`] came. An owed attempt is due and starts on the next turn; a

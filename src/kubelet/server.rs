@@ -40,6 +40,9 @@ pub struct PluginService {
     /// Ends every ListAndWatch stream cleanly (OK status) when the plugin shuts down.
     shutdown: CancellationToken,
     streams: watch::Sender<Streams>,
+    /// Streams numbered up to this one (1-based, as [`Streams::opened`] counts them) are ended: see
+    /// [`StreamEnder`].
+    end_through: watch::Sender<u64>,
     /// Whether we ask the kubelet for PreStartContainer calls.
     pre_start_check: bool,
     metrics: Arc<Metrics>,
@@ -95,6 +98,25 @@ impl Drop for OpenStream {
     }
 }
 
+/// Ends the ListAndWatch streams opened so far, cleanly (OK status), for the supervisor. A kubelet up to 1.36
+/// keeps every client it replaced, stream open, for good; the supervisor ends those it knows replaced, at a
+/// moment when their end cannot cut the client the kubelet uses.
+#[derive(Debug, Clone)]
+pub struct StreamEnder(watch::Sender<u64>);
+
+impl StreamEnder {
+    /// Ends every stream numbered up to `number` (1-based, as [`Streams::opened`] counts them) still open.
+    pub fn end_through(&self, number: u64) {
+        self.0.send_if_modified(|through| {
+            let later = number > *through;
+            if later {
+                *through = number;
+            }
+            later
+        });
+    }
+}
+
 impl PluginService {
     /// A service reading `inventory`; streams end when `shutdown` is cancelled.
     pub fn new(
@@ -107,6 +129,7 @@ impl PluginService {
             options,
             shutdown,
             streams: watch::Sender::new(Streams::default()),
+            end_through: watch::Sender::new(0),
             pre_start_check: false,
             metrics: Metrics::off(),
         }
@@ -131,6 +154,11 @@ impl PluginService {
     /// Watches the open ListAndWatch streams.
     pub fn streams(&self) -> watch::Receiver<Streams> {
         self.streams.subscribe()
+    }
+
+    /// A way to end the streams opened so far.
+    pub fn stream_ender(&self) -> StreamEnder {
+        StreamEnder(self.end_through.clone())
     }
 }
 
@@ -231,11 +259,21 @@ impl DevicePlugin for PluginService {
     ) -> Result<Response<ListStream>, Status> {
         let mut last_sent: Option<u64> = None;
         let open = OpenStream::new(&self.streams);
+        let number = open.number;
+        let mut end_through = self.end_through.subscribe();
+        let ended = async move {
+            // A sender gone is a server stopping: the shutdown token ends the stream then.
+            if end_through
+                .wait_for(|through| *through >= number)
+                .await
+                .is_err()
+            {
+                std::future::pending::<()>().await;
+            }
+        };
         let naming = self.options.naming.clone();
         let stream = WatchStream::new(self.inventory.clone())
             .filter_map(move |inventory: Arc<Inventory>| {
-                // The stream owns the guard: it counts as open until tonic drops it.
-                let _open = &open;
                 let version = inventory.listed_version();
                 let changed = last_sent != Some(version);
                 last_sent = Some(version);
@@ -244,7 +282,13 @@ impl DevicePlugin for PluginService {
             // If the inventory's sender is ever gone, keep the stream open on the last list: an ended
             // stream makes the kubelet mark every device unhealthy and it never re-opens it.
             .chain(futures_util::stream::pending())
-            .take_until(self.shutdown.clone().cancelled_owned());
+            .take_until(self.shutdown.clone().cancelled_owned())
+            .take_until(ended)
+            // The whole stream owns the guard, so it counts as open until tonic drops it: a part of it that
+            // ends early (the list's watch, once its sender is gone) is not the kubelet closing the stream.
+            .inspect(move |_| {
+                let _open = &open;
+            });
         Ok(Response::new(Box::pin(stream)))
     }
 

@@ -47,21 +47,7 @@ impl DirWatch {
         let ours = OsString::from(our_socket);
         let watched = dir.to_path_buf();
         let mut watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
-            let relevant = match event {
-                Ok(event) => {
-                    let other_gone = is_other_socket_gone(&event, &ours);
-                    if other_gone {
-                        left.store(true, Ordering::SeqCst);
-                    }
-                    other_gone || is_restart_sign(&event, &ours) || is_about_dir(&event, &watched)
-                }
-                // Queue overflow or a watch error: we may have missed something, so look again.
-                Err(e) => {
-                    tracing::warn!(error = %e, "device plugin directory watch reported an error");
-                    true
-                }
-            };
-            if relevant {
+            if sort(&event, &ours, &watched, &left) {
                 notify.notify_one();
             }
         })
@@ -103,6 +89,34 @@ impl DirWatch {
     /// Waits until something relevant happened since the last wake-up.
     pub async fn changed(&self) {
         self.wake.notified().await;
+    }
+}
+
+/// Whether `event` is worth a look at the directory; notes in `other_left` that another plugin's socket may
+/// have gone.
+fn sort(
+    event: &notify::Result<Event>,
+    ours: &OsString,
+    dir: &Path,
+    other_left: &AtomicBool,
+) -> bool {
+    match event {
+        Ok(event) => {
+            // A queue overflow (inotify's IN_Q_OVERFLOW, a rescan for notify) lost events we cannot know: a
+            // kubelet restart among them is seen by looking at the directory, but another plugin's socket
+            // removed leaves no trace there, so it counts as one that may have gone.
+            let other_gone = is_other_socket_gone(event, ours) || event.need_rescan();
+            if other_gone {
+                other_left.store(true, Ordering::SeqCst);
+            }
+            other_gone || is_restart_sign(event, ours) || is_about_dir(event, dir)
+        }
+        // A watch error: we may have missed anything, another plugin's socket going included.
+        Err(e) => {
+            tracing::warn!(error = %e, "device plugin directory watch reported an error");
+            other_left.store(true, Ordering::SeqCst);
+            true
+        }
     }
 }
 
@@ -221,6 +235,31 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    #[test]
+    fn a_queue_overflow_counts_as_another_plugins_socket_that_may_have_gone() {
+        let ours = OsString::from("gpu-device-plugin-1.sock");
+        let dir = Path::new("/d");
+        let overflow = Ok(Event::new(EventKind::Other).set_flag(notify::event::Flag::Rescan));
+        let left = AtomicBool::new(false);
+        assert!(sort(&overflow, &ours, dir, &left));
+        assert!(
+            left.load(Ordering::SeqCst),
+            "an overflow may hide a plugin's exit"
+        );
+        let failed = Err(notify::Error::generic("the watch failed"));
+        let left = AtomicBool::new(false);
+        assert!(sort(&failed, &ours, dir, &left));
+        assert!(left.load(Ordering::SeqCst));
+        // A removal of ours or the kubelet's is no other plugin's.
+        let left = AtomicBool::new(false);
+        let ours_gone = Ok(event(
+            EventKind::Remove(RemoveKind::File),
+            "gpu-device-plugin-1.sock",
+        ));
+        assert!(sort(&ours_gone, &ours, dir, &left));
+        assert!(!left.load(Ordering::SeqCst));
     }
 
     #[test]

@@ -484,6 +484,11 @@ impl Monitor {
         let period = self.engine.policy().recovery_action_interval;
         let mut poll = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         poll.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // A source may have nothing more to say (the driver's GPUs served unmonitored without NVML report
+        // once, at start; GPUs whose event threads all ended): the monitor goes on all the same. It owns the
+        // inventory every ListAndWatch stream reads and answers `/healthz`, `/status` and the operators'
+        // fences; stopping with the source would take all of them away, and nothing would bring them back.
+        let mut source_open = true;
         loop {
             let now = SystemTime::now();
             let due = self.engine.due_probes(now);
@@ -493,7 +498,7 @@ impl Monitor {
                 .next_deadline()
                 .map(|d| d.duration_since(now).unwrap_or_default());
             tokio::select! {
-                event = events.recv() => match event {
+                event = events.recv(), if source_open => match event {
                     Some(event) => {
                         let after = self.handle(event);
                         if self.devices_changed {
@@ -508,7 +513,10 @@ impl Monitor {
                             self.record(after);
                         }
                     }
-                    None => break,
+                    None => {
+                        tracing::debug!("the device source sends no more events; devices stay as they are");
+                        source_open = false;
+                    }
                 },
                 () = sleep(wait) => {}
                 Some(query) = queries.recv() => match query {
