@@ -261,169 +261,182 @@ async fn route<B>(
         return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into());
     }
     match request.uri().path() {
-        "/healthz" => match tokio::time::timeout(MONITOR_ANSWER, context.devices.devices()).await {
-            Ok(Some(devices)) => match context
-                .event_thread
-                .as_ref()
-                .and_then(|heartbeat| event_threads(heartbeat, context.stuck_after))
-            {
-                Some(why) => text(StatusCode::SERVICE_UNAVAILABLE, why),
-                None => text(StatusCode::OK, alive(&devices)),
-            },
-            Ok(None) => text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the health monitor has stopped\n".into(),
-            ),
-            Err(_) => text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("the health monitor did not answer within {MONITOR_ANSWER:?}\n"),
-            ),
-        },
-        "/readyz" => {
-            // Ready when the kubelet holds every resource: one that is not registered is capacity missing.
-            let not_ready = context.kubelet.iter().find_map(|k| {
-                let kubelet = k.borrow().clone();
-                if kubelet.registered && kubelet.streams_open > 0 {
-                    None
-                } else if kubelet.registered {
-                    Some(format!(
-                        "{}: registered, but the kubelet holds no ListAndWatch stream yet\n",
-                        kubelet.resource
-                    ))
-                } else {
-                    Some(format!(
-                        "{}: not registered with the kubelet at {}\n",
-                        kubelet.resource, kubelet.kubelet_socket
-                    ))
-                }
-            });
-            let not_ready = not_ready.or_else(|| {
-                let dra = context.dra.as_ref()?.status.borrow().clone();
-                (!dra.registered).then(|| match dra.error {
-                    Some(e) => format!("DRA driver {}: the kubelet refused it: {e}\n", dra.driver),
-                    None => format!(
-                        "DRA driver {}: not registered with the kubelet yet\n",
-                        dra.driver
-                    ),
-                })
-            });
-            match not_ready {
-                None => text(StatusCode::OK, "ready\n".into()),
-                Some(why) => text(StatusCode::SERVICE_UNAVAILABLE, why),
-            }
-        }
-        "/status" => match snapshot(context).await {
-            Some(devices) => {
-                let holders = match &context.pods {
-                    Some(pods) => pods.holders(PODS_MAX_AGE).await,
-                    None => None,
-                };
-                let pods_of = |id: &str| {
-                    holders
-                        .as_ref()
-                        .and_then(|h| h.get(id).cloned())
-                        .unwrap_or_default()
-                };
-                let mut kubelet = context.kubelet.iter().map(|k| k.borrow().clone());
-                let kubelet = (kubelet.next().unwrap_or_default(), kubelet.collect());
-                let dra = context.dra.as_ref().map(|d| d.status.borrow().clone());
-                let report = Report {
-                    devices: devices
-                        .iter()
-                        .map(|d| match dra_device(context, d, &dra) {
-                            Some(dra) => DeviceStatus {
-                                dra: Some(dra),
-                                ..DeviceStatus::of(d, String::new(), Vec::new())
-                            },
-                            None => {
-                                let resource = resource_of(context, d, &kubelet.0);
-                                DeviceStatus::of(d, resource, pods_of(&d.info.id))
-                            }
-                        })
-                        .collect(),
-                    kubelet: kubelet.0,
-                    other_resources: kubelet.1,
-                    policy: context.policy.clone(),
-                    unserved: context.unserved.clone(),
-                    dra,
-                };
-                let accept = request
-                    .headers()
-                    .get(hyper::header::ACCEPT)
-                    .and_then(|a| a.to_str().ok());
-                if page::wants_html(accept) {
-                    return answer(
-                        StatusCode::OK,
-                        "text/html; charset=utf-8",
-                        page::CONTENT_SECURITY_POLICY,
-                        page::html(&report),
-                    );
-                }
-                match serde_json::to_vec_pretty(&report) {
-                    Ok(body) => respond(StatusCode::OK, "application/json", body),
-                    Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
-                }
-            }
-            None => text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the health monitor did not answer\n".into(),
-            ),
-        },
-        "/metrics" => match snapshot(context).await {
-            Some(devices) => {
-                context.metrics.http_connections_open(connections.open());
-                let links: Vec<KubeletStatus> =
-                    context.kubelet.iter().map(|k| k.borrow().clone()).collect();
-                let first = links.first().cloned().unwrap_or_default();
-                let dra = context.dra.as_ref().map(|d| d.status.borrow().clone());
-                let resources: Vec<String> = devices
-                    .iter()
-                    .map(|d| match dra_device(context, d, &dra) {
-                        // Through DRA: the driver stands where the resource would.
-                        Some(dra) => dra.driver,
-                        None => resource_of(context, d, &first),
-                    })
-                    .collect();
-                let gauges = devices
-                    .iter()
-                    .zip(&resources)
-                    .map(|(d, resource)| DeviceGauge {
-                        resource,
-                        device: &d.info.id,
-                        index: d.index,
-                        healthy: d.health == Health::Healthy,
-                        conditions: d
-                            .conditions
-                            .iter()
-                            .map(|c| ConditionGauge {
-                                kind: c.condition.kind.name(),
-                                value: c.condition.kind.value(),
-                                unhealthy: c.effect == crate::health::Effect::Unhealthy,
-                            })
-                            .collect(),
-                    });
-                context
-                    .metrics
-                    .dra_registered(dra.as_ref().map(|d| (d.driver.as_str(), d.registered)));
-                // Registered: every resource the process serves is; streams: all of them together.
-                let registered = links.iter().all(|k| k.registered);
-                let streams = links.iter().map(|k| k.streams_open).sum();
-                respond(
-                    StatusCode::OK,
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    context.metrics.render(gauges, registered, streams),
-                )
-            }
-            None => text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the health monitor did not answer\n".into(),
-            ),
-        },
+        "/healthz" => healthz(context).await,
+        "/readyz" => readyz(context),
+        "/status" => status(context, request).await,
+        "/metrics" => metrics(context, connections).await,
         _ => text(
             StatusCode::NOT_FOUND,
             "not found: try /healthz, /readyz, /status or /metrics\n".into(),
         ),
     }
+}
+
+/// `/healthz`: alive while the monitor answers and no event thread is stuck.
+async fn healthz(context: &Context) -> Response<Full<Bytes>> {
+    match tokio::time::timeout(MONITOR_ANSWER, context.devices.devices()).await {
+        Ok(Some(devices)) => match context
+            .event_thread
+            .as_ref()
+            .and_then(|heartbeat| event_threads(heartbeat, context.stuck_after))
+        {
+            Some(why) => text(StatusCode::SERVICE_UNAVAILABLE, why),
+            None => text(StatusCode::OK, alive(&devices)),
+        },
+        Ok(None) => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the health monitor has stopped\n".into(),
+        ),
+        Err(_) => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the health monitor did not answer within {MONITOR_ANSWER:?}\n"),
+        ),
+    }
+}
+
+/// `/readyz`: ready when the kubelet holds every resource (one that is not registered is capacity missing)
+/// and the DRA driver, where it is on.
+fn readyz(context: &Context) -> Response<Full<Bytes>> {
+    let not_ready = context.kubelet.iter().find_map(|k| {
+        let kubelet = k.borrow().clone();
+        if kubelet.registered && kubelet.streams_open > 0 {
+            None
+        } else if kubelet.registered {
+            Some(format!(
+                "{}: registered, but the kubelet holds no ListAndWatch stream yet\n",
+                kubelet.resource
+            ))
+        } else {
+            Some(format!(
+                "{}: not registered with the kubelet at {}\n",
+                kubelet.resource, kubelet.kubelet_socket
+            ))
+        }
+    });
+    let not_ready = not_ready.or_else(|| {
+        let dra = context.dra.as_ref()?.status.borrow().clone();
+        (!dra.registered).then(|| match dra.error {
+            Some(e) => format!("DRA driver {}: the kubelet refused it: {e}\n", dra.driver),
+            None => format!(
+                "DRA driver {}: not registered with the kubelet yet\n",
+                dra.driver
+            ),
+        })
+    });
+    match not_ready {
+        None => text(StatusCode::OK, "ready\n".into()),
+        Some(why) => text(StatusCode::SERVICE_UNAVAILABLE, why),
+    }
+}
+
+/// `/status`: the report, as JSON or, for a browser, as a page.
+async fn status<B>(context: &Context, request: &Request<B>) -> Response<Full<Bytes>> {
+    let Some(devices) = snapshot(context).await else {
+        return text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the health monitor did not answer\n".into(),
+        );
+    };
+    let holders = match &context.pods {
+        Some(pods) => pods.holders(PODS_MAX_AGE).await,
+        None => None,
+    };
+    let pods_of = |id: &str| {
+        holders
+            .as_ref()
+            .and_then(|h| h.get(id).cloned())
+            .unwrap_or_default()
+    };
+    let mut kubelet = context.kubelet.iter().map(|k| k.borrow().clone());
+    let kubelet = (kubelet.next().unwrap_or_default(), kubelet.collect());
+    let dra = context.dra.as_ref().map(|d| d.status.borrow().clone());
+    let report = Report {
+        devices: devices
+            .iter()
+            .map(|d| match dra_device(context, d, &dra) {
+                Some(dra) => DeviceStatus {
+                    dra: Some(dra),
+                    ..DeviceStatus::of(d, String::new(), Vec::new())
+                },
+                None => {
+                    let resource = resource_of(context, d, &kubelet.0);
+                    DeviceStatus::of(d, resource, pods_of(&d.info.id))
+                }
+            })
+            .collect(),
+        kubelet: kubelet.0,
+        other_resources: kubelet.1,
+        policy: context.policy.clone(),
+        unserved: context.unserved.clone(),
+        dra,
+    };
+    let accept = request
+        .headers()
+        .get(hyper::header::ACCEPT)
+        .and_then(|a| a.to_str().ok());
+    if page::wants_html(accept) {
+        return answer(
+            StatusCode::OK,
+            "text/html; charset=utf-8",
+            page::CONTENT_SECURITY_POLICY,
+            page::html(&report),
+        );
+    }
+    match serde_json::to_vec_pretty(&report) {
+        Ok(body) => respond(StatusCode::OK, "application/json", body),
+        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
+    }
+}
+
+/// `/metrics`: every series, the devices' from the monitor's snapshot.
+async fn metrics(context: &Context, connections: &bounded::Gate) -> Response<Full<Bytes>> {
+    let Some(devices) = snapshot(context).await else {
+        return text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the health monitor did not answer\n".into(),
+        );
+    };
+    context.metrics.http_connections_open(connections.open());
+    let links: Vec<KubeletStatus> = context.kubelet.iter().map(|k| k.borrow().clone()).collect();
+    let first = links.first().cloned().unwrap_or_default();
+    let dra = context.dra.as_ref().map(|d| d.status.borrow().clone());
+    let resources: Vec<String> = devices
+        .iter()
+        .map(|d| match dra_device(context, d, &dra) {
+            // Through DRA: the driver stands where the resource would.
+            Some(dra) => dra.driver,
+            None => resource_of(context, d, &first),
+        })
+        .collect();
+    let gauges = devices
+        .iter()
+        .zip(&resources)
+        .map(|(d, resource)| DeviceGauge {
+            resource,
+            device: &d.info.id,
+            index: d.index,
+            healthy: d.health == Health::Healthy,
+            conditions: d
+                .conditions
+                .iter()
+                .map(|c| ConditionGauge {
+                    kind: c.condition.kind.name(),
+                    value: c.condition.kind.value(),
+                    unhealthy: c.effect == crate::health::Effect::Unhealthy,
+                })
+                .collect(),
+        });
+    context
+        .metrics
+        .dra_registered(dra.as_ref().map(|d| (d.driver.as_str(), d.registered)));
+    // Registered: every resource the process serves is; streams: all of them together.
+    let registered = links.iter().all(|k| k.registered);
+    let streams = links.iter().map(|k| k.streams_open).sum();
+    respond(
+        StatusCode::OK,
+        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        context.metrics.render(gauges, registered, streams),
+    )
 }
 
 /// The monitor's devices now, or `None` if the monitor does not answer within [`MONITOR_ANSWER`].

@@ -214,6 +214,14 @@ impl Report {
     /// Node annotation, a detector's file): each is printed escaped, so that none can drive the terminal
     /// or forge a line.
     pub fn table(&self) -> String {
+        let mut out = grid(&self.rows());
+        out.push_str(&self.summary());
+        out.push_str(&self.messages());
+        out
+    }
+
+    /// One row per device, then one per device present but not served, each cell printable.
+    fn rows(&self) -> Vec<[String; 5]> {
         let printable = |text: &str| crate::util::text::shown(text, crate::util::text::LINE_MAX);
         let rows: Vec<[String; 5]> = self
             .devices
@@ -264,34 +272,12 @@ impl Report {
             ]
             .map(|cell| printable(&cell))
         });
-        let rows: Vec<[String; 5]> = rows.into_iter().chain(unserved_rows).collect();
-        let header = ["INDEX", "DEVICE", "HEALTH", "PODS", "CONDITIONS"];
-        let widths: Vec<usize> = (0..header.len())
-            .map(|i| {
-                rows.iter()
-                    .map(|r| r[i].chars().count())
-                    .chain([header[i].len()])
-                    .max()
-                    .unwrap_or(0)
-            })
-            .collect();
-        let line = |cells: &[&str]| {
-            let mut out = String::new();
-            for (i, cell) in cells.iter().enumerate() {
-                if i + 1 == cells.len() {
-                    out.push_str(cell);
-                } else {
-                    out.push_str(&format!("{cell:<width$}  ", width = widths[i]));
-                }
-            }
-            out.push('\n');
-            out
-        };
-        let mut out = line(&header);
-        for row in &rows {
-            let cells: Vec<&str> = row.iter().map(String::as_str).collect();
-            out.push_str(&line(&cells));
-        }
+        rows.into_iter().chain(unserved_rows).collect()
+    }
+
+    /// The line under the table: the counts, the kubelet's registrations and DRA's.
+    fn summary(&self) -> String {
+        let printable = |text: &str| crate::util::text::shown(text, crate::util::text::LINE_MAX);
         let k = &self.kubelet;
         let others: String = self
             .other_resources
@@ -356,11 +342,17 @@ impl Report {
                     .unwrap_or_default(),
             ),
         };
-        out.push_str(&format!(
+        format!(
             "\n{} devices, {} Unhealthy{not_served}{kubelet}{dra}\n",
             self.devices.len(),
             unhealthy,
-        ));
+        )
+    }
+
+    /// Each Unhealthy or noted device's full message, and why each device not served is not.
+    fn messages(&self) -> String {
+        let printable = |text: &str| crate::util::text::shown(text, crate::util::text::LINE_MAX);
+        let mut out = String::new();
         for d in &self.devices {
             if let Some(message) = &d.message {
                 out.push_str(&format!(
@@ -385,6 +377,38 @@ impl Report {
         }
         out
     }
+}
+
+/// `rows` under the header, in columns as wide as their widest cell.
+fn grid(rows: &[[String; 5]]) -> String {
+    let header = ["INDEX", "DEVICE", "HEALTH", "PODS", "CONDITIONS"];
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| {
+            rows.iter()
+                .map(|r| r[i].chars().count())
+                .chain([header[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: &[&str]| {
+        let mut out = String::new();
+        for (i, cell) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                out.push_str(cell);
+            } else {
+                out.push_str(&format!("{cell:<width$}  ", width = widths[i]));
+            }
+        }
+        out.push('\n');
+        out
+    };
+    let mut out = line(&header);
+    for row in rows {
+        let cells: Vec<&str> = row.iter().map(String::as_str).collect();
+        out.push_str(&line(&cells));
+    }
+    out
 }
 
 /// What the table's HEALTH column says of a device present but not served.
