@@ -254,7 +254,8 @@ async fn a_claim_whose_device_configuration_asks_for_what_this_plugin_does_not_d
                 driver: "gpu.nvidia.com".into(),
                 parameters: serde_json::json!({
                     "apiVersion": API_VERSION, "kind": "GpuConfig", "sharing": sharing
-                }),
+                })
+                .into(),
             }),
         }];
     };
