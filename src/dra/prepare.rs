@@ -147,8 +147,13 @@ struct Holdings {
     listed_at: Option<tokio::time::Instant>,
     /// The record's file is of a newer format (this version): it is left as it is, never written over.
     newer: Option<u32>,
-    /// The record's file was set aside: written again from what is held at the next call.
+    /// The record's file was set aside, or lacks claims held here: written again from what is held at the
+    /// next call.
     rewrite: bool,
+    /// Claims this instance holds that the record's file was found without (another instance unprepared
+    /// them, or the file was replaced): held until the API server settles it, kept if it lists them as
+    /// allocated in the pool and reserved for a pod, let go if not.
+    disputed: std::collections::BTreeSet<String>,
 }
 
 impl Holdings {
@@ -225,6 +230,7 @@ impl Preparer {
                 listed_at: None,
                 newer: None,
                 rewrite: false,
+                disputed: Default::default(),
             })),
             // Looked at again before the first call: what is there may be of a newer format.
             seen: Arc::new(std::sync::Mutex::new(None)),
@@ -394,6 +400,7 @@ impl Preparer {
         let before = held.record.clone();
         let listed_before = held.listed.clone();
         for claim in &claims {
+            held.disputed.remove(&claim.uid);
             let listed = held.listed.remove(&claim.uid);
             if let Some(prepared) = held.record.claims.remove(&claim.uid).or(listed) {
                 tracing::info!(claim = %claim.describe(), devices = prepared.devices.len(), "unprepared");
@@ -461,7 +468,34 @@ impl Preparer {
         self.set_seen(stamp);
         match look {
             Look::Absent => held.newer = None,
-            Look::Found(record) => {
+            Look::Found(mut record) => {
+                // What is held here is never emptied by the file: a claim it lacks stays held until the
+                // API server says whether it still holds its devices. Claims only the file has (another
+                // instance prepared them) are taken: they only keep devices from other claims.
+                let lacking: Vec<String> = held
+                    .record
+                    .claims
+                    .keys()
+                    .filter(|uid| !record.claims.contains_key(*uid))
+                    .cloned()
+                    .collect();
+                if !lacking.is_empty() {
+                    tracing::warn!(
+                        file = %self.file.path().display(),
+                        lacking = lacking.len(),
+                        "the prepared-claim record was replaced without claims this instance prepared: they \
+                         stay held, and the API server is asked whether they still hold their devices before \
+                         another claim is prepared"
+                    );
+                    for uid in lacking {
+                        if let Some(claim) = held.record.claims.get(&uid) {
+                            record.claims.insert(uid.clone(), claim.clone());
+                        }
+                        held.disputed.insert(uid);
+                    }
+                    held.list_due = true;
+                    held.rewrite = true;
+                }
                 held.record = record;
                 held.newer = None;
                 if let Some(status) = &self.status {
@@ -531,6 +565,18 @@ impl Preparer {
                 })
             })
             .collect();
+        // Claims held here that the record's file lacked: the API server settles it.
+        for uid in std::mem::take(&mut held.disputed) {
+            if !held.listed.contains_key(&uid) {
+                if let Some(gone) = held.record.claims.remove(&uid) {
+                    tracing::info!(
+                        claim = %format!("{}/{}", gone.namespace, gone.name),
+                        "a claim the record's file lacked is not reserved in the API server any more: let go"
+                    );
+                    held.rewrite = true;
+                }
+            }
+        }
         held.list_due = false;
         held.listed_at = Some(tokio::time::Instant::now());
         tracing::info!(

@@ -775,3 +775,74 @@ async fn a_flood_of_prepare_calls_is_served_a_few_at_a_time_and_every_call_answe
     }
     assert_eq!(preparer.prepares.available_permits(), MAX_PREPARES);
 }
+
+/// Replaces the record at `state` with `text` in one rename, as another writer would.
+fn replace_record(state: &std::path::Path, text: &str) {
+    let path = RecordFile::in_dir(state).path().to_path_buf();
+    let temp = state.join(".replacement");
+    std::fs::write(&temp, text).expect("write");
+    std::fs::rename(&temp, &path).expect("rename");
+}
+
+#[tokio::test]
+async fn a_readable_record_that_lacks_a_prepared_claim_never_frees_its_gpu_while_the_api_server_lists_it()
+ {
+    let replacements = [
+        (
+            "from another boot",
+            r#"{"version":1,"bootId":"boot-0","claims":{}}"#,
+        ),
+        ("without a boot ID", r#"{"version":1,"claims":{}}"#),
+        (
+            "empty, of this boot",
+            r#"{"version":1,"bootId":"boot-1","claims":{}}"#,
+        ),
+    ];
+    for (which, text) in replacements {
+        let s = setup();
+        s.claims
+            .allocate("first", "u-1", &[("gpu", "node-a", "gpu-0")]);
+        s.claims.reserve("first");
+        s.claims
+            .allocate("second", "u-2", &[("gpu", "node-a", "gpu-0")]);
+        let file = RecordFile::in_dir(&s.state);
+        let preparer = Preparer::new(
+            PrepareConfig {
+                driver: "gpu.nvidia.com".into(),
+                pool: "node-a".into(),
+                cdi_kind: "nvidia.com/gpu".into(),
+            },
+            s.devices.subscribe(),
+            s.claims.clone(),
+            file.load(Some("boot-1".into())),
+            file.clone(),
+        );
+        assert!(
+            preparer.prepare(vec![claim("first", "u-1")]).await["u-1"].is_ok(),
+            "{which}"
+        );
+        // The scheduler (wrongly, or a hostile writer) reserves B for a pod too.
+        s.claims.reserve("second");
+        replace_record(&s.state, text);
+        let refused = preparer.prepare(vec![claim("second", "u-2")]).await["u-2"].clone();
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|why| why.contains("ResourceClaim ns/first") && why.contains("gpu-0")),
+            "{which}: claim B got claim A's GPU: {refused:?}"
+        );
+        // The record is written again holding A, never B; A is still answered with its GPU.
+        let on_disk = file.load(Some("boot-1".into()));
+        assert_eq!(
+            on_disk.claims.keys().collect::<Vec<_>>(),
+            vec!["u-1"],
+            "{which}"
+        );
+        let again = preparer.prepare(vec![claim("first", "u-1")]).await["u-1"].clone();
+        assert_eq!(
+            again.map(|d| d[0].device.clone()),
+            Ok("gpu-0".to_string()),
+            "{which}"
+        );
+    }
+}
