@@ -280,14 +280,23 @@ pub trait ClaimReader: Send + Sync {
 
     /// Every claim allocated a device of `driver` in `pool` and reserved for a pod, as the API server holds
     /// them now: what is prepared on the node, or about to be, whatever the record says.
-    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String>;
+    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Listed, String>;
+}
+
+/// The claims a list found, and how many pages it took.
+#[derive(Debug, Clone, Default)]
+pub struct Listed {
+    /// Every claim allocated a device of the pool and reserved for a pod.
+    pub claims: Vec<Claim>,
+    /// Pages read.
+    pub pages: usize,
 }
 
 /// Claims asked for in one page of a list: a claim is a few KiB, and a page must stay well under the
 /// answer's size cap ([`crate::cluster::client::MAX_ANSWER_BYTES`]) even with a few large ones.
 const LIST_PAGE: u32 = 100;
 /// Pages read at most in one list (of [`LIST_PAGE`] claims, or fewer where claims are large).
-const MAX_PAGES: usize = 2000;
+pub const MAX_PAGES: usize = 2000;
 
 /// Whether `claim` holds a device of `driver` in `pool` for a pod.
 pub fn holds_in(claim: &Claim, driver: &str, pool: &str) -> bool {
@@ -316,7 +325,7 @@ enum Ask {
     List {
         driver: String,
         pool: String,
-        answer: tokio::sync::oneshot::Sender<Result<Vec<Claim>, String>>,
+        answer: tokio::sync::oneshot::Sender<Result<Listed, String>>,
     },
 }
 
@@ -401,7 +410,7 @@ impl ClaimReader for ApiClaims {
         .await
     }
 
-    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String> {
+    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Listed, String> {
         let (driver, pool) = (driver.to_string(), pool.to_string());
         self.ask(|answer| Ask::List {
             driver,
@@ -436,14 +445,14 @@ impl ClaimsClient<'_> {
     }
 
     /// Every claim allocated a device of `driver` in `pool` and reserved for a pod, in pages.
-    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String> {
+    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Listed, String> {
         use kube::api::ListParams;
         // Every namespace's: no field selector picks a claim by where it is allocated.
         let lists = kube::core::Request::new("/apis/resource.k8s.io/v1/resourceclaims");
         let mut limit = LIST_PAGE;
         let mut token: Option<String> = None;
         let mut held = Vec::new();
-        for _ in 0..MAX_PAGES {
+        for pages in 1..=MAX_PAGES {
             let mut params = ListParams::default().limit(limit);
             if let Some(token) = &token {
                 params = params.continue_token(token);
@@ -467,7 +476,12 @@ impl ClaimsClient<'_> {
             held.extend(claims.into_iter().filter(|c| holds_in(c, driver, pool)));
             match next {
                 Some(next) => token = Some(next),
-                None => return Ok(held),
+                None => {
+                    return Ok(Listed {
+                        claims: held,
+                        pages,
+                    });
+                }
             }
         }
         Err(format!(

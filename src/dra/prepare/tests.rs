@@ -14,6 +14,8 @@ struct Claims {
     claims: StdMutex<HashMap<String, Claim>>,
     fail: StdMutex<Option<String>>,
     lists: std::sync::atomic::AtomicUsize,
+    /// Lists wait for this to be notified, when set: a slow API server.
+    gate: StdMutex<Option<Arc<tokio::sync::Notify>>>,
 }
 
 impl Claims {
@@ -55,18 +57,29 @@ impl ClaimReader for Claims {
         Ok(self.claims.lock().expect("lock").get(name).cloned())
     }
 
-    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String> {
+    async fn allocated_in(
+        &self,
+        driver: &str,
+        pool: &str,
+    ) -> Result<crate::dra::claims::Listed, String> {
         if let Some(why) = self.fail.lock().expect("lock").clone() {
             return Err(why);
         }
         self.lists
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let gate = self.gate.lock().expect("lock").clone();
+        if let Some(gate) = gate {
+            gate.notified().await;
+        }
         let claims = self.claims.lock().expect("lock");
-        Ok(claims
-            .values()
-            .filter(|c| crate::dra::claims::holds_in(c, driver, pool))
-            .cloned()
-            .collect())
+        Ok(crate::dra::claims::Listed {
+            claims: claims
+                .values()
+                .filter(|c| crate::dra::claims::holds_in(c, driver, pool))
+                .cloned()
+                .collect(),
+            pages: 1,
+        })
     }
 }
 
@@ -696,8 +709,12 @@ impl ClaimReader for HeldReads {
         }))
     }
 
-    async fn allocated_in(&self, _driver: &str, _pool: &str) -> Result<Vec<Claim>, String> {
-        Ok(Vec::new())
+    async fn allocated_in(
+        &self,
+        _driver: &str,
+        _pool: &str,
+    ) -> Result<crate::dra::claims::Listed, String> {
+        Ok(crate::dra::claims::Listed::default())
     }
 }
 
@@ -844,5 +861,54 @@ async fn a_readable_record_that_lacks_a_prepared_claim_never_frees_its_gpu_while
             Ok("gpu-0".to_string()),
             "{which}"
         );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_list_slower_than_the_kubelets_deadline_refuses_in_time_goes_on_and_serves_the_retry() {
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+    let s = setup();
+    s.claims
+        .allocate("train", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    s.claims.reserve("train");
+    let slow = Arc::new(tokio::sync::Notify::new());
+    *s.claims.gate.lock().expect("lock") = Some(slow.clone());
+    let preparer = s.preparer();
+    // The kubelet gives each call 5 s; the plugin answers within 4 s, a refusal saying why.
+    let call = |preparer: Preparer| async move {
+        let until = tokio::time::Instant::now() + Duration::from_secs(4);
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            preparer.prepare_by(vec![claim("train", "u-1")], until),
+        )
+        .await
+        .expect("answered before the kubelet's deadline")["u-1"]
+            .clone()
+    };
+    for _ in 0..3 {
+        let why = call(preparer.clone()).await.expect_err("not prepared yet");
+        assert!(
+            why.contains("is not done yet") && why.contains("the kubelet asks again"),
+            "{why}"
+        );
+    }
+    // One list for the three calls, going on without them.
+    assert_eq!(s.claims.lists.load(Ordering::SeqCst), 1);
+    slow.notify_one();
+    // The kubelet's retry finds it done.
+    let devices = call(preparer.clone()).await.expect("prepared");
+    assert_eq!(devices[0].device, "gpu-0");
+    assert_eq!(s.claims.lists.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn the_kubelets_deadline_is_read_from_the_grpc_timeout_header() {
+    use std::time::Duration;
+    assert_eq!(grpc_timeout("45S"), Some(Duration::from_secs(45)));
+    assert_eq!(grpc_timeout("5000m"), Some(Duration::from_secs(5)));
+    assert_eq!(grpc_timeout("2M"), Some(Duration::from_secs(120)));
+    for bad in ["", "S", "123456789S", "5s", "-1S", "5"] {
+        assert_eq!(grpc_timeout(bad), None, "{bad}");
     }
 }
