@@ -39,7 +39,15 @@ struct State {
     running: Option<(watch::Receiver<Option<Done>>, Instant)>,
     /// The latest list that succeeded.
     done: Option<Done>,
+    /// The latest list that failed after a call gave up waiting on it, and when: its reason is the answer
+    /// for [`FAILURE_KEPT`] (that call learns why at its next try, rather than starting another list).
+    failed: Option<(Done, Instant)>,
+    /// The newest list a call gave up waiting on.
+    gave_up: u64,
 }
+
+/// How long a failed list's reason answers the calls that needed it, before a new list is begun.
+const FAILURE_KEPT: Duration = Duration::from_secs(10);
 
 /// The one list of the claims of a pool, shared.
 #[derive(Clone)]
@@ -87,6 +95,13 @@ impl Listing {
                 if let Some(done) = state.done.as_ref().filter(|d| d.generation >= at_least) {
                     return Ok(done.clone());
                 }
+                if let Some((failed, _)) = state
+                    .failed
+                    .as_ref()
+                    .filter(|(d, at)| d.generation >= at_least && at.elapsed() < FAILURE_KEPT)
+                {
+                    return Ok(failed.clone());
+                }
                 match &state.running {
                     Some((running, began)) => (running.clone(), *began),
                     None => {
@@ -100,6 +115,8 @@ impl Listing {
             let done = tokio::time::timeout_at(until, running.wait_for(Option::is_some)).await;
             let done = match done {
                 Err(_) => {
+                    let mut state = self.state();
+                    state.gave_up = state.gave_up.max(state.started);
                     return Err(format!(
                         "the list of the cluster's ResourceClaims has run for {:.1} s and is not done yet; it \
                          goes on, and the kubelet's next try uses it",
@@ -158,6 +175,9 @@ impl Listing {
                 state.running = None;
                 if done.result.is_ok() {
                     state.done = Some(done.clone());
+                    state.failed = None;
+                } else if state.gave_up >= generation {
+                    state.failed = Some((done.clone(), Instant::now()));
                 }
             }
             let _gone = tell.send(Some(done));
