@@ -111,6 +111,8 @@ struct Recorders {
     kubelet_restarts: Counter,
     calls: Family<CallLabels, Counter>,
     published: Histogram,
+    claims_list_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    claims_list_pages: Gauge,
     api_requests: Family<ApiLabels, Counter>,
     events_dropped: Counter,
     http_open: Gauge,
@@ -254,6 +256,18 @@ impl Metrics {
             "Time from a health event to the device list that reflects it being published to the streams",
             published.clone(),
         );
+        let claims_list_seconds = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "dra_claims_list_seconds",
+            "How long the last list of the cluster's ResourceClaims took (DRA: what holds this node's devices)",
+            claims_list_seconds.clone(),
+        );
+        let claims_list_pages = Gauge::default();
+        registry.register(
+            "dra_claims_list_pages",
+            "Pages the last list of the cluster's ResourceClaims read",
+            claims_list_pages.clone(),
+        );
         let api_requests = Family::<ApiLabels, Counter>::default();
         registry.register(
             "kubernetes_api_writes",
@@ -324,6 +338,8 @@ impl Metrics {
             kubelet_restarts,
             calls,
             published,
+            claims_list_seconds,
+            claims_list_pages,
             api_requests,
             events_dropped,
             http_open,
@@ -365,6 +381,16 @@ impl Metrics {
         m.transitions
             .get_or_create(&HealthLabels { to: to.into() })
             .inc();
+    }
+
+    /// A list of the cluster's ResourceClaims took `took` and `pages` pages.
+    pub fn claims_listed(&self, took: Duration, pages: usize) {
+        let Some(m) = &self.0 else {
+            return;
+        };
+        m.claims_list_seconds.set(took.as_secs_f64());
+        m.claims_list_pages
+            .set(i64::try_from(pages).unwrap_or(i64::MAX));
     }
 
     /// A change was published to the streams `took` after its event.

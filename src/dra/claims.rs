@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use kube::api::ApiResource;
 use serde::Deserialize;
+use serde::de::IgnoredAny;
 
 pub use super::device_config::AllocatedConfig;
 
@@ -152,12 +153,14 @@ impl Claim {
     /// the answer's cap; a claim that cannot be read is left out: one is no reason to know none), and the
     /// page's continue token, if more follow.
     pub fn page_from_json(bytes: &[u8]) -> Result<(Vec<Claim>, Option<String>), String> {
+        // The items are skipped here (serde_json skips without recursion, so no nesting in a claim can
+        // make the page unreadable) and each read from its own bytes below.
         #[derive(Deserialize)]
         struct Page {
             #[serde(default)]
             metadata: PageMetadata,
-            #[serde(default)]
-            items: Vec<serde_json::Value>,
+            #[serde(default, rename = "items")]
+            _items: IgnoredAny,
         }
         #[derive(Default, Deserialize)]
         struct PageMetadata {
@@ -166,10 +169,10 @@ impl Claim {
         }
         let page: Page = serde_json::from_slice(bytes)
             .map_err(|e| format!("not a list of ResourceClaims this plugin can read: {e}"))?;
-        let claims = page
-            .items
+        let claims = elements_of(bytes, b"items")
             .into_iter()
-            .filter_map(|item| Claim::from_object(item).ok())
+            .filter_map(|item| bytes.get(item))
+            .filter_map(|item| Claim::from_json(item).ok())
             .collect();
         Ok((claims, page.metadata.token.filter(|t| !t.is_empty())))
     }
@@ -209,6 +212,66 @@ impl Claim {
     }
 }
 
+/// Where each element of the array at the top-level `key` of the JSON object `json` lies, by byte range. The
+/// JSON must be known to be well formed (parsed once already); it is walked once, byte by byte, with a
+/// count of the open brackets rather than a recursion, so any nesting costs nothing but the walk.
+fn elements_of(json: &[u8], key: &[u8]) -> Vec<std::ops::Range<usize>> {
+    let mut elements = Vec::new();
+    let mut depth = 0usize;
+    // The last string read at the object's own level (a key, when a ':' follows it).
+    let mut last_string = 0..0;
+    // The value about to start is the one of `key`; the array being walked is it.
+    let (mut of_key, mut inside) = (false, false);
+    let mut start: Option<usize> = None;
+    let mut at = 0;
+    while at < json.len() {
+        let byte = json[at];
+        let element_level = inside && depth == 2;
+        match byte {
+            b'"' => {
+                let opened = at;
+                at += 1;
+                while at < json.len() && json[at] != b'"' {
+                    at += if json[at] == b'\\' { 2 } else { 1 };
+                }
+                if depth == 1 {
+                    last_string = opened + 1..at.min(json.len());
+                }
+                if element_level && start.is_none() {
+                    start = Some(opened);
+                }
+            }
+            b'{' | b'[' => {
+                if element_level && start.is_none() {
+                    start = Some(at);
+                }
+                depth += 1;
+                if depth == 2 {
+                    inside = of_key && byte == b'[';
+                    of_key = false;
+                }
+            }
+            b'}' | b']' => {
+                if element_level {
+                    elements.extend(start.take().map(|s| s..at));
+                    inside = false;
+                }
+                depth = depth.saturating_sub(1);
+            }
+            b',' if element_level => elements.extend(start.take().map(|s| s..at)),
+            b':' if depth == 1 => of_key = json.get(last_string.clone()) == Some(key),
+            b' ' | b'\t' | b'\n' | b'\r' | b',' | b':' => {}
+            _ => {
+                if element_level && start.is_none() {
+                    start = Some(at);
+                }
+            }
+        }
+        at += 1;
+    }
+    elements
+}
+
 /// Where claims are read from.
 #[tonic::async_trait]
 pub trait ClaimReader: Send + Sync {
@@ -217,14 +280,23 @@ pub trait ClaimReader: Send + Sync {
 
     /// Every claim allocated a device of `driver` in `pool` and reserved for a pod, as the API server holds
     /// them now: what is prepared on the node, or about to be, whatever the record says.
-    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String>;
+    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Listed, String>;
+}
+
+/// The claims a list found, and how many pages it took.
+#[derive(Debug, Clone, Default)]
+pub struct Listed {
+    /// Every claim allocated a device of the pool and reserved for a pod.
+    pub claims: Vec<Claim>,
+    /// Pages read.
+    pub pages: usize,
 }
 
 /// Claims asked for in one page of a list: a claim is a few KiB, and a page must stay well under the
 /// answer's size cap ([`crate::cluster::client::MAX_ANSWER_BYTES`]) even with a few large ones.
 const LIST_PAGE: u32 = 100;
 /// Pages read at most in one list (of [`LIST_PAGE`] claims, or fewer where claims are large).
-const MAX_PAGES: usize = 2000;
+pub const MAX_PAGES: usize = 2000;
 
 /// Whether `claim` holds a device of `driver` in `pool` for a pod.
 pub fn holds_in(claim: &Claim, driver: &str, pool: &str) -> bool {
@@ -253,7 +325,7 @@ enum Ask {
     List {
         driver: String,
         pool: String,
-        answer: tokio::sync::oneshot::Sender<Result<Vec<Claim>, String>>,
+        answer: tokio::sync::oneshot::Sender<Result<Listed, String>>,
     },
 }
 
@@ -338,7 +410,7 @@ impl ClaimReader for ApiClaims {
         .await
     }
 
-    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String> {
+    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Listed, String> {
         let (driver, pool) = (driver.to_string(), pool.to_string());
         self.ask(|answer| Ask::List {
             driver,
@@ -373,14 +445,14 @@ impl ClaimsClient<'_> {
     }
 
     /// Every claim allocated a device of `driver` in `pool` and reserved for a pod, in pages.
-    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String> {
+    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Listed, String> {
         use kube::api::ListParams;
         // Every namespace's: no field selector picks a claim by where it is allocated.
         let lists = kube::core::Request::new("/apis/resource.k8s.io/v1/resourceclaims");
         let mut limit = LIST_PAGE;
         let mut token: Option<String> = None;
         let mut held = Vec::new();
-        for _ in 0..MAX_PAGES {
+        for pages in 1..=MAX_PAGES {
             let mut params = ListParams::default().limit(limit);
             if let Some(token) = &token {
                 params = params.continue_token(token);
@@ -404,7 +476,12 @@ impl ClaimsClient<'_> {
             held.extend(claims.into_iter().filter(|c| holds_in(c, driver, pool)));
             match next {
                 Some(next) => token = Some(next),
-                None => return Ok(held),
+                None => {
+                    return Ok(Listed {
+                        claims: held,
+                        pages,
+                    });
+                }
             }
         }
         Err(format!(
@@ -497,7 +574,10 @@ mod tests {
             ("FromClaim", &["gpu".to_string()][..])
         );
         let opaque = claim.config[0].opaque.as_ref().expect("opaque");
-        assert_eq!(opaque.parameters["kind"], "GpuConfig");
+        let crate::dra::device_config::Parameters::Read(parameters) = &opaque.parameters else {
+            panic!("parameters kept: {opaque:?}");
+        };
+        assert_eq!(parameters["kind"], "GpuConfig");
     }
 
     #[test]
@@ -554,5 +634,76 @@ mod tests {
         );
         let wrong = serde_json::json!({"metadata": {"uid": 7}});
         assert!(Claim::from_object(wrong).is_err());
+    }
+
+    /// `depth` nested arrays: `[[…]]`, 2 × `depth` bytes.
+    fn nested(depth: usize) -> String {
+        format!("{}{}", "[".repeat(depth), "]".repeat(depth))
+    }
+
+    /// A claim allocated gpu-0 of this driver, with opaque parameters `parameters` for `driver` in its
+    /// allocation's configuration (and in its spec, where the claim's author wrote them).
+    fn claim_configured_for(uid: &str, driver: &str, parameters: &str) -> String {
+        format!(
+            r#"{{"metadata": {{"name": "c", "namespace": "ns", "uid": "{uid}"}},
+            "spec": {{"devices": {{"config": [{{"opaque": {{"driver": "{driver}", "parameters": {parameters}}}}}]}}}},
+            "status": {{"allocation": {{"devices": {{"results": [
+                {{"request": "gpu", "driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-0"}}
+            ], "config": [
+                {{"source": "FromClaim", "requests": ["nic"], "opaque": {{"driver": "{driver}", "parameters": {parameters}}}}},
+                {{"source": "FromClaim", "requests": ["nic"], "opaque": {{"parameters": {parameters}, "driver": "{driver}"}}}}
+            ]}}}}, "reservedFor": [{{"resource": "pods", "name": "p", "uid": "p-1"}}]}}}}"#
+        )
+    }
+
+    #[test]
+    fn another_drivers_deeply_nested_configuration_leaves_the_claim_readable_and_served() {
+        // 264 bytes of nested arrays: well within what the API server stores.
+        let deep = nested(132);
+        assert_eq!(deep.len(), 264);
+        let text = claim_configured_for("u-1", "nic.example.com", &deep);
+        let claim = Claim::from_json(text.as_bytes()).expect("readable");
+        assert_eq!(claim.uid, "u-1");
+        assert_eq!(claim.allocated.as_ref().map(Vec::len), Some(1));
+        assert_eq!(claim.config.len(), 2);
+        let config = crate::dra::device_config::ClaimConfig::read(&claim.config, "gpu.nvidia.com")
+            .expect("another driver's configuration is not this driver's to read");
+        assert_eq!(
+            config.check("gpu", crate::dra::device_config::DeviceType::Gpu),
+            Ok(())
+        );
+        // In a list, the claim is read too (a claim left out would not hold its GPU).
+        let page = format!(r#"{{"metadata": {{}}, "items": [{text}, {text}]}}"#);
+        let (claims, _) = Claim::page_from_json(page.as_bytes()).expect("page");
+        assert_eq!(claims.len(), 2);
+        assert!(
+            claims
+                .iter()
+                .all(|c| holds_in(c, "gpu.nvidia.com", "node-a"))
+        );
+        // Nested past any bound: still readable.
+        let text = claim_configured_for("u-2", "nic.example.com", &nested(100_000));
+        assert!(Claim::from_json(text.as_bytes()).is_ok());
+        // This driver's own parameters nested that deep are an error naming the entry, not a crash.
+        let text = claim_configured_for("u-3", "gpu.nvidia.com", &deep);
+        let claim = Claim::from_json(text.as_bytes()).expect("readable");
+        let why = crate::dra::device_config::ClaimConfig::read(&claim.config, "gpu.nvidia.com")
+            .expect_err("not a configuration");
+        assert!(
+            why.starts_with("device configuration 1 (FromClaim)"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_lists_items_are_found_by_their_bytes_whatever_their_strings_hold() {
+        let page = br#"{"metadata": {"items": [9]}, "kind": "x\"items\":[", "items": [ {"a": "],\"}"}, [1, [2]], 3 , "s"], "z": [4]}"#;
+        let found: Vec<&str> = elements_of(page, b"items")
+            .into_iter()
+            .map(|r| std::str::from_utf8(&page[r]).expect("utf-8").trim())
+            .collect();
+        assert_eq!(found, [r#"{"a": "],\"}"}"#, "[1, [2]]", "3", r#""s""#]);
+        assert!(elements_of(br#"{"items": 5}"#, b"items").is_empty());
+        assert!(elements_of(br#"{"items": []}"#, b"items").is_empty());
     }
 }

@@ -40,7 +40,150 @@ pub struct Opaque {
     pub driver: String,
     /// What that driver reads.
     #[serde(default)]
-    pub parameters: serde_json::Value,
+    pub parameters: Parameters,
+}
+
+/// How deep a driver's parameters are kept, at most. This driver's kinds are 4 levels deep; another
+/// driver's parameters may be nested as deep as the API server lets them (a few hundred levels fit in a
+/// claim), and are never this driver's to read: past this depth they are skipped, not parsed (serde_json's
+/// skip walks the bytes without recursion), so no nesting in them can make the claim unreadable.
+pub const MAX_PARAMETERS_DEPTH: usize = 16;
+
+/// A driver's parameters as read: whole, or nested deeper than [`MAX_PARAMETERS_DEPTH`] (then not kept).
+/// Which driver they are for may come after them in the object, so every entry's are read this far; only
+/// this driver's are decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Parameters {
+    /// The parameters.
+    Read(serde_json::Value),
+    /// Nested deeper than [`MAX_PARAMETERS_DEPTH`]: skipped.
+    TooDeep,
+}
+
+impl Default for Parameters {
+    fn default() -> Self {
+        Parameters::Read(serde_json::Value::Null)
+    }
+}
+
+impl From<serde_json::Value> for Parameters {
+    fn from(value: serde_json::Value) -> Self {
+        Parameters::Read(value)
+    }
+}
+
+impl<'de> Deserialize<'de> for Parameters {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::DeserializeSeed as _;
+        Ok(Bounded {
+            left: MAX_PARAMETERS_DEPTH,
+        }
+        .deserialize(deserializer)?
+        .map_or(Parameters::TooDeep, Parameters::Read))
+    }
+}
+
+/// Reads a JSON value at most `left` arrays and objects deep; `None` when it goes deeper (the rest of it
+/// skipped, without recursion).
+struct Bounded {
+    left: usize,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Bounded {
+    type Value = Option<serde_json::Value>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Bounded {
+    type Value = Option<serde_json::Value>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(Some(v.into()))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(Some(v.into()))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(Some(v.into()))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(Some(v.into()))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Some(v.into()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Some(v.into()))
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Some(serde_json::Value::Null))
+    }
+
+    fn visit_none<E>(self) -> Result<Self::Value, E> {
+        Ok(Some(serde_json::Value::Null))
+    }
+
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        serde::de::DeserializeSeed::deserialize(self, d)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = Vec::new();
+        if self.left > 0 {
+            while let Some(item) = seq.next_element_seed(Bounded {
+                left: self.left - 1,
+            })? {
+                match item {
+                    Some(item) => items.push(item),
+                    None => {
+                        while seq.next_element::<IgnoredAny>()?.is_some() {}
+                        return Ok(None);
+                    }
+                }
+            }
+            return Ok(Some(serde_json::Value::Array(items)));
+        }
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut fields = serde_json::Map::new();
+        if self.left > 0 {
+            while let Some(key) = map.next_key::<String>()? {
+                match map.next_value_seed(Bounded {
+                    left: self.left - 1,
+                })? {
+                    Some(value) => {
+                        fields.insert(key, value);
+                    }
+                    None => {
+                        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                        return Ok(None);
+                    }
+                }
+            }
+            return Ok(Some(serde_json::Value::Object(fields)));
+        }
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
 }
 
 /// Which kind of device a configuration is for.
@@ -237,7 +380,12 @@ const NOT_SERVED: [&str; 3] = [
     "ComputeDomainDaemonConfig",
 ];
 
-fn decode(parameters: &serde_json::Value) -> Result<Asked, String> {
+fn decode(parameters: &Parameters) -> Result<Asked, String> {
+    let Parameters::Read(parameters) = parameters else {
+        return Err(format!(
+            "parameters are nested more than {MAX_PARAMETERS_DEPTH} levels deep (this driver's kinds are 4)"
+        ));
+    };
     let meta = TypeMeta::deserialize(parameters)
         .map_err(|e| format!("parameters are not a configuration object: {e}"))?;
     if meta.api_version != API_VERSION {
@@ -314,7 +462,7 @@ mod tests {
             requests: requests.iter().map(|r| r.to_string()).collect(),
             opaque: Some(Opaque {
                 driver: DRIVER.into(),
-                parameters,
+                parameters: parameters.into(),
             }),
         }
     }

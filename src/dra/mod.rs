@@ -12,6 +12,7 @@
 pub mod claims;
 pub mod device_config;
 pub mod health;
+pub mod listing;
 pub mod names;
 pub mod prepare;
 pub mod record;

@@ -26,6 +26,7 @@ use crate::devices::{Health, InventoryWatch};
 
 use super::claims::{Claim, ClaimReader};
 use super::device_config::{ClaimConfig, DeviceType};
+use super::listing::{Done, Listing};
 use super::names;
 use super::record::{Look, PreparedClaim, PreparedDevice, Record, RecordFile, RecordLock};
 use crate::util::files::FileId;
@@ -36,6 +37,9 @@ use crate::util::files::FileId;
 const MAX_READS: usize = 4;
 /// The least time between two lists of the claims for a listed claim that blocks another.
 const RELIST_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+/// How long a prepare call waits at most for the list of the claims when the kubelet's call carries no
+/// deadline (the kubelet gives a call 45 s): the answer, a refusal saying why, comes well before it.
+pub const DEFAULT_ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
 /// Prepare calls served at once, at most; others wait their turn (the kubelet makes one call per pod, and
 /// gives each 45 s): what a flood of calls holds (their claims, their answers) is this many calls' worth.
 pub const MAX_PREPARES: usize = 4;
@@ -138,17 +142,25 @@ struct Holdings {
     /// not be read, or an instance that is gone prepared them). A claim the kubelet prepares or unprepares
     /// here leaves it; one that blocks another claim is looked up again before the refusal.
     listed: std::collections::BTreeMap<String, PreparedClaim>,
-    /// Whether the claims must be listed before a claim not in the record is prepared: at the start, and
-    /// each time the record is found unreadable or written by a newer instance.
-    list_due: bool,
+    /// The list of the claims needed before a claim not in the record is prepared, by the least generation
+    /// that serves ([`Listing`]): at the start, and each time the record is found unreadable, written by a
+    /// newer instance, or lacking claims held here (then a list begun after that).
+    due: Option<u64>,
+    /// The generation of the list `listed` is from.
+    listed_generation: u64,
     /// When the claims were last listed: a listed claim that blocks another is listed again at most every
     /// [`RELIST_AFTER`] (the kubelet retries the blocked claim; each retry is not a list of every claim in
     /// the cluster).
     listed_at: Option<tokio::time::Instant>,
     /// The record's file is of a newer format (this version): it is left as it is, never written over.
     newer: Option<u32>,
-    /// The record's file was set aside: written again from what is held at the next call.
+    /// The record's file was set aside, or lacks claims held here: written again from what is held at the
+    /// next call.
     rewrite: bool,
+    /// Claims this instance holds that the record's file was found without (another instance unprepared
+    /// them, or the file was replaced): held until the API server settles it, kept if it lists them as
+    /// allocated in the pool and reserved for a pod, let go if not.
+    disputed: std::collections::BTreeSet<String>,
 }
 
 impl Holdings {
@@ -193,6 +205,8 @@ pub struct Preparer {
     /// The record file as this instance last read or wrote it: another instance (a rolling update's other
     /// pod) may have written it since.
     seen: Arc<std::sync::Mutex<Option<FileId>>>,
+    /// The one list of the claims holding the pool's devices, shared by the calls that need it.
+    listing: Listing,
     /// Permits for reading claims from the API server ([`MAX_READS`]).
     reads: Arc<tokio::sync::Semaphore>,
     /// Permits for prepare calls ([`MAX_PREPARES`]).
@@ -214,17 +228,21 @@ impl Preparer {
         record: Record,
         file: RecordFile,
     ) -> Self {
+        let listing = Listing::new(claims.clone(), config.driver.clone(), config.pool.clone());
         Preparer {
             config: Arc::new(config),
             devices,
             claims,
+            listing,
             record: Arc::new(Mutex::new(Holdings {
                 record,
                 listed: Default::default(),
-                list_due: true,
+                due: Some(1),
+                listed_generation: 0,
                 listed_at: None,
                 newer: None,
                 rewrite: false,
+                disputed: Default::default(),
             })),
             // Looked at again before the first call: what is there may be of a newer format.
             seen: Arc::new(std::sync::Mutex::new(None)),
@@ -258,10 +276,22 @@ impl Preparer {
         self
     }
 
-    /// Prepares every claim: by UID, its devices or why it cannot be prepared.
+    /// Prepares every claim: by UID, its devices or why it cannot be prepared, answered within
+    /// [`DEFAULT_ANSWER_WITHIN`].
     pub async fn prepare(
         &self,
         claims: Vec<ClaimRef>,
+    ) -> HashMap<String, Result<Vec<PreparedDevice>, String>> {
+        self.prepare_by(claims, tokio::time::Instant::now() + DEFAULT_ANSWER_WITHIN)
+            .await
+    }
+
+    /// Prepares every claim, answering by `until` at the latest where it waits on the list of the claims
+    /// (the kubelet's deadline, less a margin).
+    pub async fn prepare_by(
+        &self,
+        claims: Vec<ClaimRef>,
+        until: tokio::time::Instant,
     ) -> HashMap<String, Result<Vec<PreparedDevice>, String>> {
         // Never closed: the permit always comes, in turn.
         let _turn = self.prepares.acquire().await;
@@ -295,28 +325,59 @@ impl Preparer {
             .collect()
             .await;
 
+        // What the API server says is prepared on the node, before a claim the record does not hold is: at
+        // the start, after the record could not be read or lacked claims held here, and when a listed claim
+        // alone holds a device asked for (it may have let it go since). The list is waited for without the
+        // record or its lock: it may take longer than the kubelet waits, and goes on without this call.
+        let fresh = |held: &Holdings, c: &ClaimRef| !held.record.claims.contains_key(&c.uid);
+        let needed = {
+            let mut held = self.record.lock().await;
+            let _file = match self.hold_file(&mut held).await {
+                Ok(lock) => lock,
+                Err(why) => return unrecorded(claims, &why, "prepared"),
+            };
+            let stale = held.listed_at.is_none_or(|at| at.elapsed() >= RELIST_AFTER);
+            let suspect = stale
+                && claims.iter().zip(&read).any(|(c, read)| match read {
+                    Ok(Some(Some(object))) => {
+                        fresh(&held, c) && held.blocked_by_listed(c, object, &self.config.pool)
+                    }
+                    _ => false,
+                });
+            let at_least = match held.due {
+                Some(due) => Some(due),
+                None if suspect => Some(held.listed_generation + 1),
+                None => None,
+            };
+            at_least.filter(|_| claims.iter().any(|c| fresh(&held, c)))
+        };
+        let listed = match needed {
+            Some(at_least) => Some(self.listing.wait(at_least, until, &self.metrics).await),
+            None => None,
+        };
+
         let mut held = self.record.lock().await;
         let _file = match self.hold_file(&mut held).await {
             Ok(lock) => lock,
             Err(why) => return unrecorded(claims, &why, "prepared"),
         };
-        // What the API server says is prepared on the node, before a claim the record does not hold is: at
-        // the start, after the record could not be read, and when a listed claim alone holds a device asked
-        // for (it may have let it go since).
-        let fresh = |held: &Holdings, c: &ClaimRef| !held.record.claims.contains_key(&c.uid);
-        let stale = held.listed_at.is_none_or(|at| at.elapsed() >= RELIST_AFTER);
-        let suspect = stale
-            && claims.iter().zip(&read).any(|(c, read)| match read {
-                Ok(Some(Some(object))) => {
-                    fresh(&held, c) && held.blocked_by_listed(c, object, &self.config.pool)
-                }
-                _ => false,
-            });
-        let mut unlisted = None;
-        if (held.list_due || suspect) && claims.iter().any(|c| fresh(&held, c)) {
-            if let Err(why) = self.list(&mut held).await {
-                unlisted = Some(why);
+        let mut unlisted = match listed {
+            Some(Ok(Done {
+                result: Err(why), ..
+            })) => Some(why),
+            Some(Ok(done)) if held.due.is_none_or(|due| done.generation >= due) => {
+                self.apply(&mut held, &done);
+                None
             }
+            Some(Ok(_)) => Some(
+                "the record changed while the claims were listed; a newer list is needed"
+                    .to_string(),
+            ),
+            Some(Err(why)) => Some(why),
+            None => None,
+        };
+        if unlisted.is_none() && held.due.is_some() && claims.iter().any(|c| fresh(&held, c)) {
+            unlisted = Some("the record changed since this call looked at it".to_string());
         }
         let before = held.record.clone();
         let mut answers = HashMap::new();
@@ -394,6 +455,7 @@ impl Preparer {
         let before = held.record.clone();
         let listed_before = held.listed.clone();
         for claim in &claims {
+            held.disputed.remove(&claim.uid);
             let listed = held.listed.remove(&claim.uid);
             if let Some(prepared) = held.record.claims.remove(&claim.uid).or(listed) {
                 tracing::info!(claim = %claim.describe(), devices = prepared.devices.len(), "unprepared");
@@ -461,7 +523,34 @@ impl Preparer {
         self.set_seen(stamp);
         match look {
             Look::Absent => held.newer = None,
-            Look::Found(record) => {
+            Look::Found(mut record) => {
+                // What is held here is never emptied by the file: a claim it lacks stays held until the
+                // API server says whether it still holds its devices. Claims only the file has (another
+                // instance prepared them) are taken: they only keep devices from other claims.
+                let lacking: Vec<String> = held
+                    .record
+                    .claims
+                    .keys()
+                    .filter(|uid| !record.claims.contains_key(*uid))
+                    .cloned()
+                    .collect();
+                if !lacking.is_empty() {
+                    tracing::warn!(
+                        file = %self.file.path().display(),
+                        lacking = lacking.len(),
+                        "the prepared-claim record was replaced without claims this instance prepared: they \
+                         stay held, and the API server is asked whether they still hold their devices before \
+                         another claim is prepared"
+                    );
+                    for uid in lacking {
+                        if let Some(claim) = held.record.claims.get(&uid) {
+                            record.claims.insert(uid.clone(), claim.clone());
+                        }
+                        held.disputed.insert(uid);
+                    }
+                    held.due = Some(self.listing.next());
+                    held.rewrite = true;
+                }
                 held.record = record;
                 held.newer = None;
                 if let Some(status) = &self.status {
@@ -478,7 +567,7 @@ impl Preparer {
                      prepares another"
                 );
                 held.newer = None;
-                held.list_due = true;
+                held.due = Some(self.listing.next());
                 held.rewrite = true;
             }
             Look::Newer(version) => {
@@ -492,21 +581,24 @@ impl Preparer {
                     );
                 }
                 held.newer = Some(version);
-                held.list_due = true;
+                held.due = Some(self.listing.next());
             }
         }
         Ok(lock)
     }
 
-    /// Lists the claims allocated devices of this pool for pods from the API server into `held`.
-    async fn list(&self, held: &mut Holdings) -> Result<(), String> {
+    /// Takes the list `done` of the claims allocated devices of this pool for pods into `held`, newer than
+    /// what it holds.
+    fn apply(&self, held: &mut Holdings, done: &Done) {
         let config = &self.config;
-        let claims = self
-            .claims
-            .allocated_in(&config.driver, &config.pool)
-            .await?;
+        let Ok(claims) = &done.result else {
+            return;
+        };
+        if done.generation <= held.listed_generation {
+            return;
+        }
         held.listed = claims
-            .into_iter()
+            .iter()
             .filter(|c| !c.pods.is_empty())
             .filter_map(|c| {
                 let devices: Vec<PreparedDevice> = c
@@ -523,24 +615,32 @@ impl Preparer {
                     .collect();
                 (!devices.is_empty()).then(|| {
                     let claim = PreparedClaim {
-                        namespace: c.namespace,
-                        name: c.name,
+                        namespace: c.namespace.clone(),
+                        name: c.name.clone(),
                         devices,
                     };
-                    (c.uid, claim)
+                    (c.uid.clone(), claim)
                 })
             })
             .collect();
-        held.list_due = false;
+        // Claims held here that the record's file lacked: the API server settles it.
+        for uid in std::mem::take(&mut held.disputed) {
+            if !held.listed.contains_key(&uid) {
+                if let Some(gone) = held.record.claims.remove(&uid) {
+                    tracing::info!(
+                        claim = %format!("{}/{}", gone.namespace, gone.name),
+                        "a claim the record's file lacked is not reserved in the API server any more: let go"
+                    );
+                    held.rewrite = true;
+                }
+            }
+        }
+        held.due = None;
+        held.listed_generation = done.generation;
         held.listed_at = Some(tokio::time::Instant::now());
-        tracing::info!(
-            claims = held.listed.len(),
-            "claims holding devices of this node read from the API server"
-        );
         if let Some(status) = &self.status {
             show(status, held);
         }
-        Ok(())
     }
 
     /// Says in the log why claim `uid` was not prepared, within [`REFUSALS_SAID`].
@@ -703,6 +803,43 @@ fn unrecorded<T>(
         .collect()
 }
 
+/// When a prepare call must be answered by: before the deadline the kubelet's call carries (gRPC's
+/// `grpc-timeout`, the time left when it was sent), less a fifth of it and at most 2 s for the answer's way
+/// back; [`DEFAULT_ANSWER_WITHIN`] when it carries none.
+fn answer_by(metadata: &tonic::metadata::MetadataMap) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    let Some(timeout) = metadata
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(grpc_timeout)
+    else {
+        return now + DEFAULT_ANSWER_WITHIN;
+    };
+    let margin = (timeout / 5).min(std::time::Duration::from_secs(2));
+    now + timeout
+        .saturating_sub(margin)
+        .min(DEFAULT_ANSWER_WITHIN * 2)
+}
+
+/// A `grpc-timeout` header's time: at most 8 digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`).
+fn grpc_timeout(text: &str) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let (digits, unit) = text.split_at_checked(text.len().checked_sub(1)?)?;
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.checked_mul(3600)?),
+        "M" => Duration::from_secs(n.checked_mul(60)?),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 /// `DRAPlugin` of API version `$version` on [`Preparer`]: the versions' messages are the same but for fields
 /// only the newer has (`$extra`, set to `$value`).
 macro_rules! serve_version {
@@ -723,10 +860,11 @@ macro_rules! serve_version {
                 &self,
                 request: Request<$version::NodePrepareResourcesRequest>,
             ) -> Result<Response<$version::NodePrepareResourcesResponse>, Status> {
+                let until = answer_by(request.metadata());
                 let request = request.into_inner();
                 let claims = checked(request.claims.into_iter().map(ClaimRef::from).collect())?;
                 let claims = self
-                    .prepare(claims)
+                    .prepare_by(claims, until)
                     .await
                     .into_iter()
                     .map(|(uid, answer)| {

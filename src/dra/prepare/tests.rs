@@ -14,6 +14,8 @@ struct Claims {
     claims: StdMutex<HashMap<String, Claim>>,
     fail: StdMutex<Option<String>>,
     lists: std::sync::atomic::AtomicUsize,
+    /// Lists wait for this to be notified, when set: a slow API server.
+    gate: StdMutex<Option<Arc<tokio::sync::Notify>>>,
 }
 
 impl Claims {
@@ -55,18 +57,29 @@ impl ClaimReader for Claims {
         Ok(self.claims.lock().expect("lock").get(name).cloned())
     }
 
-    async fn allocated_in(&self, driver: &str, pool: &str) -> Result<Vec<Claim>, String> {
+    async fn allocated_in(
+        &self,
+        driver: &str,
+        pool: &str,
+    ) -> Result<crate::dra::claims::Listed, String> {
         if let Some(why) = self.fail.lock().expect("lock").clone() {
             return Err(why);
         }
         self.lists
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let gate = self.gate.lock().expect("lock").clone();
+        if let Some(gate) = gate {
+            gate.notified().await;
+        }
         let claims = self.claims.lock().expect("lock");
-        Ok(claims
-            .values()
-            .filter(|c| crate::dra::claims::holds_in(c, driver, pool))
-            .cloned()
-            .collect())
+        Ok(crate::dra::claims::Listed {
+            claims: claims
+                .values()
+                .filter(|c| crate::dra::claims::holds_in(c, driver, pool))
+                .cloned()
+                .collect(),
+            pages: 1,
+        })
     }
 }
 
@@ -254,7 +267,8 @@ async fn a_claim_whose_device_configuration_asks_for_what_this_plugin_does_not_d
                 driver: "gpu.nvidia.com".into(),
                 parameters: serde_json::json!({
                     "apiVersion": API_VERSION, "kind": "GpuConfig", "sharing": sharing
-                }),
+                })
+                .into(),
             }),
         }];
     };
@@ -695,8 +709,12 @@ impl ClaimReader for HeldReads {
         }))
     }
 
-    async fn allocated_in(&self, _driver: &str, _pool: &str) -> Result<Vec<Claim>, String> {
-        Ok(Vec::new())
+    async fn allocated_in(
+        &self,
+        _driver: &str,
+        _pool: &str,
+    ) -> Result<crate::dra::claims::Listed, String> {
+        Ok(crate::dra::claims::Listed::default())
     }
 }
 
@@ -773,4 +791,124 @@ async fn a_flood_of_prepare_calls_is_served_a_few_at_a_time_and_every_call_answe
         }));
     }
     assert_eq!(preparer.prepares.available_permits(), MAX_PREPARES);
+}
+
+/// Replaces the record at `state` with `text` in one rename, as another writer would.
+fn replace_record(state: &std::path::Path, text: &str) {
+    let path = RecordFile::in_dir(state).path().to_path_buf();
+    let temp = state.join(".replacement");
+    std::fs::write(&temp, text).expect("write");
+    std::fs::rename(&temp, &path).expect("rename");
+}
+
+#[tokio::test]
+async fn a_readable_record_that_lacks_a_prepared_claim_never_frees_its_gpu_while_the_api_server_lists_it()
+ {
+    let replacements = [
+        (
+            "from another boot",
+            r#"{"version":1,"bootId":"boot-0","claims":{}}"#,
+        ),
+        ("without a boot ID", r#"{"version":1,"claims":{}}"#),
+        (
+            "empty, of this boot",
+            r#"{"version":1,"bootId":"boot-1","claims":{}}"#,
+        ),
+    ];
+    for (which, text) in replacements {
+        let s = setup();
+        s.claims
+            .allocate("first", "u-1", &[("gpu", "node-a", "gpu-0")]);
+        s.claims.reserve("first");
+        s.claims
+            .allocate("second", "u-2", &[("gpu", "node-a", "gpu-0")]);
+        let file = RecordFile::in_dir(&s.state);
+        let preparer = Preparer::new(
+            PrepareConfig {
+                driver: "gpu.nvidia.com".into(),
+                pool: "node-a".into(),
+                cdi_kind: "nvidia.com/gpu".into(),
+            },
+            s.devices.subscribe(),
+            s.claims.clone(),
+            file.load(Some("boot-1".into())),
+            file.clone(),
+        );
+        assert!(
+            preparer.prepare(vec![claim("first", "u-1")]).await["u-1"].is_ok(),
+            "{which}"
+        );
+        // The scheduler (wrongly, or a hostile writer) reserves B for a pod too.
+        s.claims.reserve("second");
+        replace_record(&s.state, text);
+        let refused = preparer.prepare(vec![claim("second", "u-2")]).await["u-2"].clone();
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|why| why.contains("ResourceClaim ns/first") && why.contains("gpu-0")),
+            "{which}: claim B got claim A's GPU: {refused:?}"
+        );
+        // The record is written again holding A, never B; A is still answered with its GPU.
+        let on_disk = file.load(Some("boot-1".into()));
+        assert_eq!(
+            on_disk.claims.keys().collect::<Vec<_>>(),
+            vec!["u-1"],
+            "{which}"
+        );
+        let again = preparer.prepare(vec![claim("first", "u-1")]).await["u-1"].clone();
+        assert_eq!(
+            again.map(|d| d[0].device.clone()),
+            Ok("gpu-0".to_string()),
+            "{which}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_list_slower_than_the_kubelets_deadline_refuses_in_time_goes_on_and_serves_the_retry() {
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+    let s = setup();
+    s.claims
+        .allocate("train", "u-1", &[("gpu", "node-a", "gpu-0")]);
+    s.claims.reserve("train");
+    let slow = Arc::new(tokio::sync::Notify::new());
+    *s.claims.gate.lock().expect("lock") = Some(slow.clone());
+    let preparer = s.preparer();
+    // The kubelet gives each call 5 s; the plugin answers within 4 s, a refusal saying why.
+    let call = |preparer: Preparer| async move {
+        let until = tokio::time::Instant::now() + Duration::from_secs(4);
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            preparer.prepare_by(vec![claim("train", "u-1")], until),
+        )
+        .await
+        .expect("answered before the kubelet's deadline")["u-1"]
+            .clone()
+    };
+    for _ in 0..3 {
+        let why = call(preparer.clone()).await.expect_err("not prepared yet");
+        assert!(
+            why.contains("is not done yet") && why.contains("the kubelet asks again"),
+            "{why}"
+        );
+    }
+    // One list for the three calls, going on without them.
+    assert_eq!(s.claims.lists.load(Ordering::SeqCst), 1);
+    slow.notify_one();
+    // The kubelet's retry finds it done.
+    let devices = call(preparer.clone()).await.expect("prepared");
+    assert_eq!(devices[0].device, "gpu-0");
+    assert_eq!(s.claims.lists.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn the_kubelets_deadline_is_read_from_the_grpc_timeout_header() {
+    use std::time::Duration;
+    assert_eq!(grpc_timeout("45S"), Some(Duration::from_secs(45)));
+    assert_eq!(grpc_timeout("5000m"), Some(Duration::from_secs(5)));
+    assert_eq!(grpc_timeout("2M"), Some(Duration::from_secs(120)));
+    for bad in ["", "S", "123456789S", "5s", "-1S", "5"] {
+        assert_eq!(grpc_timeout(bad), None, "{bad}");
+    }
 }
