@@ -584,3 +584,102 @@ async fn sockets_that_cannot_have_been_a_plugin_made_and_removed_in_a_loop_make_
     );
     Ok(())
 }
+
+/// Whether process `pid` is stopped (state `T` in `/proc/<pid>/stat`).
+fn stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('T'))
+        })
+        .unwrap_or(false)
+}
+
+/// Waits, at most `WAIT`, for `done`, looking every 10 ms (what is waited for makes no event to wait on).
+async fn until(what: &str, done: impl Fn() -> bool) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + WAIT;
+    while !done() {
+        if std::time::Instant::now() > deadline {
+            return Err(format!("{what}: not within {WAIT:?}"));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+/// On a kubelet up to 1.36, another plugin of the resource takes it from this one; then the socket
+/// directory's inotify queue overflows (the plugin held stopped, as a process starved of the processor is,
+/// while more events than the queue holds happen there), and the other plugin stops, its socket's removal
+/// lost with the overflow. The plugin registers again within a few seconds of reading its queue: the GPUs
+/// are served again, not left with the gone plugin.
+#[tokio::test]
+async fn another_plugins_exit_lost_in_an_inotify_overflow_still_leaves_the_gpus_served()
+-> TestResult {
+    let dir = tempfile::tempdir()?;
+    let kubelet = FakeKubelet::start_as(dir.path(), DeviceManager::Legacy).await?;
+    let ours = PluginProcess::spawn(dir.path(), &["--simulate", "8"]);
+    kubelet
+        .wait_list("this plugin's 8 GPUs", WAIT, |l| l.allocatable() == GPUS)
+        .await
+        .map_err(|e| format!("{e}\n{}", ours.log()))?;
+    let before = kubelet.registrations().len();
+    let other = start_other_plugin(dir.path(), (0..GPUS).map(simulated_uuid).collect()).await?;
+    kubelet
+        .wait_list("the other plugin's list", WAIT, |l| {
+            l.registration > before && l.messages >= 1
+        })
+        .await?;
+    let others = kubelet.registrations().len();
+
+    let pid = ours.child.id().ok_or("the plugin exited")?;
+    ours.signal(nix::sys::signal::Signal::SIGSTOP);
+    until("the plugin stopped", || stopped(pid)).await?;
+    // More events than the queue holds: a file made and removed is four (create, open, close, delete).
+    let queued: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_queued_events")?
+        .trim()
+        .parse()?;
+    let flood = dir.path().join("flood");
+    for i in 0..queued / 2 {
+        let path = flood.with_file_name(format!("flood-{i}"));
+        std::fs::write(&path, b"")?;
+        std::fs::remove_file(&path)?;
+    }
+    other.cancel();
+    let socket = dir.path().join("nvidia-gpu.sock");
+    until("the other plugin's socket removed", || !socket.exists()).await?;
+    kubelet
+        .wait_list("the other plugin's client dropped", WAIT, |l| {
+            l.disconnected
+        })
+        .await?;
+
+    let resumed = std::time::Instant::now();
+    ours.signal(nix::sys::signal::Signal::SIGCONT);
+    let list = kubelet
+        .wait_list("all 8 GPUs Healthy from this plugin again", WAIT, |l| {
+            l.registration > others
+                && l.allocatable() == GPUS
+                && !l.disconnected
+                && kubelet
+                    .registrations()
+                    .get(l.registration - 1)
+                    .is_some_and(|r| r.endpoint.starts_with("gpu-device-plugin-"))
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", ours.log()))?;
+    assert_eq!(list.devices.len(), GPUS);
+    assert!(
+        resumed.elapsed() < std::time::Duration::from_secs(3),
+        "served again {:?} after the plugin resumed\n{}",
+        resumed.elapsed(),
+        ours.log()
+    );
+    // The overflow did happen: the plugin says so.
+    assert!(
+        ours.log().contains("inotify queue overflowed"),
+        "{}",
+        ours.log()
+    );
+    Ok(())
+}

@@ -108,6 +108,11 @@ fn sort(event: &notify::Result<Event>, ours: &OsString, dir: &Path, others: &Arc
             // kubelet restart among them is seen by looking at the directory, but another plugin's socket
             // removed leaves no trace there, so it counts as one that may have gone.
             if event.need_rescan() {
+                tracing::warn!(
+                    dir = %dir.display(),
+                    "events in the device plugin directory were lost (its inotify queue overflowed); looking at \
+                     it again, and registering again in case another plugin of this resource left meanwhile"
+                );
                 others.lost_track(|name| is_other_socket(name, ours));
                 return true;
             }
