@@ -6,16 +6,16 @@
 //! GetDevicePluginOptions) before its `Register` returns, so a plugin serves before it registers, and a
 //! path that never accepted a connection (a regular file named `x.sock`, a socket nobody listens on, one
 //! gone before anyone could dial it) cannot have taken the resource from us. Each `*.sock` that appears is
-//! looked at: its file type, then a connection, made and dropped at once, tried again while the socket is
-//! there and refuses (a server's `bind` makes the file, its `listen` comes after).
+//! looked at: its file type, then a connect that never waits, tried again while the socket is there and
+//! refuses (a server's `bind` makes the file, its `listen` comes after).
 //!
-//! A removal counts as "another plugin may have gone" when the socket was seen accepting, when it was still
-//! being looked at (decided once the look ends), and when the name was never tracked (more than
-//! [`MAX_TRACKED`] at once, or no runtime to look with): the plugin cannot rule those out.
+//! A removal counts as "another plugin may have gone" when the socket was seen accepting (one removed while
+//! it is still being looked at is decided by that look), and when the name was never tracked (more than
+//! [`MAX_TRACKED`] at once, or no runtime to look with): the plugin cannot rule those out. Which resource a
+//! plugin served is not visible from the directory, so any plugin's socket counts.
 
 use std::collections::HashMap;
 use std::ffi::{OsStr, OsString};
-use std::os::unix::fs::FileTypeExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -33,9 +33,6 @@ const LOOK_AGAIN_FIRST: Duration = Duration::from_millis(1);
 /// The longest wait between two tries of a socket that refuses: one connection attempt a second per such
 /// socket while it stays.
 const LOOK_AGAIN_MAX: Duration = Duration::from_secs(1);
-
-/// How long one connection attempt may take (a unix socket's answers at once; this bounds the odd case).
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The other sockets of the directory, as far as they have been looked at; and the flag and wake-up that
 /// tell the supervisor another plugin may have gone.
@@ -210,7 +207,7 @@ impl Others {
         let path = self.dir.join(&name);
         let mut wait = LOOK_AGAIN_FIRST;
         while let Some(generation) = self.generation_for(&name, id) {
-            let look = look(&path).await;
+            let look = look(&path);
             match self.settle(&name, id, generation, look) {
                 Next::Done => return,
                 Next::Again => wait = LOOK_AGAIN_FIRST,
@@ -276,19 +273,15 @@ impl Others {
     }
 }
 
-/// One look at `path`: a socket that accepts a connection (dropped at once, as nothing is asked of it), a
-/// path that is no socket or gone, or a socket that refuses.
-async fn look(path: &Path) -> Look {
-    match std::fs::metadata(path) {
-        Ok(found) if found.file_type().is_socket() => {}
-        Ok(_) => return Look::NotAPlugin,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Look::NotAPlugin,
-        Err(_) => return Look::Refused,
-    }
-    match tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::UnixStream::connect(path)).await {
-        Ok(Ok(_connection)) => Look::Accepting,
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => Look::NotAPlugin,
-        Ok(Err(_)) | Err(_) => Look::Refused,
+/// One look at `path`, with the look a served socket's own path gets ([`crate::kubelet::socket::look`]): a
+/// socket that accepts a connection (or whose queue is full: it listens all the same), one that refuses, or
+/// anything else (gone, a file, a FIFO, a link).
+fn look(path: &Path) -> Look {
+    use crate::kubelet::socket::Found;
+    match crate::kubelet::socket::look(path) {
+        Found::Live => Look::Accepting,
+        Found::Dead => Look::Refused,
+        Found::Gone | Found::Fifo | Found::File | Found::Link | Found::Other => Look::NotAPlugin,
     }
 }
 
