@@ -918,8 +918,9 @@ async fn unmonitored_gpus_stay_on_one_stream_with_healthz_green_and_the_reason_s
     Ok(())
 }
 
-/// On a kubelet up to 1.36, which keeps every client a registration replaces, a `*.sock` made and removed
-/// every 0.1 s (each removal possibly another plugin of the resource leaving) makes the plugin register once
+/// On a kubelet up to 1.36, which keeps every client a registration replaces, a `*.sock` that accepts a
+/// connection made and removed every 0.1 s (each removal possibly another plugin of the resource leaving)
+/// makes the plugin register once
 /// a second; the streams of the clients replaced are ended, so open streams stay within a small bound, and
 /// the GPUs stay served.
 #[tokio::test]
@@ -939,7 +940,10 @@ async fn sockets_made_and_removed_in_a_loop_leave_a_bounded_number_of_streams_op
             let mut i = 0_u64;
             while !stop.is_cancelled() {
                 let path = dir.join(format!("other-{i}.sock"));
-                if let Ok(listener) = std::os::unix::net::UnixListener::bind(&path) {
+                if let Ok(listener) = tokio::net::UnixListener::bind(&path) {
+                    // Accepting the plugin's look, as a plugin's socket would: one that never accepted
+                    // could not have been a plugin, and its removal would not count.
+                    let _ = tokio::time::timeout(WAIT, listener.accept()).await;
                     let _ = std::fs::remove_file(&path);
                     drop(listener);
                 }

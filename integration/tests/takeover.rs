@@ -441,7 +441,8 @@ async fn another_plugin_of_the_resource_that_registers_after_this_one_and_stops_
 }
 
 /// Other plugins' sockets removed in a loop (a root process in the kubelet's directory) make this plugin
-/// register again at most once a second, not once per removal, and it stays registered with its GPUs.
+/// register again at most once a second, not once per removal, and it stays registered with its GPUs. Each
+/// socket accepts a connection before it goes, as a plugin's does: one that never did would not count.
 #[tokio::test]
 async fn other_plugins_sockets_removed_in_a_loop_cost_at_most_a_registration_a_second() -> TestResult
 {
@@ -456,10 +457,14 @@ async fn other_plugins_sockets_removed_in_a_loop_cost_at_most_a_registration_a_s
     let started = std::time::Instant::now();
     for i in 0..300 {
         let path = dir.path().join(format!("other-{i}.sock"));
-        let listener = std::os::unix::net::UnixListener::bind(&path)?;
+        let listener = tokio::net::UnixListener::bind(&path)?;
+        // The plugin's look at it.
+        tokio::time::timeout(WAIT, listener.accept())
+            .await
+            .map_err(|_| format!("socket {i} never looked at\n{}", ours.log()))??;
         std::fs::remove_file(&path)?;
         drop(listener);
-        // The removals spread over about a second, each seen on its own.
+        // The removals spread over a second or more, each seen on its own.
         tokio::time::sleep(std::time::Duration::from_millis(3)).await;
     }
     // The last removal's registration, held back to a second after the one before, comes.
@@ -479,6 +484,201 @@ async fn other_plugins_sockets_removed_in_a_loop_cost_at_most_a_registration_a_s
         made <= allowed,
         "{made} registrations for 300 removals in {:?} (at most {allowed})\n{}",
         started.elapsed(),
+        ours.log()
+    );
+    Ok(())
+}
+
+/// Records from now on whether the kubelet's list of the resource ever had fewer than `gpus` allocatable.
+fn record_dips(kubelet: &FakeKubelet, gpus: usize) -> tokio::task::JoinHandle<bool> {
+    let mut lists = kubelet.watch_list();
+    tokio::spawn(async move {
+        loop {
+            if lists.borrow_and_update().allocatable() < gpus {
+                return true;
+            }
+            if lists.changed().await.is_err() {
+                return false;
+            }
+        }
+    })
+}
+
+/// A socket bound and never listened on: it refuses every connection, as a plugin's never does once it
+/// serves.
+fn bound_not_listening(path: &Path) -> Result<std::os::fd::OwnedFd, Box<dyn std::error::Error>> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, bind, socket};
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::empty(),
+        None,
+    )?;
+    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &UnixAddr::new(path)?)?;
+    Ok(fd)
+}
+
+/// Paths in the kubelet's directory that cannot have been a plugin (a regular file named `*.sock`, a
+/// socket nobody listens on: the kubelet dials a plugin back before it accepts its registration) made and
+/// removed every 0.1 s make no registration, and the GPUs stay Healthy throughout on a kubelet up to 1.36.
+/// A socket that accepted a connection, as every plugin's does before it registers, still counts: its
+/// removal, after the loop, makes exactly one.
+#[tokio::test]
+async fn sockets_that_cannot_have_been_a_plugin_made_and_removed_in_a_loop_make_no_registration()
+-> TestResult {
+    let dir = tempfile::tempdir()?;
+    let kubelet = FakeKubelet::start_as(dir.path(), DeviceManager::Legacy).await?;
+    let ours = PluginProcess::spawn(dir.path(), &["--simulate", "8"]);
+    kubelet
+        .wait_list("this plugin's 8 GPUs", WAIT, |l| l.allocatable() == GPUS)
+        .await
+        .map_err(|e| format!("{e}\n{}", ours.log()))?;
+    let before = kubelet.registrations().len();
+    let dips = record_dips(&kubelet, GPUS);
+    for i in 0..30 {
+        let file = dir.path().join(format!("x-{i}.sock"));
+        std::fs::write(&file, b"")?;
+        let quiet = dir.path().join(format!("quiet-{i}.sock"));
+        let socket = bound_not_listening(&quiet)?;
+        // The loop's pace, not a wait for anything.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        std::fs::remove_file(&file)?;
+        std::fs::remove_file(&quiet)?;
+        drop(socket);
+    }
+    // Every removal's registration would have come by now but the last's, held back to a second after the
+    // one before.
+    let during = kubelet.registrations().len() - before;
+    assert_eq!(during, 0, "registrations during the loop\n{}", ours.log());
+    // A socket that accepts: the plugin's look at it is the accept, and its removal makes one registration,
+    // after every removal of the loop was seen.
+    let accepting = dir.path().join("accepting.sock");
+    let listener = tokio::net::UnixListener::bind(&accepting)?;
+    tokio::time::timeout(WAIT, listener.accept())
+        .await
+        .map_err(|_| format!("the plugin never looked at a new socket\n{}", ours.log()))??;
+    std::fs::remove_file(&accepting)?;
+    drop(listener);
+    kubelet
+        .wait_registrations(before + 1, WAIT)
+        .await
+        .map_err(|e| format!("{e}\n{}", ours.log()))?;
+    kubelet
+        .wait_list("8 GPUs from the new registration", WAIT, |l| {
+            l.registration == before + 1 && l.allocatable() == GPUS
+        })
+        .await?;
+    dips.abort();
+    let dipped = dips.await.unwrap_or(false);
+    let made = kubelet.registrations().len() - before;
+    assert_eq!(
+        made,
+        1,
+        "registrations for the loop and one socket that accepted\n{}",
+        ours.log()
+    );
+    assert!(
+        !dipped,
+        "the kubelet's list lost a GPU during the loop\n{}",
+        ours.log()
+    );
+    Ok(())
+}
+
+/// Whether process `pid` is stopped (state `T` in `/proc/<pid>/stat`).
+fn stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('T'))
+        })
+        .unwrap_or(false)
+}
+
+/// Waits, at most `WAIT`, for `done`, looking every 10 ms (what is waited for makes no event to wait on).
+async fn until(what: &str, done: impl Fn() -> bool) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + WAIT;
+    while !done() {
+        if std::time::Instant::now() > deadline {
+            return Err(format!("{what}: not within {WAIT:?}"));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+/// On a kubelet up to 1.36, another plugin of the resource takes it from this one; then the socket
+/// directory's inotify queue overflows (the plugin held stopped, as a process starved of the processor is,
+/// while more events than the queue holds happen there), and the other plugin stops, its socket's removal
+/// lost with the overflow. The plugin registers again within a few seconds of reading its queue: the GPUs
+/// are served again, not left with the gone plugin.
+#[tokio::test]
+async fn another_plugins_exit_lost_in_an_inotify_overflow_still_leaves_the_gpus_served()
+-> TestResult {
+    let dir = tempfile::tempdir()?;
+    let kubelet = FakeKubelet::start_as(dir.path(), DeviceManager::Legacy).await?;
+    let ours = PluginProcess::spawn(dir.path(), &["--simulate", "8"]);
+    kubelet
+        .wait_list("this plugin's 8 GPUs", WAIT, |l| l.allocatable() == GPUS)
+        .await
+        .map_err(|e| format!("{e}\n{}", ours.log()))?;
+    let before = kubelet.registrations().len();
+    let other = start_other_plugin(dir.path(), (0..GPUS).map(simulated_uuid).collect()).await?;
+    kubelet
+        .wait_list("the other plugin's list", WAIT, |l| {
+            l.registration > before && l.messages >= 1
+        })
+        .await?;
+    let others = kubelet.registrations().len();
+
+    let pid = ours.child.id().ok_or("the plugin exited")?;
+    ours.signal(nix::sys::signal::Signal::SIGSTOP);
+    until("the plugin stopped", || stopped(pid)).await?;
+    // More events than the queue holds: a file made and removed is four (create, open, close, delete).
+    let queued: usize = std::fs::read_to_string("/proc/sys/fs/inotify/max_queued_events")?
+        .trim()
+        .parse()?;
+    let flood = dir.path().join("flood");
+    for i in 0..queued / 2 {
+        let path = flood.with_file_name(format!("flood-{i}"));
+        std::fs::write(&path, b"")?;
+        std::fs::remove_file(&path)?;
+    }
+    other.cancel();
+    let socket = dir.path().join("nvidia-gpu.sock");
+    until("the other plugin's socket removed", || !socket.exists()).await?;
+    kubelet
+        .wait_list("the other plugin's client dropped", WAIT, |l| {
+            l.disconnected
+        })
+        .await?;
+
+    let resumed = std::time::Instant::now();
+    ours.signal(nix::sys::signal::Signal::SIGCONT);
+    let list = kubelet
+        .wait_list("all 8 GPUs Healthy from this plugin again", WAIT, |l| {
+            l.registration > others
+                && l.allocatable() == GPUS
+                && !l.disconnected
+                && kubelet
+                    .registrations()
+                    .get(l.registration - 1)
+                    .is_some_and(|r| r.endpoint.starts_with("gpu-device-plugin-"))
+        })
+        .await
+        .map_err(|e| format!("{e}\n{}", ours.log()))?;
+    assert_eq!(list.devices.len(), GPUS);
+    assert!(
+        resumed.elapsed() < std::time::Duration::from_secs(3),
+        "served again {:?} after the plugin resumed\n{}",
+        resumed.elapsed(),
+        ours.log()
+    );
+    // The overflow did happen: the plugin says so.
+    assert!(
+        ours.log().contains("inotify queue overflowed"),
+        "{}",
         ours.log()
     );
     Ok(())

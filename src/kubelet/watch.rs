@@ -4,13 +4,14 @@
 //! kubelet (see [`DirWatch::replaced`]). Also for another plugin's socket removed: on kubelets up to 1.36 a
 //! plugin of our resource that registered after us took the resource's only client, and the kubelet drops
 //! that client when the plugin stops, leaving ours unregistered with its stream still open (see
-//! [`DirWatch::take_other_left`]).
+//! [`DirWatch::take_other_left`]). Only a socket that can have been a plugin counts ([`others`]).
 
-use std::ffi::OsString;
+mod others;
+
+use std::ffi::{OsStr, OsString};
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use notify::event::{ModifyKind, RenameMode};
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher};
@@ -19,6 +20,7 @@ use tokio::sync::Notify;
 use super::KubeletError;
 use super::socket::SOCKET_PREFIX;
 use crate::api::KUBELET_SOCKET;
+use others::Others;
 
 /// A running watch. Events are coalesced into one pending wake-up: whoever wakes looks at the directory as
 /// it is now, so a burst of deletions during a kubelet restart costs one re-registration, and nothing is
@@ -26,8 +28,9 @@ use crate::api::KUBELET_SOCKET;
 pub struct DirWatch {
     _watcher: RecommendedWatcher,
     wake: Arc<Notify>,
-    /// Set when a socket other than ours and `kubelet.sock` was removed since the last look.
-    other_left: Arc<AtomicBool>,
+    /// The other sockets of the directory, and whether one that can have been a plugin went since the last
+    /// look.
+    others: Arc<Others>,
     dir: PathBuf,
     /// Device and inode of the directory watched.
     identity: Option<(u64, u64)>,
@@ -42,12 +45,13 @@ impl DirWatch {
     pub fn start(dir: &Path, our_socket: &str) -> Result<Self, KubeletError> {
         let wake = Arc::new(Notify::new());
         let notify = wake.clone();
-        let other_left = Arc::new(AtomicBool::new(false));
-        let left = other_left.clone();
+        let others = Others::new(dir, wake.clone());
+        let seen = others.clone();
         let ours = OsString::from(our_socket);
+        let candidates = ours.clone();
         let watched = dir.to_path_buf();
         let mut watcher = notify::recommended_watcher(move |event: notify::Result<Event>| {
-            if sort(&event, &ours, &watched, &left) {
+            if sort(&event, &ours, &watched, &seen) {
                 notify.notify_one();
             }
         })
@@ -61,10 +65,13 @@ impl DirWatch {
                 dir: dir.to_owned(),
                 source: e,
             })?;
+        // After the watch starts, so that no socket slips between the two: those there already (a plugin
+        // may register after us although its socket is older) are looked at too.
+        others.rescan(|name| is_other_socket(name, &candidates));
         Ok(DirWatch {
             _watcher: watcher,
             wake,
-            other_left,
+            others,
             dir: dir.to_path_buf(),
             identity: identity(dir),
         })
@@ -83,7 +90,7 @@ impl DirWatch {
     /// when this says so: if the plugin that left had taken our resource, the kubelet uses us again; if not,
     /// the kubelet only replaces our client with a new one of ours.
     pub fn take_other_left(&self) -> bool {
-        self.other_left.swap(false, Ordering::SeqCst)
+        self.others.take_left()
     }
 
     /// Waits until something relevant happened since the last wake-up.
@@ -92,29 +99,37 @@ impl DirWatch {
     }
 }
 
-/// Whether `event` is worth a look at the directory; notes in `other_left` that another plugin's socket may
-/// have gone.
-fn sort(
-    event: &notify::Result<Event>,
-    ours: &OsString,
-    dir: &Path,
-    other_left: &AtomicBool,
-) -> bool {
+/// Whether `event` is worth a look at the directory; tells `others` of the other sockets that appeared and
+/// went, which notes whether one that can have been a plugin went.
+fn sort(event: &notify::Result<Event>, ours: &OsString, dir: &Path, others: &Arc<Others>) -> bool {
     match event {
         Ok(event) => {
             // A queue overflow (inotify's IN_Q_OVERFLOW, a rescan for notify) lost events we cannot know: a
             // kubelet restart among them is seen by looking at the directory, but another plugin's socket
             // removed leaves no trace there, so it counts as one that may have gone.
-            let other_gone = is_other_socket_gone(event, ours) || event.need_rescan();
-            if other_gone {
-                other_left.store(true, Ordering::SeqCst);
+            if event.need_rescan() {
+                tracing::warn!(
+                    dir = %dir.display(),
+                    "events in the device plugin directory were lost (its inotify queue overflowed); looking at \
+                     it again, and registering again in case another plugin of this resource left meanwhile"
+                );
+                others.lost_track(|name| is_other_socket(name, ours));
+                return true;
+            }
+            let mut other_gone = false;
+            for name in other_sockets(event, ours) {
+                if vanished(event) {
+                    other_gone |= others.vanished(name);
+                } else if appeared(event) {
+                    others.appeared(name);
+                }
             }
             other_gone || is_restart_sign(event, ours) || is_about_dir(event, dir)
         }
         // A watch error: we may have missed anything, another plugin's socket going included.
         Err(e) => {
             tracing::warn!(error = %e, "device plugin directory watch reported an error");
-            other_left.store(true, Ordering::SeqCst);
+            others.lost_track(|name| is_other_socket(name, ours));
             true
         }
     }
@@ -129,20 +144,24 @@ fn is_about_dir(event: &Event, dir: &Path) -> bool {
     moved_or_gone && event.paths.iter().any(|p| p == dir)
 }
 
-/// A socket of another plugin removed (as a plugin stopping removes its own): not ours, not `kubelet.sock`,
-/// and not another instance's of this plugin (a rolling update's old instance: the kubelet's own handling
-/// of its stream's end is followed through our streams).
-fn is_other_socket_gone(event: &Event, ours: &OsString) -> bool {
-    vanished(event)
-        && event.paths.iter().any(|p| {
-            p.file_name().is_some_and(|name| {
-                let text = name.to_string_lossy();
-                name != KUBELET_SOCKET
-                    && name != ours.as_os_str()
-                    && !text.trim_start_matches('.').starts_with(SOCKET_PREFIX)
-                    && Path::new(name).extension().is_some_and(|e| e == "sock")
-            })
-        })
+/// The names in `event` that may be another plugin's socket (see [`is_other_socket`]).
+fn other_sockets<'a>(event: &'a Event, ours: &'a OsString) -> impl Iterator<Item = &'a OsStr> + 'a {
+    event
+        .paths
+        .iter()
+        .filter_map(|p| p.file_name())
+        .filter(move |name| is_other_socket(name, ours))
+}
+
+/// A name another plugin's socket may have: not ours, not `kubelet.sock`, and not another instance's of
+/// this plugin (a rolling update's old instance: the kubelet's own handling of its stream's end is followed
+/// through our streams).
+fn is_other_socket(name: &OsStr, ours: &OsString) -> bool {
+    let text = name.to_string_lossy();
+    name != KUBELET_SOCKET
+        && name != ours.as_os_str()
+        && !text.trim_start_matches('.').starts_with(SOCKET_PREFIX)
+        && Path::new(name).extension().is_some_and(|e| e == "sock")
 }
 
 /// An entry removed or renamed away.
@@ -151,6 +170,15 @@ fn vanished(event: &Event) -> bool {
         event.kind,
         EventKind::Remove(_)
             | EventKind::Modify(ModifyKind::Name(RenameMode::From | RenameMode::Any))
+    )
+}
+
+/// An entry created or renamed into the directory. (A rename within it is also reported as one event with
+/// both names, after the two above; that one is left alone.)
+fn appeared(event: &Event) -> bool {
+    matches!(
+        event.kind,
+        EventKind::Create(_) | EventKind::Modify(ModifyKind::Name(RenameMode::To))
     )
 }
 
@@ -214,52 +242,39 @@ mod tests {
     }
 
     #[test]
-    fn another_plugins_socket_removed_is_told_apart_from_ours_and_the_kubelets() {
+    fn another_plugins_socket_is_told_apart_from_ours_and_the_kubelets() {
         let ours = OsString::from("gpu-device-plugin-1.sock");
-        assert!(is_other_socket_gone(
-            &event(EventKind::Remove(RemoveKind::File), "nvidia-gpu.sock"),
-            &ours
-        ));
-        assert!(!is_other_socket_gone(
-            &event(EventKind::Create(CreateKind::File), "nvidia-gpu.sock"),
-            &ours
-        ));
+        assert!(is_other_socket(OsStr::new("nvidia-gpu.sock"), &ours));
         for name in [
             "gpu-device-plugin-1.sock",
             "gpu-device-plugin-2.sock",
             "kubelet.sock",
             "kubelet_internal_checkpoint",
         ] {
-            assert!(
-                !is_other_socket_gone(&event(EventKind::Remove(RemoveKind::File), name), &ours),
-                "{name}"
-            );
+            assert!(!is_other_socket(OsStr::new(name), &ours), "{name}");
         }
     }
 
-    #[test]
-    fn a_queue_overflow_counts_as_another_plugins_socket_that_may_have_gone() {
+    #[tokio::test]
+    async fn a_queue_overflow_counts_as_another_plugins_socket_that_may_have_gone() {
         let ours = OsString::from("gpu-device-plugin-1.sock");
         let dir = Path::new("/d");
+        let others = || Others::new(dir, Arc::new(tokio::sync::Notify::new()));
         let overflow = Ok(Event::new(EventKind::Other).set_flag(notify::event::Flag::Rescan));
-        let left = AtomicBool::new(false);
-        assert!(sort(&overflow, &ours, dir, &left));
-        assert!(
-            left.load(Ordering::SeqCst),
-            "an overflow may hide a plugin's exit"
-        );
+        let seen = others();
+        assert!(sort(&overflow, &ours, dir, &seen));
+        assert!(seen.take_left(), "an overflow may hide a plugin's exit");
         let failed = Err(notify::Error::generic("the watch failed"));
-        let left = AtomicBool::new(false);
-        assert!(sort(&failed, &ours, dir, &left));
-        assert!(left.load(Ordering::SeqCst));
+        let seen = others();
+        assert!(sort(&failed, &ours, dir, &seen));
+        assert!(seen.take_left());
         // A removal of ours or the kubelet's is no other plugin's.
-        let left = AtomicBool::new(false);
-        let ours_gone = Ok(event(
-            EventKind::Remove(RemoveKind::File),
-            "gpu-device-plugin-1.sock",
-        ));
-        assert!(sort(&ours_gone, &ours, dir, &left));
-        assert!(!left.load(Ordering::SeqCst));
+        let seen = others();
+        for name in ["gpu-device-plugin-1.sock", "kubelet.sock"] {
+            let gone = Ok(event(EventKind::Remove(RemoveKind::File), name));
+            sort(&gone, &ours, dir, &seen);
+        }
+        assert!(!seen.take_left());
     }
 
     #[test]
