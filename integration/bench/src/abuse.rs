@@ -22,7 +22,8 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::Counts;
-use crate::measure::{ProcSample, one_fault_within};
+use crate::fault::one_fault_within;
+use crate::process::ProcSample;
 use crate::report::{Report, Stats};
 use crate::rig::{Plugin, Rig, WAIT, uuid};
 
@@ -410,7 +411,7 @@ async fn start(rig: &Rig, devices: usize) -> anyhow::Result<Instance> {
     let registration = rig.next_registration().await;
     let plugin = rig.spawn_with(devices, Some(state.path()), &args, &[])?;
     rig.wait_registered(registration, &plugin).await?;
-    crate::measure::wait_all_healthy(rig, registration, devices, &plugin).await?;
+    crate::fault::wait_all_healthy(rig, registration, devices, &plugin).await?;
     // The HTTP surfaces start once the kubelet has the first registration: poll until they answer.
     let deadline = Instant::now() + WAIT;
     loop {

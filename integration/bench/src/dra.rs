@@ -28,7 +28,8 @@ use gpu_device_plugin::api::dra::v1;
 use serde_json::Value;
 
 use crate::Counts;
-use crate::measure::{ProcSample, faults_on_one_instance, faults_on_one_instance_with};
+use crate::fault::{faults_on_one_instance, faults_on_one_instance_with};
+use crate::process::ProcSample;
 use crate::report::{Report, Stats};
 use crate::rig::{Plugin, Rig, WAIT, uuid};
 

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::measure::ProcSample;
+use crate::process::ProcSample;
 use crate::report::Report;
 use crate::rig::{Plugin, Rig, WAIT, uuid};
 

@@ -18,7 +18,7 @@ use fake_kubelet::dra::{DraKubelet, DraOptions, Health};
 use gpu_device_plugin::api::dra::v1;
 
 use crate::Counts;
-use crate::measure::ProcSample;
+use crate::process::ProcSample;
 use crate::report::{Report, Stats};
 use crate::rig::{Plugin, Rig, WAIT, uuid};
 
@@ -159,7 +159,7 @@ pub(crate) async fn claims_flood(
                 let dp = rig.kubelet.lock().await;
                 for gpu in &dp_gpus {
                     let id = uuid(*gpu);
-                    match crate::measure::one_fault_within(rig, &dp, n, &id, LIMIT).await? {
+                    match crate::fault::one_fault_within(rig, &dp, n, &id, LIMIT).await? {
                         Some(took) => dp_samples.push(took),
                         None if flood => missed.1 += 1,
                         None => missed.0 += 1,
