@@ -603,16 +603,9 @@ async fn on_one_instance(
             "MiB",
         );
         report.value("idle: threads", after.threads as f64, "");
-        report.value(
-            &format!("idle: CPU time over {secs:.0} s"),
-            after.cpu_ms_since(&before),
-            "ms",
-        );
-        report.value(
-            "idle: voluntary context switches (wake-ups)",
-            after.wakeups_per_s_since(&before, counts.idle),
-            "/s",
-        );
+        let cpu = format!("idle: CPU time over {secs:.0} s");
+        let wakeups = "idle: voluntary context switches (wake-ups)";
+        after.report_idle(&before, counts.idle, report, [&cpu, wakeups]);
     }
 
     // 7. footprint after many kubelet restarts

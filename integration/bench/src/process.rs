@@ -1,9 +1,11 @@
 //! What procfs says about the plugin's process: memory, threads, CPU time and wake-ups, sampled by the
 //! measures and the soak.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
+
+use crate::report::Report;
 
 #[derive(Clone, Copy)]
 pub(crate) struct ProcSample {
@@ -31,6 +33,19 @@ impl ProcSample {
         self.voluntary_switches
             .saturating_sub(before.voluntary_switches) as f64
             / over.as_secs_f64()
+    }
+
+    /// An idle spell's two rows, from `before` to this sample, `over` long: the CPU time used, in
+    /// milliseconds, and the wake-ups per second, under `labels` (CPU time, wake-ups).
+    pub(crate) fn report_idle(
+        &self,
+        before: &ProcSample,
+        over: Duration,
+        report: &mut Report,
+        labels: [&str; 2],
+    ) {
+        report.value(labels[0], self.cpu_ms_since(before), "ms");
+        report.value(labels[1], self.wakeups_per_s_since(before, over), "/s");
     }
 
     pub(crate) fn read(pid: u32) -> anyhow::Result<Self> {
@@ -73,4 +88,22 @@ impl ProcSample {
             voluntary_switches: voluntary,
         })
     }
+}
+
+/// Waits until process `pid` uses no CPU time for `quiet`, `limit` at most; whether it did.
+pub(crate) async fn settle(pid: u32, quiet: Duration, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    let mut last = ProcSample::read(pid).ok().map(|s| s.cpu);
+    let mut since = Instant::now();
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = ProcSample::read(pid).ok().map(|s| s.cpu);
+        if now != last {
+            last = now;
+            since = Instant::now();
+        } else if since.elapsed() >= quiet {
+            return true;
+        }
+    }
+    false
 }
