@@ -22,8 +22,9 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use crate::Counts;
-use crate::measure::{ProcSample, one_fault_within};
-use crate::report::{Report, Stats};
+use crate::fault::one_fault_within;
+use crate::process::{self, ProcSample};
+use crate::report::{MemoryLabels, Report, Stats};
 use crate::rig::{Plugin, Rig, WAIT, uuid};
 
 mod claims_flood;
@@ -253,44 +254,20 @@ pub(crate) async fn abuse(
     );
     if let Some((before, after)) = idle {
         let secs = counts.abuse_idle.as_secs_f64();
-        report.value(
-            &format!("abuse: idle CPU time over {secs:.0} s, every input on"),
-            after.cpu_ms_since(&before),
-            "ms",
-        );
-        report.value(
-            "abuse: idle voluntary context switches (wake-ups), every input on",
-            after.wakeups_per_s_since(&before, counts.abuse_idle),
-            "/s",
-        );
+        let cpu = format!("abuse: idle CPU time over {secs:.0} s, every input on");
+        let wakeups = "abuse: idle voluntary context switches (wake-ups), every input on";
+        after.report_idle(&before, counts.abuse_idle, report, [&cpu, wakeups]);
     }
     let instances = memory.len();
-    let mib = |kib: u64| kib as f64 / 1024.0;
     if instances > 0 {
-        let largest = |f: fn(&(u64, u64, u64)) -> u64| memory.iter().map(f).max().unwrap_or(0);
-        report.value(
-            &format!("abuse: RSS before the abuse (largest of {instances} instances)"),
-            mib(largest(|m| m.0)),
-            "MiB",
-        );
-        report.value(
-            "abuse: peak RSS during the abuse (VmHWM, largest)",
-            mib(largest(|m| m.1)),
-            "MiB",
-        );
-        report.value(
-            "abuse: RSS after the abuse, settled (largest)",
-            mib(largest(|m| m.2)),
-            "MiB",
-        );
-        let growth = memory
-            .iter()
-            .map(|&(before, _, after)| after as f64 - before as f64)
-            .fold(f64::MIN, f64::max);
-        report.value(
-            "abuse: RSS after − before the abuse (largest of the instances)",
-            growth / 1024.0,
-            "MiB",
+        report.memory(
+            &memory,
+            &MemoryLabels {
+                before: &format!("abuse: RSS before the abuse (largest of {instances} instances)"),
+                peak: "abuse: peak RSS during the abuse (VmHWM, largest)",
+                after: Some("abuse: RSS after the abuse, settled (largest)"),
+                growth: "abuse: RSS after − before the abuse (largest of the instances)",
+            },
         );
         report.value(
             &format!(
@@ -410,7 +387,7 @@ async fn start(rig: &Rig, devices: usize) -> anyhow::Result<Instance> {
     let registration = rig.next_registration().await;
     let plugin = rig.spawn_with(devices, Some(state.path()), &args, &[])?;
     rig.wait_registered(registration, &plugin).await?;
-    crate::measure::wait_all_healthy(rig, registration, devices, &plugin).await?;
+    crate::fault::wait_all_healthy(rig, registration, devices, &plugin).await?;
     // The HTTP surfaces start once the kubelet has the first registration: poll until they answer.
     let deadline = Instant::now() + WAIT;
     loop {
@@ -804,22 +781,7 @@ async fn settle(instance: &Instance, ended: Instant) -> Option<Settled> {
             })
         })
         .unwrap_or(0);
-    let pid = instance.plugin.pid();
-    let deadline = Instant::now() + SETTLE_LIMIT;
-    let mut quiet = false;
-    let mut last = ProcSample::read(pid).ok().map(|s| s.cpu);
-    let mut since = Instant::now();
-    while Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let now = ProcSample::read(pid).ok().map(|s| s.cpu);
-        if now != last {
-            last = now;
-            since = Instant::now();
-        } else if since.elapsed() >= QUIET_WINDOW {
-            quiet = true;
-            break;
-        }
-    }
+    let quiet = process::settle(instance.plugin.pid(), QUIET_WINDOW, SETTLE_LIMIT).await;
     Some(Settled {
         status_answered,
         fenced,

@@ -28,7 +28,8 @@ use gpu_device_plugin::api::dra::v1;
 use serde_json::Value;
 
 use crate::Counts;
-use crate::measure::{ProcSample, faults_on_one_instance, faults_on_one_instance_with};
+use crate::fault::{faults_on_one_instance, faults_on_one_instance_with};
+use crate::process::ProcSample;
 use crate::report::{Report, Stats};
 use crate::rig::{Plugin, Rig, WAIT, uuid};
 
@@ -351,16 +352,11 @@ async fn faults(
     );
     if let Some((before, after)) = idle {
         let secs = idle_for.as_secs_f64();
-        report.value(
-            &format!("DRA: idle CPU time over {secs:.0} s (slices published, health stream open, {devices} GPUs)"),
-            after.cpu_ms_since(&before),
-            "ms",
+        let cpu = format!(
+            "DRA: idle CPU time over {secs:.0} s (slices published, health stream open, {devices} GPUs)"
         );
-        report.value(
-            "DRA: idle voluntary context switches (wake-ups)",
-            after.wakeups_per_s_since(&before, idle_for),
-            "/s",
-        );
+        let wakeups = "DRA: idle voluntary context switches (wake-ups)";
+        after.report_idle(&before, idle_for, report, [&cpu, wakeups]);
     }
     let p99 = |s: &[Duration]| Stats::of(s).map_or(f64::NAN, |s| s.p99);
     let base = p99(&device_plugin);

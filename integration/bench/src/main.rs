@@ -10,7 +10,9 @@
 
 mod abuse;
 mod dra;
+mod fault;
 mod measure;
+mod process;
 mod report;
 mod rig;
 mod soak;

@@ -5,6 +5,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+use crate::fault::{faults_on_one_instance, first_node_condition_since, one_fault};
+use crate::process::ProcSample;
 use crate::report::Report;
 use crate::rig::{Plugin, Rig, WAIT, mig_uuid, uuid};
 use crate::{Args, Counts, Measure};
@@ -601,16 +603,9 @@ async fn on_one_instance(
             "MiB",
         );
         report.value("idle: threads", after.threads as f64, "");
-        report.value(
-            &format!("idle: CPU time over {secs:.0} s"),
-            after.cpu_ms_since(&before),
-            "ms",
-        );
-        report.value(
-            "idle: voluntary context switches (wake-ups)",
-            after.wakeups_per_s_since(&before, counts.idle),
-            "/s",
-        );
+        let cpu = format!("idle: CPU time over {secs:.0} s");
+        let wakeups = "idle: voluntary context switches (wake-ups)";
+        after.report_idle(&before, counts.idle, report, [&cpu, wakeups]);
     }
 
     // 7. footprint after many kubelet restarts
@@ -889,37 +884,6 @@ async fn storm(
     Ok(())
 }
 
-/// XID 79 on `id`: the time from the write to the kubelet holding a list from registration `n` or later
-/// that shows it Unhealthy, or `None` if none came.
-async fn one_fault(
-    rig: &Rig,
-    kubelet: &fake_kubelet::FakeKubelet,
-    n: usize,
-    id: &str,
-) -> anyhow::Result<Option<Duration>> {
-    one_fault_within(rig, kubelet, n, id, WAIT).await
-}
-
-/// As [`one_fault`], waiting `limit` at most.
-pub(crate) async fn one_fault_within(
-    rig: &Rig,
-    kubelet: &fake_kubelet::FakeKubelet,
-    n: usize,
-    id: &str,
-    limit: Duration,
-) -> anyhow::Result<Option<Duration>> {
-    let injected = rig.inject(&[format!("xid {id} 79")])?;
-    let list = kubelet
-        .wait_list("fault", limit, |l| {
-            l.registration >= n && l.health(id) == Some("Unhealthy")
-        })
-        .await
-        .ok();
-    Ok(list
-        .and_then(|l| l.received_at)
-        .map(|at| at.saturating_duration_since(injected)))
-}
-
 async fn fault_latency(
     rig: &Rig,
     devices: usize,
@@ -937,160 +901,4 @@ async fn fault_latency(
         }
     }
     Ok((samples, missed))
-}
-
-/// One fresh plugin instance on `devices` GPUs, registered and listing them all Healthy, then XID 79 on
-/// each of the first `want` GPUs in turn, timed as [`one_fault`] times it into `samples`; returns how many
-/// were not seen.
-pub(crate) async fn faults_on_one_instance(
-    rig: &Rig,
-    devices: usize,
-    want: usize,
-    samples: &mut Vec<Duration>,
-) -> anyhow::Result<usize> {
-    faults_on_one_instance_with(rig, devices, want, samples, None).await
-}
-
-/// As [`faults_on_one_instance`]; with `Some((args, api))`, the plugin started with `args` added to its
-/// command line (those that give it `api`), and the faults begin once it has written its first node
-/// condition there: its API client built (the client's TLS set-up is tens of milliseconds of CPU right after
-/// registration), as a DRA instance's is by the time it is ready.
-pub(crate) async fn faults_on_one_instance_with(
-    rig: &Rig,
-    devices: usize,
-    want: usize,
-    samples: &mut Vec<Duration>,
-    with_api: Option<(&[String], &fake_kubelet::apiserver::FakeApiServer)>,
-) -> anyhow::Result<usize> {
-    let mut missed = 0;
-    let n = rig.next_registration().await;
-    let mark = with_api.map_or(0, |(_, api)| api.requests().len());
-    let plugin = rig.spawn_with(devices, None, with_api.map_or(&[], |(args, _)| args), &[])?;
-    rig.wait_registered(n, &plugin).await?;
-    wait_all_healthy(rig, n, devices, &plugin).await?;
-    if let Some((_, api)) = with_api {
-        first_node_condition_since(api, mark).await?;
-    }
-    {
-        let kubelet = rig.kubelet.lock().await;
-        for i in 0..devices.min(want) {
-            let id = uuid(i);
-            match one_fault(rig, &kubelet, n, &id).await? {
-                Some(took) => samples.push(took),
-                None => missed += 1,
-            }
-        }
-    }
-    plugin.stop().await;
-    Ok(missed)
-}
-
-/// Waits for a node condition patched after the API server's first `mark` requests: an instance started
-/// then has built its API client.
-async fn first_node_condition_since(
-    api: &fake_kubelet::apiserver::FakeApiServer,
-    mark: usize,
-) -> anyhow::Result<()> {
-    api.wait_for("this instance's first node condition", WAIT, |r| {
-        r.iter()
-            .skip(mark)
-            .any(|r| r.method == "PATCH" && r.path.ends_with("/status"))
-    })
-    .await
-    .map(|_| ())
-    .map_err(anyhow::Error::msg)
-}
-
-/// What procfs says about a process.
-#[derive(Clone, Copy)]
-pub(crate) struct ProcSample {
-    pub(crate) rss_kib: u64,
-    /// The part of RSS that is the process's own memory (heap, stacks); the rest is mapped files, mostly the
-    /// binary's code pages, which the kernel can drop and read again.
-    rss_anon_kib: u64,
-    /// Peak RSS (VmHWM).
-    pub(crate) hwm_kib: u64,
-    pub(crate) threads: u64,
-    /// CPU time, user and system, at the clock tick's resolution.
-    pub(crate) cpu: Duration,
-    /// Voluntary context switches of every thread: wake-ups.
-    pub(crate) voluntary_switches: u64,
-}
-
-impl ProcSample {
-    /// CPU time used since `before`, in milliseconds.
-    pub(crate) fn cpu_ms_since(&self, before: &ProcSample) -> f64 {
-        self.cpu.saturating_sub(before.cpu).as_secs_f64() * 1000.0
-    }
-
-    /// Wake-ups (voluntary context switches) per second since `before`, `over` ago.
-    pub(crate) fn wakeups_per_s_since(&self, before: &ProcSample, over: Duration) -> f64 {
-        self.voluntary_switches
-            .saturating_sub(before.voluntary_switches) as f64
-            / over.as_secs_f64()
-    }
-
-    pub(crate) fn read(pid: u32) -> anyhow::Result<Self> {
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .context("plugin process is gone")?;
-        let field = |text: &str, name: &str| -> u64 {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-                .unwrap_or(0)
-        };
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-        // Fields after the command name (which may hold spaces): utime and stime are the 12th and 13th.
-        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-        let fields: Vec<u64> = after
-            .split_whitespace()
-            .map(|f| f.parse().unwrap_or(0))
-            .collect();
-        let ticks = fields.get(11).copied().unwrap_or(0) + fields.get(12).copied().unwrap_or(0);
-        let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-            .ok()
-            .flatten()
-            .unwrap_or(100)
-            .max(1) as u64;
-        // Wake-ups: voluntary switches of every thread, not only the main one.
-        let mut voluntary = 0;
-        if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-            for task in tasks.flatten() {
-                if let Ok(text) = std::fs::read_to_string(task.path().join("status")) {
-                    voluntary += field(&text, "voluntary_ctxt_switches:");
-                }
-            }
-        }
-        Ok(ProcSample {
-            rss_kib: field(&status, "VmRSS:"),
-            rss_anon_kib: field(&status, "RssAnon:"),
-            hwm_kib: field(&status, "VmHWM:"),
-            threads: field(&status, "Threads:"),
-            cpu: Duration::from_millis(ticks * 1000 / hz),
-            voluntary_switches: voluntary,
-        })
-    }
-}
-
-/// Waits until the kubelet's list from registration `registration` on shows all `devices` GPUs Healthy.
-pub(crate) async fn wait_all_healthy(
-    rig: &Rig,
-    registration: usize,
-    devices: usize,
-    plugin: &Plugin,
-) -> anyhow::Result<()> {
-    rig.kubelet
-        .lock()
-        .await
-        .wait_list("every GPU listed healthy", WAIT, |l| {
-            l.registration >= registration && l.allocatable() == devices
-        })
-        .await
-        .with_context(|| {
-            format!(
-                "not all {devices} GPUs healthy at start; plugin log:\n{}",
-                plugin.log()
-            )
-        })?;
-    Ok(())
 }

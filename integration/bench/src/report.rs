@@ -50,6 +50,15 @@ enum Entry {
     },
 }
 
+/// The labels of [`Report::memory`]'s rows.
+pub(crate) struct MemoryLabels<'a> {
+    pub(crate) before: &'a str,
+    pub(crate) peak: &'a str,
+    /// `None`: no row for the RSS after.
+    pub(crate) after: Option<&'a str>,
+    pub(crate) growth: &'a str,
+}
+
 /// All results of a run.
 pub(crate) struct Report {
     command: String,
@@ -95,6 +104,24 @@ impl Report {
             value,
             unit,
         });
+    }
+
+    /// The memory rows of plugin instances, each `(RSS before, peak RSS, RSS after)` in KiB, shown in MiB: the
+    /// largest RSS before, the largest peak, the largest RSS after (where `labels.after` names that row) and
+    /// the largest growth, after − before. For at least one instance.
+    pub(crate) fn memory(&mut self, memory: &[(u64, u64, u64)], labels: &MemoryLabels<'_>) {
+        let mib = |kib: u64| kib as f64 / 1024.0;
+        let largest = |f: fn(&(u64, u64, u64)) -> u64| memory.iter().map(f).max().unwrap_or(0);
+        self.value(labels.before, mib(largest(|m| m.0)), "MiB");
+        self.value(labels.peak, mib(largest(|m| m.1)), "MiB");
+        if let Some(after) = labels.after {
+            self.value(after, mib(largest(|m| m.2)), "MiB");
+        }
+        let growth = memory
+            .iter()
+            .map(|&(before, _, after)| after as f64 - before as f64)
+            .fold(f64::MIN, f64::max);
+        self.value(labels.growth, growth / 1024.0, "MiB");
     }
 
     /// A correctness check (final states).
@@ -215,5 +242,35 @@ mod tests {
         r.check("final list", false, "GPU 0 Healthy");
         r.latency("fine", &[Duration::from_millis(1)]);
         assert_eq!(r.problems().len(), 2);
+    }
+
+    #[test]
+    fn memory_rows_are_the_largest_of_the_instances_in_mib() {
+        let mut r = Report::new("x", true);
+        let labels = |after| MemoryLabels {
+            before: "before",
+            peak: "peak",
+            after,
+            growth: "growth",
+        };
+        let memory = [(1024, 4096, 3072), (2048, 2048, 2560)];
+        r.memory(&memory, &labels(Some("after")));
+        r.memory(&memory, &labels(None));
+        let rows: Vec<(&str, f64)> = r
+            .entries
+            .iter()
+            .filter_map(|e| match e {
+                Entry::Value { name, value, .. } => Some((name.as_str(), *value)),
+                _ => None,
+            })
+            .collect();
+        let all = [
+            ("before", 2.0),
+            ("peak", 4.0),
+            ("after", 3.0),
+            ("growth", 2.0),
+        ];
+        let without_after = [("before", 2.0), ("peak", 4.0), ("growth", 2.0)];
+        assert_eq!(rows, [&all[..], &without_after[..]].concat());
     }
 }

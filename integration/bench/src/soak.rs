@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::measure::ProcSample;
+use crate::process::ProcSample;
 use crate::report::Report;
 use crate::rig::{Plugin, Rig, WAIT, uuid};
 
@@ -754,43 +754,30 @@ impl Soak<'_> {
         let max = |f: fn(&Sample) -> u64| samples.iter().map(f).max().unwrap_or(0);
         report.value("soak: duration", duration.as_secs_f64() / 60.0, "min");
         report.value("soak: seed", seed as f64, "");
-        report.value("soak: faults injected", t.faults as f64, "");
-        report.value("soak: harmless XIDs injected", t.harmless as f64, "");
-        report.value("soak: recoveries seen", t.recoveries as f64, "");
-        report.value(
-            "soak: plugin restarts by SIGTERM",
-            t.sigterm_restarts as f64,
-            "",
-        );
-        report.value(
-            "soak: plugin restarts by SIGKILL",
-            t.sigkill_restarts as f64,
-            "",
-        );
-        report.value("soak: kubelet restarts", t.kubelet_restarts as f64, "");
-        report.value("soak: Allocate calls granted", t.allocations_ok as f64, "");
-        report.value(
-            "soak: fences by command (released by command)",
-            t.fences_by_command as f64,
-            "",
-        );
-        report.value(
-            "soak: fences by a detector's file (released by removing it)",
-            t.fences_by_file as f64,
-            "",
-        );
-        report.value(
-            "soak: plugin restarts by SIGHUP",
-            t.sighup_reloads as f64,
-            "",
-        );
-        report.value(
-            "soak: SIGHUPs with a config refused",
-            t.sighup_refused as f64,
-            "",
-        );
-        report.value("soak: HTTP scrapes answered", t.scrapes_ok as f64, "");
-        report.value("soak: HTTP scrapes failed", t.scrapes_failed as f64, "");
+        let counted = [
+            ("soak: faults injected", t.faults),
+            ("soak: harmless XIDs injected", t.harmless),
+            ("soak: recoveries seen", t.recoveries),
+            ("soak: plugin restarts by SIGTERM", t.sigterm_restarts),
+            ("soak: plugin restarts by SIGKILL", t.sigkill_restarts),
+            ("soak: kubelet restarts", t.kubelet_restarts),
+            ("soak: Allocate calls granted", t.allocations_ok),
+            (
+                "soak: fences by command (released by command)",
+                t.fences_by_command,
+            ),
+            (
+                "soak: fences by a detector's file (released by removing it)",
+                t.fences_by_file,
+            ),
+            ("soak: plugin restarts by SIGHUP", t.sighup_reloads),
+            ("soak: SIGHUPs with a config refused", t.sighup_refused),
+            ("soak: HTTP scrapes answered", t.scrapes_ok),
+            ("soak: HTTP scrapes failed", t.scrapes_failed),
+        ];
+        for (label, count) in counted {
+            report.value(label, count as f64, "");
+        }
         report.latency(
             "soak: recovery seen after its earliest time",
             &t.recovery_after_earliest,

@@ -18,8 +18,8 @@ use fake_kubelet::dra::{DraKubelet, DraOptions, Health};
 use gpu_device_plugin::api::dra::v1;
 
 use crate::Counts;
-use crate::measure::ProcSample;
-use crate::report::{Report, Stats};
+use crate::process::{self, ProcSample};
+use crate::report::{MemoryLabels, Report, Stats};
 use crate::rig::{Plugin, Rig, WAIT, uuid};
 
 const DRIVER: &str = "gpu.nvidia.com";
@@ -159,7 +159,7 @@ pub(crate) async fn claims_flood(
                 let dp = rig.kubelet.lock().await;
                 for gpu in &dp_gpus {
                     let id = uuid(*gpu);
-                    match crate::measure::one_fault_within(rig, &dp, n, &id, LIMIT).await? {
+                    match crate::fault::one_fault_within(rig, &dp, n, &id, LIMIT).await? {
                         Some(took) => dp_samples.push(took),
                         None if flood => missed.1 += 1,
                         None => missed.0 += 1,
@@ -170,7 +170,7 @@ pub(crate) async fn claims_flood(
                 let (answered, over) = running.stop().await;
                 prepares.0 += answered;
                 prepares.1 += over;
-                settled += usize::from(settle(pid).await);
+                settled += usize::from(process::settle(pid, QUIET_WINDOW, SETTLE_LIMIT).await);
                 if let Ok(after) = ProcSample::read(pid) {
                     memory.push((before.rss_kib, after.hwm_kib, after.rss_kib));
                 }
@@ -234,26 +234,14 @@ pub(crate) async fn claims_flood(
         "/s",
     );
     if !memory.is_empty() {
-        let mib = |kib: u64| kib as f64 / 1024.0;
-        let largest = |f: fn(&(u64, u64, u64)) -> u64| memory.iter().map(f).max().unwrap_or(0);
-        report.value(
-            "abuse: claims flood: RSS before the flood (largest)",
-            mib(largest(|m| m.0)),
-            "MiB",
-        );
-        report.value(
-            "abuse: claims flood: peak RSS during the flood (VmHWM, largest)",
-            mib(largest(|m| m.1)),
-            "MiB",
-        );
-        let growth = memory
-            .iter()
-            .map(|&(before, _, after)| after as f64 - before as f64)
-            .fold(f64::MIN, f64::max);
-        report.value(
-            "abuse: claims flood: RSS after − before the flood, idle again (largest; target ≤ 5 MB)",
-            growth / 1024.0,
-            "MiB",
+        report.memory(
+            &memory,
+            &MemoryLabels {
+                before: "abuse: claims flood: RSS before the flood (largest)",
+                peak: "abuse: claims flood: peak RSS during the flood (VmHWM, largest)",
+                after: None,
+                growth: "abuse: claims flood: RSS after − before the flood, idle again (largest; target ≤ 5 MB)",
+            },
         );
         report.value(
             &format!(
@@ -335,24 +323,6 @@ fn clean_names(slices: &[serde_json::Value]) -> Option<BTreeMap<String, String>>
         }
     }
     Some(names)
-}
-
-/// Waits until the plugin uses no CPU for [`QUIET_WINDOW`], [`SETTLE_LIMIT`] at most; whether it did.
-async fn settle(pid: u32) -> bool {
-    let deadline = Instant::now() + SETTLE_LIMIT;
-    let mut last = ProcSample::read(pid).ok().map(|s| s.cpu);
-    let mut since = Instant::now();
-    while Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let now = ProcSample::read(pid).ok().map(|s| s.cpu);
-        if now != last {
-            last = now;
-            since = Instant::now();
-        } else if since.elapsed() >= QUIET_WINDOW {
-            return true;
-        }
-    }
-    false
 }
 
 /// The flood's threads, each with a runtime and a connection of its own.

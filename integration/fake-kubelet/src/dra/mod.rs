@@ -279,7 +279,7 @@ impl DraKubelet {
             watch_errors: Mutex::new(Vec::new()),
             usable: watch::Sender::new(BTreeMap::new()),
         });
-        plugins::start(&shared);
+        watcher::start(&shared);
         Ok(DraKubelet {
             shared,
             _stop: stop.drop_guard(),
@@ -296,7 +296,7 @@ impl DraKubelet {
     /// again. Prepared claims and the health cache are kept, as the kubelet checkpoints them.
     pub fn restart(&self) {
         plugins::stop(&self.shared);
-        plugins::start(&self.shared);
+        watcher::start(&self.shared);
     }
 
     /// Moves the fake's clock forward: health gets older, and the kubelet's timers (health stream retry,

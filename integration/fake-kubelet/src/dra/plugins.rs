@@ -89,32 +89,6 @@ pub(super) struct FileId {
     pub(super) ctime: (i64, i64),
 }
 
-/// Starts a kubelet life: deletes the node's slices (when linked to an API server), then walks and watches
-/// `plugins_registry`.
-pub(crate) fn start(shared: &Arc<Shared>) {
-    let life = CancellationToken::new();
-    match shared.life.lock() {
-        Ok(mut current) => *current = life.clone(),
-        Err(poisoned) => *poisoned.into_inner() = life.clone(),
-    }
-    if let Some((api, node)) = &shared.options.api {
-        let deleted = api.wipe_slices(node, None);
-        shared.wipes.send_modify(|w| {
-            w.push(Wipe {
-                driver: None,
-                deleted,
-            })
-        });
-    }
-    let task = super::watcher::watch_registry(shared.clone(), life.clone());
-    shared.runtime.spawn(async move {
-        tokio::select! {
-            () = life.cancelled() => {}
-            () = task => {}
-        }
-    });
-}
-
 /// Ends the kubelet's life: its tasks stop, every connection closes, registrations are forgotten.
 pub(crate) fn stop(shared: &Shared) {
     shared.life().cancel();

@@ -296,6 +296,18 @@ macro_rules! wire_claims {
     };
 }
 
+/// A call's answer within `timeout`, or why there is none, in the words the kubelet's error carries.
+async fn within<T>(
+    timeout: std::time::Duration,
+    call: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(timeout, call).await {
+        Err(_) => Err(format!("timed out after {timeout:?}")),
+        Ok(Err(status)) => Err(status.to_string()),
+        Ok(Ok(answer)) => Ok(answer.into_inner()),
+    }
+}
+
 /// One `NodePrepareResources` to `driver` for `claims`: the devices of each claim, checked as the kubelet
 /// checks the answer.
 async fn call_prepare(
@@ -311,28 +323,27 @@ async fn call_prepare(
             let request = $api::NodePrepareResourcesRequest {
                 claims: wire_claims!($api, claims),
             };
-            match tokio::time::timeout(timeout, client.node_prepare_resources(request)).await {
-                Err(_) => Err(format!("timed out after {timeout:?}")),
-                Ok(Err(status)) => Err(status.to_string()),
-                Ok(Ok(answer)) => Ok(answer
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|(uid, claim)| {
-                        let devices = claim
-                            .devices
-                            .into_iter()
-                            .map(|d| PreparedDevice {
-                                pool: d.pool_name,
-                                device: d.device_name,
-                                request_names: d.request_names,
-                                cdi_device_ids: d.cdi_device_ids,
-                            })
-                            .collect::<Vec<_>>();
-                        (uid, (devices, claim.error))
-                    })
-                    .collect::<BTreeMap<_, _>>()),
-            }
+            within(timeout, client.node_prepare_resources(request))
+                .await
+                .map(|answer| {
+                    answer
+                        .claims
+                        .into_iter()
+                        .map(|(uid, claim)| {
+                            let devices = claim
+                                .devices
+                                .into_iter()
+                                .map(|d| PreparedDevice {
+                                    pool: d.pool_name,
+                                    device: d.device_name,
+                                    request_names: d.request_names,
+                                    cdi_device_ids: d.cdi_device_ids,
+                                })
+                                .collect::<Vec<_>>();
+                            (uid, (devices, claim.error))
+                        })
+                        .collect::<BTreeMap<_, _>>()
+                })
         }};
     }
     let answer = match service {
@@ -393,16 +404,15 @@ async fn call_unprepare(
             let request = $api::NodeUnprepareResourcesRequest {
                 claims: wire_claims!($api, claims),
             };
-            match tokio::time::timeout(timeout, client.node_unprepare_resources(request)).await {
-                Err(_) => Err(format!("timed out after {timeout:?}")),
-                Ok(Err(status)) => Err(status.to_string()),
-                Ok(Ok(answer)) => Ok(answer
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|(uid, claim)| (uid, claim.error))
-                    .collect::<BTreeMap<_, _>>()),
-            }
+            within(timeout, client.node_unprepare_resources(request))
+                .await
+                .map(|answer| {
+                    answer
+                        .claims
+                        .into_iter()
+                        .map(|(uid, claim)| (uid, claim.error))
+                        .collect::<BTreeMap<_, _>>()
+                })
         }};
     }
     let answer = match service {

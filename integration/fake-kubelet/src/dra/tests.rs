@@ -126,8 +126,20 @@ impl Plugin {
         self.seen.send_modify(f);
     }
 
-    /// The devices prepared for a claim: one, named after it.
-    fn prepare(&self, claims: &[(String, String)]) -> HashMap<String, (Vec<v1::Device>, String)> {
+    /// A `NodePrepareResources` call of `version` for `claims` (UID, name), recorded: the devices prepared
+    /// for each claim, one named after it.
+    fn prepare(
+        &self,
+        version: &str,
+        claims: impl Iterator<Item = (String, String)>,
+    ) -> HashMap<String, (Vec<v1::Device>, String)> {
+        let claims: Vec<(String, String)> = claims.collect();
+        self.saw(|s| {
+            s.calls.push((
+                format!("{version}.NodePrepareResources"),
+                claims.iter().map(|c| c.0.clone()).collect(),
+            ))
+        });
         claims
             .iter()
             .filter(|(uid, _)| !self.behave(|b| b.omitted.contains(uid)))
@@ -146,6 +158,16 @@ impl Plugin {
                 (uid.clone(), (vec![device], error))
             })
             .collect()
+    }
+
+    /// A `NodeUnprepareResources` call of `version` for the claims `uids`, recorded: the UIDs.
+    fn unprepare(&self, version: &str, uids: impl Iterator<Item = String>) -> Vec<String> {
+        let uids: Vec<String> = uids.collect();
+        self.saw(|s| {
+            s.calls
+                .push((format!("{version}.NodeUnprepareResources"), uids.clone()))
+        });
+        uids
     }
 
     fn health_stream<T: Send + 'static>(
@@ -204,20 +226,9 @@ impl v1::dra_plugin_server::DraPlugin for Plugin {
         &self,
         request: Request<v1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1::NodePrepareResourcesResponse>, Status> {
-        let claims: Vec<(String, String)> = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(|c| (c.uid, c.name))
-            .collect();
-        self.saw(|s| {
-            s.calls.push((
-                "v1.NodePrepareResources".into(),
-                claims.iter().map(|c| c.0.clone()).collect(),
-            ))
-        });
+        let claims = request.into_inner().claims.into_iter();
         let claims = self
-            .prepare(&claims)
+            .prepare("v1", claims.map(|c| (c.uid, c.name)))
             .into_iter()
             .map(|(uid, (devices, error))| {
                 (uid, v1::NodePrepareResourceResponse { devices, error })
@@ -230,17 +241,9 @@ impl v1::dra_plugin_server::DraPlugin for Plugin {
         &self,
         request: Request<v1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1::NodeUnprepareResourcesResponse>, Status> {
-        let uids: Vec<String> = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(|c| c.uid)
-            .collect();
-        self.saw(|s| {
-            s.calls
-                .push(("v1.NodeUnprepareResources".into(), uids.clone()))
-        });
-        let claims = uids
+        let uids = request.into_inner().claims.into_iter().map(|c| c.uid);
+        let claims = self
+            .unprepare("v1", uids)
             .into_iter()
             .map(|uid| {
                 let error =
@@ -258,20 +261,9 @@ impl v1beta1::dra_plugin_server::DraPlugin for Plugin {
         &self,
         request: Request<v1beta1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
-        let claims: Vec<(String, String)> = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(|c| (c.uid, c.name))
-            .collect();
-        self.saw(|s| {
-            s.calls.push((
-                "v1beta1.NodePrepareResources".into(),
-                claims.iter().map(|c| c.0.clone()).collect(),
-            ))
-        });
+        let claims = request.into_inner().claims.into_iter();
         let claims = self
-            .prepare(&claims)
+            .prepare("v1beta1", claims.map(|c| (c.uid, c.name)))
             .into_iter()
             .map(|(uid, (devices, error))| {
                 let devices = devices
@@ -295,17 +287,9 @@ impl v1beta1::dra_plugin_server::DraPlugin for Plugin {
         &self,
         request: Request<v1beta1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        let uids: Vec<String> = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(|c| c.uid)
-            .collect();
-        self.saw(|s| {
-            s.calls
-                .push(("v1beta1.NodeUnprepareResources".into(), uids.clone()))
-        });
-        let claims = uids
+        let uids = request.into_inner().claims.into_iter().map(|c| c.uid);
+        let claims = self
+            .unprepare("v1beta1", uids)
             .into_iter()
             .map(|uid| (uid, v1beta1::NodeUnprepareResourceResponse::default()))
             .collect();
@@ -315,40 +299,25 @@ impl v1beta1::dra_plugin_server::DraPlugin for Plugin {
     }
 }
 
-fn alpha_devices(devs: Vec<Dev>) -> health_v1alpha1::NodeWatchResourcesResponse {
-    health_v1alpha1::NodeWatchResourcesResponse {
-        devices: devs
-            .into_iter()
-            .map(|d| health_v1alpha1::DeviceHealth {
-                device: Some(health_v1alpha1::DeviceIdentifier {
-                    pool_name: "node-a".into(),
-                    device_name: d.device,
-                }),
-                health: d.health,
-                last_updated_time: 0,
-                health_check_timeout_seconds: d.timeout,
-                message: d.message,
-            })
-            .collect(),
-    }
-}
-
-fn v1_devices(devs: Vec<Dev>) -> health_v1::NodeWatchResourcesResponse {
-    health_v1::NodeWatchResourcesResponse {
-        devices: devs
-            .into_iter()
-            .map(|d| health_v1::DeviceHealth {
-                device: Some(health_v1::DeviceIdentifier {
-                    pool_name: "node-a".into(),
-                    device_name: d.device,
-                }),
-                health: d.health,
-                last_updated_time: 0,
-                health_check_timeout_seconds: d.timeout,
-                message: d.message,
-            })
-            .collect(),
-    }
+/// The health stream's answer of `$api` (`health_v1alpha1`, `health_v1`) for some devices.
+macro_rules! health_answer {
+    ($api:ident) => {
+        |devs: Vec<Dev>| $api::NodeWatchResourcesResponse {
+            devices: devs
+                .into_iter()
+                .map(|d| $api::DeviceHealth {
+                    device: Some($api::DeviceIdentifier {
+                        pool_name: "node-a".into(),
+                        device_name: d.device,
+                    }),
+                    health: d.health,
+                    last_updated_time: 0,
+                    health_check_timeout_seconds: d.timeout,
+                    message: d.message,
+                })
+                .collect(),
+        }
+    };
 }
 
 #[tonic::async_trait]
@@ -361,7 +330,10 @@ impl health_v1alpha1::dra_resource_health_server::DraResourceHealth for Plugin {
         &self,
         _: Request<health_v1alpha1::NodeWatchResourcesRequest>,
     ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        Ok(Response::new(self.health_stream("v1alpha1", alpha_devices)))
+        Ok(Response::new(self.health_stream(
+            "v1alpha1",
+            health_answer!(health_v1alpha1),
+        )))
     }
 }
 
@@ -374,7 +346,9 @@ impl health_v1::dra_resource_health_server::DraResourceHealth for Plugin {
         &self,
         _: Request<health_v1::NodeWatchResourcesRequest>,
     ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        Ok(Response::new(self.health_stream("v1", v1_devices)))
+        Ok(Response::new(
+            self.health_stream("v1", health_answer!(health_v1)),
+        ))
     }
 }
 

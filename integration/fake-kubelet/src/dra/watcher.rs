@@ -1,5 +1,6 @@
 //! The kubelet's plugin watcher on `plugins_registry`: a recursive inotify watch and a walk at start; a socket
-//! that appears is handed to registration, one that goes (or a directory holding it) to deregistration.
+//! that appears is handed to registration, one that goes (or a directory holding it) to deregistration. Each
+//! kubelet life starts here. Above `plugins`, which it hands the sockets to.
 
 use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
 use std::path::{Path, PathBuf};
@@ -10,10 +11,37 @@ use notify::{EventKind, RecursiveMode, Watcher as _};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::Shared;
 use super::plugins::{FileId, deregister, register_socket};
+use super::{Shared, Wipe};
 
-pub(super) async fn watch_registry(shared: Arc<Shared>, life: CancellationToken) {
+/// Starts a kubelet life: deletes the node's slices (when linked to an API server), then walks and watches
+/// `plugins_registry`.
+pub(crate) fn start(shared: &Arc<Shared>) {
+    let life = CancellationToken::new();
+    match shared.life.lock() {
+        Ok(mut current) => *current = life.clone(),
+        Err(poisoned) => *poisoned.into_inner() = life.clone(),
+    }
+    if let Some((api, node)) = &shared.options.api {
+        let deleted = api.wipe_slices(node, None);
+        shared.wipes.send_modify(|w| {
+            w.push(Wipe {
+                driver: None,
+                deleted,
+            })
+        });
+    }
+    let task = watch_registry(shared.clone(), life.clone());
+    shared.runtime.spawn(async move {
+        tokio::select! {
+            () = life.cancelled() => {}
+            () = task => {}
+        }
+    });
+}
+
+/// Walks and watches `plugins_registry` for as long as `life` runs.
+async fn watch_registry(shared: Arc<Shared>, life: CancellationToken) {
     let registry = shared.root.join("plugins_registry");
     let (tx, mut events) = mpsc::unbounded_channel();
     let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
