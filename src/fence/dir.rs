@@ -131,14 +131,19 @@ async fn follow(
     shutdown: CancellationToken,
 ) {
     let shown = dir.display().to_string();
-    let released_by = format!("the fence directory {shown}");
-    let mut warnings = Warnings::new(Instant::now());
+    let mut follower = Follower {
+        released_by: format!("the fence directory {shown}"),
+        shown,
+        reader,
+        queries,
+        warnings: Warnings::new(Instant::now()),
+        said_unreadable: false,
+    };
     let mut last_read: Option<Instant> = None;
     // A reading due without a change: at start, and while the directory cannot be read or watched.
     let mut due = Some(Instant::now());
-    let mut said_unreadable = false;
     loop {
-        let deadline = match (due, warnings.summary_due()) {
+        let deadline = match (due, follower.warnings.summary_due()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
@@ -147,8 +152,8 @@ async fn follow(
             change = woken.recv() => if change.is_some() { Woken::Change } else { Woken::Stop },
             () = sleep_until(deadline) => Woken::Due,
         };
-        if let Some(count) = warnings.summary(Instant::now()) {
-            tracing::warn!(dir = %shown, held_back = count, "{count} more problems with the fence directory's reports were not logged in the last {}s (at most one line per file and {} lines in that time)", warnings::INTERVAL.as_secs(), warnings::BUDGET);
+        if let Some(count) = follower.warnings.summary(Instant::now()) {
+            tracing::warn!(dir = %follower.shown, held_back = count, "{count} more problems with the fence directory's reports were not logged in the last {}s (at most one line per file and {} lines in that time)", warnings::INTERVAL.as_secs(), warnings::BUDGET);
         }
         match why {
             Woken::Stop => return,
@@ -167,64 +172,98 @@ async fn follow(
         // Every change until now is in this reading.
         while woken.try_recv().is_ok() {}
         last_read = Some(Instant::now());
-        due = None;
-        let Some(devices) = queries.devices().await else {
-            return;
+        due = match follower.read(&shutdown).await {
+            Some(due) => due,
+            None => return,
         };
+    }
+}
+
+/// The follower's state between two readings: the reading thread, the way to the monitor, and what it has
+/// said.
+struct Follower {
+    shown: String,
+    released_by: String,
+    reader: Reader,
+    queries: MonitorHandle,
+    warnings: Warnings,
+    said_unreadable: bool,
+}
+
+impl Follower {
+    /// One reading of the directory, its fences applied: when the next reading is due without a change
+    /// (`None` for none), or `None` when the plugin stops.
+    async fn read(&mut self, shutdown: &CancellationToken) -> Option<Option<Instant>> {
+        let shown = self.shown.clone();
+        let devices = self.queries.devices().await?;
         let keep = in_place(&devices, FROM_FILE)
             .into_values()
             .map(|(key, _)| key);
-        let mut reply = reader.read(keep.collect());
+        let mut reply = self.reader.read(keep.collect());
         let answered = tokio::select! {
-            () = shutdown.cancelled() => return,
+            () = shutdown.cancelled() => return None,
             answered = tokio::time::timeout(READ_TIMEOUT, &mut reply) => answered,
         };
         let answer = match answered {
             Ok(Ok(answer)) => answer,
             // The reading thread is gone: it panicked, and the process is ending.
-            Ok(Err(_)) => return,
+            Ok(Err(_)) => return None,
             Err(_) => {
                 // At most a line a minute for a file system that hangs again and again.
-                let said = warnings.allow("/hung", 0, Instant::now());
+                let said = self.warnings.allow("/hung", 0, Instant::now());
                 if said {
                     tracing::warn!(dir = %shown, timeout_s = READ_TIMEOUT.as_secs(), "reading the fence directory takes too long (a hung file system?): its fences stay as they are until it answers");
                 }
                 tokio::select! {
-                    () = shutdown.cancelled() => return,
+                    () = shutdown.cancelled() => return None,
                     _late = &mut reply => {}
                 }
                 if said {
                     tracing::info!(dir = %shown, "the fence directory answers again; reading it anew");
                 }
-                due = Some(Instant::now());
-                continue;
+                return Some(Some(Instant::now()));
             }
         };
         let now = Instant::now();
         let listing = match answer.reading {
             Reading::Unreadable { why } => {
-                due = Some(Instant::now() + RETRY_INTERVAL);
                 tracing::debug!(dir = %shown, error = %why, "fence directory read: unreadable");
-                if warnings.allow("/dir", read::hash(&why), now) {
-                    said_unreadable = true;
+                if self.warnings.allow("/dir", read::hash(&why), now) {
+                    self.said_unreadable = true;
                     tracing::warn!(dir = %shown, error = %why, "cannot read the fence directory: every fence from it stays as it is until it can be read");
                 }
-                warnings.keep_only(|source| source == "/dir", now);
-                continue;
+                self.warnings.keep_only(|source| source == "/dir", now);
+                return Some(Some(Instant::now() + RETRY_INTERVAL));
             }
             Reading::Listed(listing) => listing,
         };
+        let mut due = None;
         if let Err(why) = &answer.watched {
             due = Some(Instant::now() + RETRY_INTERVAL);
-            if warnings.allow("/watch", read::hash(why), now) {
+            if self.warnings.allow("/watch", read::hash(why), now) {
                 tracing::warn!(dir = %shown, error = %why, retry_s = RETRY_INTERVAL.as_secs(), "cannot watch the fence directory for changes: reading it every second until it can be watched");
             }
         }
         // Said only after a warning was, so that a directory that comes and goes logs no more than the
         // warnings allow.
-        if std::mem::take(&mut said_unreadable) {
+        if std::mem::take(&mut self.said_unreadable) {
             tracing::info!(dir = %shown, "the fence directory can be read again");
         }
+        self.apply(listing, answer.watched.is_err(), &devices, now)
+            .await;
+        Some(due)
+    }
+
+    /// Makes the fences from the directory what `listing` says, each problem said within the warnings'
+    /// budget.
+    async fn apply(
+        &mut self,
+        listing: read::Listing,
+        unwatched: bool,
+        devices: &[DeviceSnapshot],
+        now: Instant,
+    ) {
+        let shown = &self.shown;
         tracing::debug!(
             dir = %shown,
             reports = listing.reports.len(),
@@ -232,11 +271,11 @@ async fn follow(
             unread = listing.unread,
             "fence directory read"
         );
-        if listing.unread > 0 && warnings.allow("/unread", listing.unread as u64, now) {
+        if listing.unread > 0 && self.warnings.allow("/unread", listing.unread as u64, now) {
             tracing::warn!(dir = %shown, unread = listing.unread, "more than {MAX_REPORTS} reports in the fence directory: the {} past the first {MAX_REPORTS} by name are not read (a fence from one of them stays while its file exists)", listing.unread);
         }
         for problem in &listing.problems {
-            if warnings.allow(&problem.file, problem.version, now) {
+            if self.warnings.allow(&problem.file, problem.version, now) {
                 if problem.held {
                     tracing::warn!(dir = %shown, file = %problem.file, error = %problem.why, "fence report ignored: a fence from this file stays as it is until the file is removed or made right");
                 } else {
@@ -259,16 +298,16 @@ async fn follow(
         // The list from before the reading: only this task sets or releases the directory's fences, so
         // what it says of them still holds.
         let failed = apply_to(
-            &queries,
-            &devices,
+            &self.queries,
+            devices,
             FROM_FILE,
             &wanted,
             &listing.held,
-            &released_by,
+            &self.released_by,
         )
         .await;
         for (file, e) in &failed {
-            if warnings.allow(file, read::hash(e.to_string()), now) {
+            if self.warnings.allow(file, read::hash(e.to_string()), now) {
                 tracing::warn!(dir = %shown, %file, error = %e, "fence report not applied");
             }
         }
@@ -280,9 +319,10 @@ async fn follow(
             .map(|p| p.file.as_str())
             .chain(failed.iter().map(|(file, _)| file.as_str()))
             .chain((listing.unread > 0).then_some("/unread"))
-            .chain(answer.watched.is_err().then_some("/watch"))
+            .chain(unwatched.then_some("/watch"))
             .collect();
-        warnings.keep_only(|source| problems.contains(source), now);
+        self.warnings
+            .keep_only(|source| problems.contains(source), now);
     }
 }
 
