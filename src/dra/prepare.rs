@@ -295,67 +295,19 @@ impl Preparer {
     ) -> HashMap<String, Result<Vec<PreparedDevice>, String>> {
         // Never closed: the permit always comes, in turn.
         let _turn = self.prepares.acquire().await;
-        // Claims are read before the lock, together: a slow API server delays this call, not every other.
-        let known: Vec<bool> = {
-            let held = self.record.lock().await;
-            claims
-                .iter()
-                .map(|c| held.record.claims.contains_key(&c.uid))
-                .collect()
-        };
-        let reads: Vec<_> = claims
-            .iter()
-            .zip(known)
-            .map(|(c, known)| {
-                let (reader, namespace, name) =
-                    (self.claims.clone(), c.namespace.clone(), c.name.clone());
-                let permits = self.reads.clone();
-                async move {
-                    if known {
-                        return Ok(None);
-                    }
-                    let _permit = permits.acquire_owned().await.map_err(|e| e.to_string())?;
-                    reader.get(&namespace, &name).await.map(Some)
-                }
-            })
-            .collect();
-        // A few at a time: a pod with many claims must not become a burst of requests to the API server.
-        let read: Vec<_> = futures_util::stream::iter(reads)
-            .buffered(MAX_READS)
-            .collect()
-            .await;
-
+        let read = self.read_claims(&claims).await;
         // What the API server says is prepared on the node, before a claim the record does not hold is: at
         // the start, after the record could not be read or lacked claims held here, and when a listed claim
         // alone holds a device asked for (it may have let it go since). The list is waited for without the
         // record or its lock: it may take longer than the kubelet waits, and goes on without this call.
-        let fresh = |held: &Holdings, c: &ClaimRef| !held.record.claims.contains_key(&c.uid);
-        let needed = {
-            let mut held = self.record.lock().await;
-            let _file = match self.hold_file(&mut held).await {
-                Ok(lock) => lock,
-                Err(why) => return unrecorded(claims, &why, "prepared"),
-            };
-            let stale = held.listed_at.is_none_or(|at| at.elapsed() >= RELIST_AFTER);
-            let suspect = stale
-                && claims.iter().zip(&read).any(|(c, read)| match read {
-                    Ok(Some(Some(object))) => {
-                        fresh(&held, c) && held.blocked_by_listed(c, object, &self.config.pool)
-                    }
-                    _ => false,
-                });
-            let at_least = match held.due {
-                Some(due) => Some(due),
-                None if suspect => Some(held.listed_generation + 1),
-                None => None,
-            };
-            at_least.filter(|_| claims.iter().any(|c| fresh(&held, c)))
+        let needed = match self.list_needed(&claims, &read).await {
+            Ok(needed) => needed,
+            Err(why) => return unrecorded(claims, &why, "prepared"),
         };
         let listed = match needed {
             Some(at_least) => Some(self.listing.wait(at_least, until, &self.metrics).await),
             None => None,
         };
-
         let mut held = self.record.lock().await;
         let _file = match self.hold_file(&mut held).await {
             Ok(lock) => lock,
@@ -382,41 +334,7 @@ impl Preparer {
         let before = held.record.clone();
         let mut answers = HashMap::new();
         for (claim, read) in claims.into_iter().zip(read) {
-            let answer = match held.record.claims.get(&claim.uid) {
-                Some(prepared) => Ok(prepared.devices.clone()),
-                None if unlisted.is_some() => Err(format!(
-                    "cannot learn from the API server which devices are prepared on this node, so {} is \
-                     not prepared: {}; the kubelet asks again",
-                    claim.describe(),
-                    unlisted.as_deref().unwrap_or_default()
-                )),
-                None => match read {
-                    Ok(Some(Some(object))) => self.devices_of(&claim, &object, &held),
-                    Ok(Some(None)) => Err(format!(
-                        "{} is not in the API server (deleted?); the pod needs a claim that exists",
-                        claim.describe()
-                    )),
-                    Ok(None) => Err(format!(
-                        "{} was unprepared while this prepare read it; the kubelet asks again",
-                        claim.describe()
-                    )),
-                    Err(e) => Err(format!(
-                        "cannot read {} from the API server: {e}; the kubelet asks again",
-                        claim.describe()
-                    )),
-                },
-            };
-            if let Ok(devices) = &answer {
-                held.listed.remove(&claim.uid);
-                held.record.claims.insert(
-                    claim.uid.clone(),
-                    PreparedClaim {
-                        namespace: claim.namespace.clone(),
-                        name: claim.name.clone(),
-                        devices: devices.clone(),
-                    },
-                );
-            }
+            let answer = self.answer(&mut held, &claim, read, unlisted.as_deref());
             answers.insert(claim.uid, answer);
         }
         for (uid, answer) in &answers {
@@ -443,6 +361,111 @@ impl Preparer {
             }
         }
         answers
+    }
+
+    /// Each claim the record does not hold, read from the API server before the lock, together (a slow API
+    /// server delays this call, not every other), a few at a time (a pod with many claims must not become a
+    /// burst of requests). `Ok(None)` for a claim the record holds.
+    async fn read_claims(&self, claims: &[ClaimRef]) -> Vec<Result<Option<Option<Claim>>, String>> {
+        let known: Vec<bool> = {
+            let held = self.record.lock().await;
+            claims
+                .iter()
+                .map(|c| held.record.claims.contains_key(&c.uid))
+                .collect()
+        };
+        let reads: Vec<_> = claims
+            .iter()
+            .zip(known)
+            .map(|(c, known)| {
+                let (reader, namespace, name) =
+                    (self.claims.clone(), c.namespace.clone(), c.name.clone());
+                let permits = self.reads.clone();
+                async move {
+                    if known {
+                        return Ok(None);
+                    }
+                    let _permit = permits.acquire_owned().await.map_err(|e| e.to_string())?;
+                    reader.get(&namespace, &name).await.map(Some)
+                }
+            })
+            .collect();
+        futures_util::stream::iter(reads)
+            .buffered(MAX_READS)
+            .collect()
+            .await
+    }
+
+    /// Whether the claims the API server lists must be known before these claims are answered: the list's
+    /// generation to wait for, or `None`. `Err` when the record cannot be held.
+    async fn list_needed(
+        &self,
+        claims: &[ClaimRef],
+        read: &[Result<Option<Option<Claim>>, String>],
+    ) -> Result<Option<u64>, String> {
+        let mut held = self.record.lock().await;
+        let _file = self.hold_file(&mut held).await?;
+        let stale = held.listed_at.is_none_or(|at| at.elapsed() >= RELIST_AFTER);
+        let suspect = stale
+            && claims.iter().zip(read).any(|(c, read)| match read {
+                Ok(Some(Some(object))) => {
+                    fresh(&held, c) && held.blocked_by_listed(c, object, &self.config.pool)
+                }
+                _ => false,
+            });
+        let at_least = match held.due {
+            Some(due) => Some(due),
+            None if suspect => Some(held.listed_generation + 1),
+            None => None,
+        };
+        Ok(at_least.filter(|_| claims.iter().any(|c| fresh(&held, c))))
+    }
+
+    /// One claim's answer: the devices the record holds for it, else those its allocation names here, else
+    /// why not; a claim answered with devices is recorded in `held`.
+    fn answer(
+        &self,
+        held: &mut Holdings,
+        claim: &ClaimRef,
+        read: Result<Option<Option<Claim>>, String>,
+        unlisted: Option<&str>,
+    ) -> Result<Vec<PreparedDevice>, String> {
+        let answer = match held.record.claims.get(&claim.uid) {
+            Some(prepared) => Ok(prepared.devices.clone()),
+            None if unlisted.is_some() => Err(format!(
+                "cannot learn from the API server which devices are prepared on this node, so {} is \
+                 not prepared: {}; the kubelet asks again",
+                claim.describe(),
+                unlisted.unwrap_or_default()
+            )),
+            None => match read {
+                Ok(Some(Some(object))) => self.devices_of(claim, &object, held),
+                Ok(Some(None)) => Err(format!(
+                    "{} is not in the API server (deleted?); the pod needs a claim that exists",
+                    claim.describe()
+                )),
+                Ok(None) => Err(format!(
+                    "{} was unprepared while this prepare read it; the kubelet asks again",
+                    claim.describe()
+                )),
+                Err(e) => Err(format!(
+                    "cannot read {} from the API server: {e}; the kubelet asks again",
+                    claim.describe()
+                )),
+            },
+        };
+        if let Ok(devices) = &answer {
+            held.listed.remove(&claim.uid);
+            held.record.claims.insert(
+                claim.uid.clone(),
+                PreparedClaim {
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                    devices: devices.clone(),
+                },
+            );
+        }
+        answer
     }
 
     /// Unprepares every claim: by UID, success or why not.
@@ -786,6 +809,11 @@ fn show(status: &tokio::sync::watch::Sender<super::registration::DraStatus>, hel
         })
         .collect();
     status.send_modify(|s| s.prepared = prepared);
+}
+
+/// Whether `claim` is new to the record.
+fn fresh(held: &Holdings, claim: &ClaimRef) -> bool {
+    !held.record.claims.contains_key(&claim.uid)
 }
 
 /// Every claim of a call answered with why the record could not be taken (`done` says what was not done to
