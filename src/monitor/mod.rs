@@ -565,58 +565,9 @@ impl Monitor {
             OperatorRequest::Fence { .. } => "fence",
             OperatorRequest::Release { .. } => "release",
         };
-        // An NVML index (`3`, or `3:1` for a MIG device) names the same devices as the UUID `nvidia-smi`
-        // shows beside it: what an operator reads off a node before pulling a card.
-        let by_index = target.parse::<usize>().ok();
-        let (devices, name): (Vec<String>, String) = {
-            let inventory = self.inventory.borrow();
-            let chosen: Vec<&crate::devices::DeviceState> = inventory
-                .devices()
-                .iter()
-                .filter(|d| {
-                    d.info.id == target
-                        || d.info.mig.as_ref().is_some_and(|m| m.parent == target)
-                        || d.info.index.as_deref() == Some(target)
-                        || by_index.is_some_and(|i| d.info.gpu_index() == Some(i))
-                })
-                .collect();
-            // Logged and answered under the UUID, whichever way it was named.
-            let name = match chosen.as_slice() {
-                [one] => one.info.id.clone(),
-                [first, ..] => first
-                    .info
-                    .mig
-                    .as_ref()
-                    .filter(|m| {
-                        chosen
-                            .iter()
-                            .all(|d| d.info.mig.as_ref().is_some_and(|o| o.parent == m.parent))
-                    })
-                    .map_or_else(|| target.to_string(), |m| m.parent.clone()),
-                [] => target.to_string(),
-            };
-            (chosen.iter().map(|d| d.info.id.clone()).collect(), name)
-        };
+        let (devices, name) = self.chosen(target);
         if devices.is_empty() {
-            let inventory = self.inventory.borrow();
-            let known: Vec<String> = inventory
-                .devices()
-                .iter()
-                .enumerate()
-                .map(|(position, d)| match &d.info.index {
-                    Some(index) => format!("{index}={}", d.info.id),
-                    None => format!("{position}={}", d.info.id),
-                })
-                .collect();
-            let example = inventory
-                .devices()
-                .first()
-                .map_or_else(|| "GPU-…".to_string(), |d| d.info.id.clone());
-            return Err(OperatorError::UnknownDevice {
-                target: crate::util::text::shown(target, 80),
-                known: crate::util::text::cut_bytes(&known.join(", "), 400),
-                command: Some(format!("gpu-device-plugin {command} {example}")),
-            });
+            return Err(self.unknown_device(target, command));
         }
         let target = name.as_str();
         let (observation, devices) = match request {
@@ -625,53 +576,7 @@ impl Monitor {
                 (Observation::Fence { reason, by }, devices)
             }
             OperatorRequest::Release { which, reason, by } => {
-                let holding: Vec<String> = devices
-                    .iter()
-                    .filter(|id| {
-                        self.engine
-                            .device(id)
-                            .is_some_and(|h| h.conditions().iter().any(|c| which.matches(&c.kind)))
-                    })
-                    .cloned()
-                    .collect();
-                if holding.is_empty() {
-                    let mut has: Vec<String> = devices
-                        .iter()
-                        .filter_map(|id| self.engine.device(id))
-                        .flat_map(|h| h.conditions().iter().map(|c| c.kind.to_string()))
-                        .collect();
-                    has.dedup();
-                    // The command that would release what is there: a fence without --condition.
-                    let command = has.first().map(|first| match first.as_str() {
-                        "fenced" => format!("gpu-device-plugin release {target}"),
-                        other => format!("gpu-device-plugin release {target} --condition {other}"),
-                    });
-                    return Err(OperatorError::NoSuchCondition {
-                        target: target.to_string(),
-                        which: which.to_string(),
-                        has: if has.is_empty() {
-                            "none".into()
-                        } else {
-                            has.join(", ")
-                        },
-                        command,
-                    });
-                }
-                let never = holding
-                    .iter()
-                    .filter_map(|id| self.engine.device(id))
-                    .any(|h| {
-                        h.conditions().iter().any(|c| {
-                            which.matches(&c.kind)
-                                && c.kind != ConditionKind::Fenced
-                                && self.engine.policy().recover(&c.kind) == Recover::Never
-                        })
-                    });
-                if never {
-                    tracing::warn!(device = %target, condition = %which, %by, %reason, "an operator released a recover: never condition");
-                } else {
-                    tracing::info!(device = %target, condition = %which, %by, %reason, "released by an operator");
-                }
+                let holding = self.holding(target, &devices, &which, &reason, &by)?;
                 (Observation::Release { which }, holding)
             }
         };
@@ -691,6 +596,123 @@ impl Monitor {
             });
         }
         Ok(changed)
+    }
+
+    /// The devices `target` names (a device, or every MIG device of a GPU; by UUID, or by the NVML index
+    /// `nvidia-smi` shows beside it, what an operator reads off a node before pulling a card), and the UUID
+    /// they are logged and answered under.
+    fn chosen(&self, target: &str) -> (Vec<String>, String) {
+        let by_index = target.parse::<usize>().ok();
+        let inventory = self.inventory.borrow();
+        let chosen: Vec<&crate::devices::DeviceState> = inventory
+            .devices()
+            .iter()
+            .filter(|d| {
+                d.info.id == target
+                    || d.info.mig.as_ref().is_some_and(|m| m.parent == target)
+                    || d.info.index.as_deref() == Some(target)
+                    || by_index.is_some_and(|i| d.info.gpu_index() == Some(i))
+            })
+            .collect();
+        // Logged and answered under the UUID, whichever way it was named.
+        let name = match chosen.as_slice() {
+            [one] => one.info.id.clone(),
+            [first, ..] => first
+                .info
+                .mig
+                .as_ref()
+                .filter(|m| {
+                    chosen
+                        .iter()
+                        .all(|d| d.info.mig.as_ref().is_some_and(|o| o.parent == m.parent))
+                })
+                .map_or_else(|| target.to_string(), |m| m.parent.clone()),
+            [] => target.to_string(),
+        };
+        (chosen.iter().map(|d| d.info.id.clone()).collect(), name)
+    }
+
+    /// Why `target` names no device, with the devices there are and the command that would work.
+    fn unknown_device(&self, target: &str, command: &str) -> OperatorError {
+        let inventory = self.inventory.borrow();
+        let known: Vec<String> = inventory
+            .devices()
+            .iter()
+            .enumerate()
+            .map(|(position, d)| match &d.info.index {
+                Some(index) => format!("{index}={}", d.info.id),
+                None => format!("{position}={}", d.info.id),
+            })
+            .collect();
+        let example = inventory
+            .devices()
+            .first()
+            .map_or_else(|| "GPU-…".to_string(), |d| d.info.id.clone());
+        OperatorError::UnknownDevice {
+            target: crate::util::text::shown(target, 80),
+            known: crate::util::text::cut_bytes(&known.join(", "), 400),
+            command: Some(format!("gpu-device-plugin {command} {example}")),
+        }
+    }
+
+    /// The devices of `devices` holding a condition `which` matches, with the release logged; refused when
+    /// none does, with what each holds and the command that would release it.
+    fn holding(
+        &self,
+        target: &str,
+        devices: &[String],
+        which: &ConditionSelector,
+        reason: &str,
+        by: &str,
+    ) -> Result<Vec<String>, OperatorError> {
+        let holding: Vec<String> = devices
+            .iter()
+            .filter(|id| {
+                self.engine
+                    .device(id)
+                    .is_some_and(|h| h.conditions().iter().any(|c| which.matches(&c.kind)))
+            })
+            .cloned()
+            .collect();
+        if holding.is_empty() {
+            let mut has: Vec<String> = devices
+                .iter()
+                .filter_map(|id| self.engine.device(id))
+                .flat_map(|h| h.conditions().iter().map(|c| c.kind.to_string()))
+                .collect();
+            has.dedup();
+            // The command that would release what is there: a fence without --condition.
+            let command = has.first().map(|first| match first.as_str() {
+                "fenced" => format!("gpu-device-plugin release {target}"),
+                other => format!("gpu-device-plugin release {target} --condition {other}"),
+            });
+            return Err(OperatorError::NoSuchCondition {
+                target: target.to_string(),
+                which: which.to_string(),
+                has: if has.is_empty() {
+                    "none".into()
+                } else {
+                    has.join(", ")
+                },
+                command,
+            });
+        }
+        let never = holding
+            .iter()
+            .filter_map(|id| self.engine.device(id))
+            .any(|h| {
+                h.conditions().iter().any(|c| {
+                    which.matches(&c.kind)
+                        && c.kind != ConditionKind::Fenced
+                        && self.engine.policy().recover(&c.kind) == Recover::Never
+                })
+            });
+        if never {
+            tracing::warn!(device = %target, condition = %which, %by, %reason, "an operator released a recover: never condition");
+        } else {
+            tracing::info!(device = %target, condition = %which, %by, %reason, "released by an operator");
+        }
+        Ok(holding)
     }
 
     /// Every device as it stands, in the inventory's order.
