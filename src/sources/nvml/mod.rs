@@ -241,6 +241,48 @@ impl NvmlGpus {
     }
 }
 
+impl NvmlGpus {
+    /// GPUs present but silent at discovery (`unreadable`, by index): served lost under the UUID the
+    /// driver's GPU list gives them, so that the kubelet keeps the device it knows and its recorded
+    /// conditions still apply; one the list does not name is not served (counted as unidentified).
+    fn serve_silent(&mut self, unreadable: &[u32], found: &mut Vec<DeviceInfo>) {
+        if unreadable.is_empty() {
+            return;
+        }
+        // Every GPU that answered, whichever road serves it (the layout holds the device plugin's only).
+        let answered_ids: Vec<String> = self.gpus.iter().map(|gpu| gpu.id.clone()).collect();
+        let answered: HashSet<&str> = answered_ids.iter().map(String::as_str).collect();
+        let driver = driver_gpus(&self.options);
+        for (index, named) in name_unreadable(&driver, &answered, unreadable) {
+            let Some(mut info) = named else {
+                self.unidentified += 1;
+                self.unserved.push(crate::devices::Unserved {
+                    index: usize::try_from(index).ok(),
+                    id: None,
+                    why: "does not answer NVML and the driver's GPU list does not name it; served once it answers at a restart".into(),
+                });
+                tracing::error!(
+                    index,
+                    "GPU does not answer NVML and the driver's GPU list does not tell which it is; not served until it answers at a restart (its checkpointed conditions are kept)"
+                );
+                continue;
+            };
+            // Present but silent: served under its own UUID, lost, so that the kubelet keeps the device
+            // it knows and its recorded conditions still apply.
+            tracing::error!(index, device = %info.id, "GPU does not answer NVML; named from the driver's information file and served lost");
+            info.index = Some(index.to_string());
+            self.lost_at_start.push(info.id.clone());
+            self.gpus.push(Watched {
+                index,
+                id: info.id.clone(),
+                devices: vec![info.id.clone()],
+                ..Watched::default()
+            });
+            found.push(info);
+        }
+    }
+}
+
 impl DeviceSource for NvmlGpus {
     fn discover(&mut self) -> Result<Vec<DeviceInfo>, SourceError> {
         let count = self
@@ -342,39 +384,7 @@ impl DeviceSource for NvmlGpus {
             }));
             self.gpus.push(watched);
         }
-        if !unreadable.is_empty() {
-            // Every GPU that answered, whichever road serves it (the layout holds the device plugin's only).
-            let answered_ids: Vec<String> = self.gpus.iter().map(|gpu| gpu.id.clone()).collect();
-            let answered: HashSet<&str> = answered_ids.iter().map(String::as_str).collect();
-            let driver = driver_gpus(&self.options);
-            for (index, named) in name_unreadable(&driver, &answered, &unreadable) {
-                let Some(mut info) = named else {
-                    self.unidentified += 1;
-                    self.unserved.push(crate::devices::Unserved {
-                        index: usize::try_from(index).ok(),
-                        id: None,
-                        why: "does not answer NVML and the driver's GPU list does not name it; served once it answers at a restart".into(),
-                    });
-                    tracing::error!(
-                        index,
-                        "GPU does not answer NVML and the driver's GPU list does not tell which it is; not served until it answers at a restart (its checkpointed conditions are kept)"
-                    );
-                    continue;
-                };
-                // Present but silent: served under its own UUID, lost, so that the kubelet keeps the device
-                // it knows and its recorded conditions still apply.
-                tracing::error!(index, device = %info.id, "GPU does not answer NVML; named from the driver's information file and served lost");
-                info.index = Some(index.to_string());
-                self.lost_at_start.push(info.id.clone());
-                self.gpus.push(Watched {
-                    index,
-                    id: info.id.clone(),
-                    devices: vec![info.id.clone()],
-                    ..Watched::default()
-                });
-                found.push(info);
-            }
-        }
+        self.serve_silent(&unreadable, &mut found);
         let warnings = mig::check_layout(strategy, &layout)
             .map_err(|e| SourceError::Discovery(e.to_string()))?;
         for warning in warnings {
