@@ -689,31 +689,7 @@ pub async fn run(
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> Result<(), DraError> {
-    let record_file = RecordFile::in_dir(&config.state_dir);
-    let record = {
-        let (file, boot) = (record_file.clone(), config.boot_id.clone());
-        tokio::task::spawn_blocking(move || file.load(boot))
-            .await
-            .unwrap_or_default()
-    };
-    tracing::info!(
-        prepared = record.claims.len(),
-        "prepared-claim record loaded"
-    );
-    status.send_modify(|s| s.driver = config.driver.clone());
-    let preparer = Preparer::new(
-        PrepareConfig {
-            driver: config.driver.clone(),
-            pool: config.pool.clone(),
-            cdi_kind: config.cdi_kind.clone(),
-        },
-        devices,
-        claims,
-        record,
-        record_file,
-    )
-    .with_status(status.clone())
-    .with_metrics(metrics.clone());
+    let preparer = start_preparer(&config, devices, claims, &status, &metrics).await;
     // The health streams end with the servers, whether the process stops or the DRA side fails on its own.
     let streams = shutdown.child_token();
     let (others, others_rx) = watch::channel(false);
@@ -815,6 +791,42 @@ pub async fn run(
     reg.stop().await;
     dra.stop().await;
     Ok(())
+}
+
+/// The claims' side: the prepared-claim record loaded (off this thread), and the preparer that answers the
+/// kubelet's prepare and unprepare with it.
+async fn start_preparer(
+    config: &DraConfig,
+    devices: InventoryWatch,
+    claims: Arc<dyn ClaimReader>,
+    status: &watch::Sender<DraStatus>,
+    metrics: &Arc<Metrics>,
+) -> Preparer {
+    let record_file = RecordFile::in_dir(&config.state_dir);
+    let record = {
+        let (file, boot) = (record_file.clone(), config.boot_id.clone());
+        tokio::task::spawn_blocking(move || file.load(boot))
+            .await
+            .unwrap_or_default()
+    };
+    tracing::info!(
+        prepared = record.claims.len(),
+        "prepared-claim record loaded"
+    );
+    status.send_modify(|s| s.driver = config.driver.clone());
+    Preparer::new(
+        PrepareConfig {
+            driver: config.driver.clone(),
+            pool: config.pool.clone(),
+            cdi_kind: config.cdi_kind.clone(),
+        },
+        devices,
+        claims,
+        record,
+        record_file,
+    )
+    .with_status(status.clone())
+    .with_metrics(metrics.clone())
 }
 
 /// What the DRA side's unit tests share.

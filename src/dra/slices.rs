@@ -292,28 +292,11 @@ pub async fn publish(
                 continue;
             }
             event = events.next() => {
-                match event {
-                    Some(Ok(event)) => {
-                        // A watch that works again (a list begun is not yet one that worked).
-                        if !matches!(event, watcher::Event::Init) {
-                            said_watch_error = None;
-                        }
-                        forget_gone(&event, &mut ours, &seen);
-                        follow(event, &mut seen, &mut listed);
-                        dirty = true;
-                    }
-                    Some(Err(e)) => {
-                        // Said once per kind of failure: the watch is tried again with a backoff.
-                        let why = crate::cluster::explain_watch(
-                            &e,
-                            "list and watch on resourceslices (resource.k8s.io/v1, Kubernetes 1.34+)",
-                        );
-                        if said_watch_error.as_ref() != Some(&why) {
-                            tracing::warn!(error = %why, "cannot watch this node's ResourceSlices: they are not written until it can (retrying)");
-                            said_watch_error = Some(why);
-                        }
-                    }
-                    None => return,
+                let Some(event) = event else { return };
+                if let Some(event) = watch_news(event, &mut said_watch_error) {
+                    forget_gone(&event, &mut ours, &seen);
+                    follow(event, &mut seen, &mut listed);
+                    dirty = true;
                 }
                 continue;
             }
@@ -340,18 +323,7 @@ pub async fn publish(
             generation,
         )
         .await;
-        // Each create, update and delete counted, a failed one included; a reconcile that sent nothing is none.
-        let calls = match &written {
-            Ok(done) => {
-                (0..done.calls).for_each(|_| metrics.api_call("resource_slice", true));
-                done.calls
-            }
-            Err(_) => {
-                metrics.api_call("resource_slice", false);
-                1
-            }
-        };
-        if calls > 0 {
+        if counted(&written, &metrics) > 0 {
             writes.take(started);
         }
         match written {
@@ -403,6 +375,49 @@ async fn sleep_for(wait: Duration) {
     }
     if !wait.is_zero() {
         tokio::time::sleep(wait).await;
+    }
+}
+
+/// A watch event to apply, or `None` for a failure of the watch (said once per kind of failure: the watch is
+/// tried again with a backoff).
+fn watch_news(
+    event: Result<watcher::Event<DynamicObject>, watcher::Error>,
+    said_watch_error: &mut Option<String>,
+) -> Option<watcher::Event<DynamicObject>> {
+    match event {
+        Ok(event) => {
+            // A watch that works again (a list begun is not yet one that worked).
+            if !matches!(event, watcher::Event::Init) {
+                *said_watch_error = None;
+            }
+            Some(event)
+        }
+        Err(e) => {
+            let why = crate::cluster::explain_watch(
+                &e,
+                "list and watch on resourceslices (resource.k8s.io/v1, Kubernetes 1.34+)",
+            );
+            if said_watch_error.as_ref() != Some(&why) {
+                tracing::warn!(error = %why, "cannot watch this node's ResourceSlices: they are not written until it can (retrying)");
+                *said_watch_error = Some(why);
+            }
+            None
+        }
+    }
+}
+
+/// The calls a reconcile made, each create, update and delete counted in `metrics`, a failed one included; a
+/// reconcile that sent nothing made none.
+fn counted(written: &Result<Wrote, Failed>, metrics: &crate::metrics::Metrics) -> usize {
+    match written {
+        Ok(done) => {
+            (0..done.calls).for_each(|_| metrics.api_call("resource_slice", true));
+            done.calls
+        }
+        Err(_) => {
+            metrics.api_call("resource_slice", false);
+            1
+        }
     }
 }
 
