@@ -1344,6 +1344,119 @@ async fn an_oversized_answer_from_the_api_server_fails_the_claim_and_costs_no_me
     Ok(())
 }
 
+/// The cluster-wide ResourceClaim list (what a freshly started plugin must know before it hands out a
+/// device) slower than the kubelet's deadline: each page answered after 0.5 s, 16 pages (8 s), and a kubelet
+/// whose calls carry a 4 s deadline and that asks again as soon as a call fails. Each call is refused before
+/// its deadline, saying the list is not done yet; the list goes on without the calls, once; the call after
+/// it is done prepares the claim. The API server is asked for each page once: one list, whatever the calls.
+/// Before, the list ran inside the call: no call was answered in time, and each one began the list again
+/// from page 1 (6 calls, 6 lists, none done).
+#[tokio::test]
+async fn a_claims_list_slower_than_the_kubelets_deadline_is_refused_in_time_listed_once_and_the_retry_prepared()
+-> TestResult {
+    use std::time::{Duration, Instant};
+    const PER_PAGE: Duration = Duration::from_millis(500);
+    const DEADLINE: Duration = Duration::from_secs(4);
+    // The plugin asks for 100 claims a page: 1 500 other nodes' claims and the pod's make 16 pages.
+    const PAGES: usize = 16;
+    const LIST: &str = "/apis/resource.k8s.io/v1/resourceclaims";
+    let node = DraNode::start_with(
+        1,
+        "all",
+        |o| o.call_timeout(DEADLINE),
+        |api| {
+            for i in 0..(PAGES - 1) * 100 {
+                api.add_claim(
+                    &format!("team-{}", i % 40),
+                    &format!("job-{i}"),
+                    vec![AllocationResult::new(
+                        "gpu",
+                        DRIVER,
+                        &format!("node-{}", i % 250),
+                        "gpu-0",
+                    )],
+                );
+            }
+            api.slow_claim_lists(PER_PAGE);
+        },
+    )
+    .await?;
+    let pod = node.pod_with_claim("slow", "gpu-0");
+    let pages = |api: &FakeApiServer| {
+        api.requests()
+            .into_iter()
+            .filter(|r| r.method == "GET" && r.path == LIST)
+            .collect::<Vec<_>>()
+    };
+    assert!(pages(&node.api).is_empty(), "listed before any prepare");
+
+    // The kubelet calls, and asks again at once each time a call fails.
+    let mut refused: Vec<(Duration, usize)> = Vec::new();
+    let last = loop {
+        let call = Instant::now();
+        let answer = node.kubelet.prepare_pod(&pod).await;
+        let took = call.elapsed();
+        let Err(e) = answer else {
+            break took;
+        };
+        let e = e.to_string();
+        assert!(
+            took < DEADLINE,
+            "answered after {took:?}, past the kubelet's {DEADLINE:?}: {e}\n{}",
+            node.plugin.log()
+        );
+        assert!(
+            e.contains("the list of the cluster's ResourceClaims")
+                && e.contains("is not done yet")
+                && e.contains("the kubelet asks again"),
+            "{e}\n{}",
+            node.plugin.log()
+        );
+        refused.push((took, pages(&node.api).len()));
+        assert!(
+            refused.len() <= 6,
+            "still refused after {refused:?} (time, pages answered)\n{}",
+            node.plugin.log()
+        );
+    };
+    // At least 8 s of pages against 3.2 s a call (the deadline less a fifth): the first two calls at least
+    // could not have it, and the list went on while they were refused.
+    assert!(refused.len() >= 2, "{refused:?}");
+    assert!(
+        refused.windows(2).all(|w| w[0].1 <= w[1].1) && refused.iter().all(|r| r.1 < PAGES),
+        "{refused:?}"
+    );
+    assert_eq!(
+        node.kubelet.cdi_devices(&pod, "main"),
+        vec![format!("nvidia.com/gpu={}", simulated_uuid(0))]
+    );
+
+    // One list: begun once (one page without a continue token), no page asked twice, every page answered
+    // by the time the call that prepared the claim was answered (in time too).
+    let listed = pages(&node.api);
+    let token = |query: &str| {
+        query
+            .split('&')
+            .find_map(|p| p.strip_prefix("continue="))
+            .unwrap_or("")
+            .to_string()
+    };
+    let tokens: Vec<String> = listed.iter().map(|r| token(&r.query)).collect();
+    let distinct: std::collections::BTreeSet<&String> = tokens.iter().collect();
+    assert_eq!(
+        (
+            listed.len(),
+            tokens.iter().filter(|t| t.is_empty()).count(),
+            distinct.len()
+        ),
+        (PAGES, 1, PAGES),
+        "pages asked, lists begun, distinct pages: {tokens:?}"
+    );
+    assert!(listed.iter().all(|r| r.status == 200), "{listed:#?}");
+    assert!(last < DEADLINE, "prepared after {last:?}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn split_by_gpu_no_gpu_is_served_by_both_roads() -> TestResult {
     let node = DraNode::start(3, "1").await?;

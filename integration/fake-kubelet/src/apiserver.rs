@@ -13,7 +13,8 @@
 //! - resource.k8s.io/v1:
 //!   - `GET /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}`, the claims made by
 //!     [`FakeApiServer::add_claim`], and `GET /apis/resource.k8s.io/v1/resourceclaims`, every namespace's,
-//!     in pages (`limit`, `continue`) as the API server pages a list;
+//!     in pages (`limit`, `continue`) as the API server pages a list, each page answered after
+//!     [`FakeApiServer::slow_claim_lists`]'s delay (none unless set);
 //!   - ResourceSlices (cluster-scoped): `POST` (with `generateName`), `GET`, `PUT` and merge `PATCH` (a stale
 //!     `metadata.resourceVersion` is 409 Conflict), `DELETE` (one, or the collection a selector picks), list
 //!     and `watch=true` with `fieldSelector` `spec.nodeName`/`spec.driver`/`metadata.name` and equality
@@ -162,6 +163,8 @@ struct State {
     events: BTreeMap<(String, String), Value>,
     forbidden: bool,
     fail_next: u32,
+    /// How long each page of the cluster-wide ResourceClaim list takes ([`FakeApiServer::slow_claim_lists`]).
+    claim_list_page_delay: Duration,
     /// Node status patches still to be applied and then left unanswered ([`FakeApiServer::apply_and_hold_next_status_patch`]).
     hold_next_status_patches: u32,
     version: u64,
@@ -330,6 +333,14 @@ impl FakeApiServer {
     /// (or the plugin is stopped in between).
     pub fn apply_and_hold_next_status_patch(&self) {
         self.with_state(|s| s.hold_next_status_patches += 1);
+    }
+
+    /// Answers each page of the cluster-wide ResourceClaim list (`GET /apis/resource.k8s.io/v1/resourceclaims`)
+    /// `per_page` after it was asked for, as an API server under load, or with a large cluster's claims to
+    /// read, answers it: a list of `n` pages takes `n` × `per_page`. Every other request is answered at once.
+    /// `Duration::ZERO` (the default) answers pages at once.
+    pub fn slow_claim_lists(&self, per_page: Duration) {
+        self.with_state(|s| s.claim_list_page_delay = per_page);
     }
 
     /// Answers the next `n` requests 503 Service Unavailable.
@@ -706,6 +717,13 @@ async fn handle(
         let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
         Some(nodes(&mut state, &query))
     } else if let Some(rest) = path.strip_prefix(RESOURCE_PREFIX) {
+        if method == Method::GET && rest.trim_matches('/') == "resourceclaims" {
+            let delay = state
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .claim_list_page_delay;
+            tokio::time::sleep(delay).await;
+        }
         let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
         Some(route_resource(
             &mut state,

@@ -621,3 +621,52 @@ async fn claims_are_listed_across_namespaces_in_pages_as_the_api_server_gives_th
     assert!(matches!(bad, Err(kube::Error::Api(s)) if s.code == 400));
     Ok(())
 }
+
+#[tokio::test]
+async fn a_slow_claims_list_answers_each_page_after_its_delay_and_nothing_else_waits() -> TestResult
+{
+    let server = FakeApiServer::start().await?;
+    for name in ["one", "two", "three"] {
+        server.add_claim(
+            "a",
+            name,
+            vec![AllocationResult::new(
+                "gpu",
+                "gpu.example.com",
+                "node-a",
+                "gpu-0",
+            )],
+        );
+    }
+    let per_page = Duration::from_millis(300);
+    server.slow_claim_lists(per_page);
+    let claims: Api<DynamicObject> = Api::all_with(
+        client(&server)?,
+        &resource("ResourceClaim", "resourceclaims"),
+    );
+    let began = std::time::Instant::now();
+    let first = claims.list(&ListParams::default().limit(2)).await?;
+    let token = first.metadata.continue_.clone().ok_or("a continue token")?;
+    let rest = claims
+        .list(&ListParams::default().limit(2).continue_token(&token))
+        .await?;
+    assert_eq!(first.items.len() + rest.items.len(), 3);
+    // Two pages, each after its delay.
+    assert!(began.elapsed() >= 2 * per_page, "{:?}", began.elapsed());
+    // One claim, read on its own, is not part of the list: at once.
+    let one: Api<DynamicObject> = Api::namespaced_with(
+        client(&server)?,
+        "a",
+        &resource("ResourceClaim", "resourceclaims"),
+    );
+    let began = std::time::Instant::now();
+    one.get("one").await?;
+    assert!(began.elapsed() < per_page, "{:?}", began.elapsed());
+    let pages = server
+        .requests()
+        .iter()
+        .filter(|r| r.path == "/apis/resource.k8s.io/v1/resourceclaims")
+        .count();
+    assert_eq!(pages, 2);
+    Ok(())
+}

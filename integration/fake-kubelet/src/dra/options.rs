@@ -147,7 +147,8 @@ impl DraOptions {
         self
     }
 
-    /// The timeout of each prepare and unprepare call (default 45 s).
+    /// The timeout of each prepare and unprepare call (default 45 s), sent with the call as its deadline
+    /// (`grpc-timeout`), as the kubelet's context deadline is.
     pub fn call_timeout(mut self, timeout: Duration) -> Self {
         self.call_timeout = timeout;
         self

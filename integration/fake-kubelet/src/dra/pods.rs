@@ -320,9 +320,11 @@ async fn call_prepare(
     macro_rules! call {
         ($api:ident) => {{
             let mut client = $api::dra_plugin_client::DraPluginClient::new(channel);
-            let request = $api::NodePrepareResourcesRequest {
+            // The deadline goes with the call (`grpc-timeout`), as grpc-go sends the kubelet's context's.
+            let mut request = tonic::Request::new($api::NodePrepareResourcesRequest {
                 claims: wire_claims!($api, claims),
-            };
+            });
+            request.set_timeout(timeout);
             within(timeout, client.node_prepare_resources(request))
                 .await
                 .map(|answer| {
@@ -401,9 +403,11 @@ async fn call_unprepare(
     macro_rules! call {
         ($api:ident) => {{
             let mut client = $api::dra_plugin_client::DraPluginClient::new(channel);
-            let request = $api::NodeUnprepareResourcesRequest {
+            // The deadline goes with the call (`grpc-timeout`), as grpc-go sends the kubelet's context's.
+            let mut request = tonic::Request::new($api::NodeUnprepareResourcesRequest {
                 claims: wire_claims!($api, claims),
-            };
+            });
+            request.set_timeout(timeout);
             within(timeout, client.node_unprepare_resources(request))
                 .await
                 .map(|answer| {
