@@ -2125,3 +2125,48 @@ async fn a_switch_of_roads_by_sighup_waits_until_the_road_it_leaves_holds_nothin
         .await?;
     Ok(())
 }
+
+/// A change of `dra` across a restart (a rollout with a new config, which no SIGHUP weighed): a GPU the DRA
+/// record still holds for a prepared claim stays off the device plugin, said with its claim, and the others
+/// are served.
+#[tokio::test]
+async fn a_gpu_the_dra_record_holds_stays_off_the_device_plugin_after_a_restart_without_dra()
+-> TestResult {
+    let config_dir = tempfile::tempdir()?;
+    let config = config_dir.path().join("config.yaml");
+    std::fs::write(&config, "dra: \"0\"\n")?;
+    let config_arg = config.to_string_lossy().into_owned();
+    let mut node =
+        DraNode::start_with_args(2, "", |o| o, |_| {}, &["--config", &config_arg]).await?;
+    let dp = fake_kubelet::FakeKubelet::start(&node.root.path().join("device-plugins")).await?;
+    dp.wait_list("GPU 1 through the device plugin", WAIT, |l| {
+        l.devices.len() == 1
+    })
+    .await
+    .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    let pod = node.pod_with_claim("a", "gpu-0");
+    node.prepared_with_gpu(&pod, 0).await?;
+
+    // The pod's config says DRA off, and the plugin is restarted with it: gpu-0 is still prepared for the claim.
+    std::fs::write(&config, "dra: off\n")?;
+    node.restart_plugin().await?;
+    let list = dp
+        .wait_list("the restarted plugin's list", WAIT, |l| l.registration >= 2)
+        .await
+        .map_err(|e| format!("{e}\n{}", node.plugin.log()))?;
+    let listed: Vec<&str> = list.devices.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(
+        listed,
+        vec![simulated_uuid(1).as_str()],
+        "gpu-0 is held by a claim: {}",
+        node.plugin.log()
+    );
+    let said = node
+        .plugin
+        .wait_log(WAIT, |l| {
+            l.contains("kept off the device plugin") && l.contains("ml/a-gpu")
+        })
+        .await;
+    assert!(said.is_some(), "{}", node.plugin.log());
+    Ok(())
+}

@@ -28,33 +28,93 @@ pub struct Roads {
 }
 
 impl Roads {
-    /// Splits the inventory by `--dra`; a selection naming a GPU the node does not have stops the start.
+    /// Splits the inventory by `--dra`; a selection naming a GPU the node does not have stops the start. A GPU
+    /// the DRA record of this boot holds for a claim stays off the device plugin whatever the settings say
+    /// (see [`held_through_dra`]).
     pub fn split(
         settings: &Settings,
         inventory: &devices::InventoryWatch,
         unserved: &[devices::Unserved],
     ) -> anyhow::Result<Roads> {
-        let Some(dra) = &settings.dra else {
-            return Ok(Roads {
-                device_plugin: inventory.clone(),
-                dra: None,
-            });
+        let dra = settings.dra.as_ref();
+        if let Some(dra) = dra {
+            dra.gpus
+                .check(&inventory.borrow(), unserved)
+                .map_err(|why| anyhow::anyhow!("{why}"))?;
+        }
+        let held = held_through_dra(settings, &inventory.borrow());
+        let mine = dra.map(|d| d.gpus.clone());
+        let device_plugin = if mine.is_none() && held.is_empty() {
+            inventory.clone()
+        } else {
+            devices::subset_watch(inventory.clone(), move |i| {
+                !mine.as_ref().is_some_and(|m| m.serves(i)) && !held.contains(gpu_of(i))
+            })
         };
-        dra.gpus
-            .check(&inventory.borrow(), unserved)
-            .map_err(|why| anyhow::anyhow!("{why}"))?;
-        let (mine, theirs) = (dra.gpus.clone(), dra.gpus.clone());
-        // Every GPU through DRA: the monitor's own inventory, so that a fault wakes the DRA side as it is
-        // published, not once a task on the monitor's thread has copied it out.
-        let dra_devices = match dra.gpus {
-            devices::selection::DraSelection::All => inventory.clone(),
-            _ => devices::subset_watch(inventory.clone(), move |i| theirs.serves(i)),
-        };
+        let dra_devices = dra.map(|dra| {
+            let theirs = dra.gpus.clone();
+            // Every GPU through DRA: the monitor's own inventory, so that a fault wakes the DRA side as it is
+            // published, not once a task on the monitor's thread has copied it out.
+            match dra.gpus {
+                devices::selection::DraSelection::All => inventory.clone(),
+                _ => devices::subset_watch(inventory.clone(), move |i| theirs.serves(i)),
+            }
+        });
         Ok(Roads {
-            device_plugin: devices::subset_watch(inventory.clone(), move |i| !mine.serves(i)),
-            dra: Some(dra_devices),
+            device_plugin,
+            dra: dra_devices,
         })
     }
+}
+
+/// The GPU (its UUID) a device is or is part of.
+fn gpu_of(info: &devices::DeviceInfo) -> &str {
+    info.mig
+        .as_ref()
+        .map_or(info.id.as_str(), |m| m.parent.as_str())
+}
+
+/// The GPUs (by UUID) that the DRA record of this boot holds for a prepared claim while these settings serve
+/// them through the device plugin: a change of `dra` across a restart (a rollout with a new config) that a
+/// SIGHUP would have refused. They stay off the device plugin, each said with its claim, until the claim is
+/// unprepared (DRA on for that GPU again) or the record is removed once no pod uses the claim; handing one
+/// out would give it to a second pod.
+fn held_through_dra(
+    settings: &Settings,
+    inventory: &devices::Inventory,
+) -> std::collections::BTreeSet<String> {
+    let mut held = std::collections::BTreeSet::new();
+    let file = crate::dra::record::RecordFile::in_dir(&settings.state_dir);
+    let boot = monitor::checkpoint::read_boot_id(&settings.monitor.boot_id_path);
+    let crate::dra::record::Look::Found(record) = file.look(boot) else {
+        return held;
+    };
+    let through_dra =
+        |info: &devices::DeviceInfo| settings.dra.as_ref().is_some_and(|d| d.gpus.serves(info));
+    for device in inventory.devices() {
+        let info = &device.info;
+        if through_dra(info) {
+            continue;
+        }
+        let name = crate::dra::names::device_name(info);
+        let claim = record
+            .claims
+            .values()
+            .find(|c| c.devices.iter().any(|d| d.device == name));
+        if let Some(claim) = claim
+            && held.insert(gpu_of(info).to_string())
+        {
+            tracing::error!(
+                device = %info.id,
+                claim = %format!("{}/{}", claim.namespace, claim.name),
+                record = %file.path().display(),
+                "kept off the device plugin: the DRA record holds this GPU for a prepared claim, and these \
+                 settings serve it through the device plugin (dra changed across a restart). Serve it \
+                 through DRA again until the claim's pods end, or remove the record once no pod uses the claim"
+            );
+        }
+    }
+    held
 }
 
 /// One registration per resource: whole GPUs, under migStrategy mixed each MIG profile, and each name shared
