@@ -426,7 +426,11 @@ pub async fn start_watcher(
         format!("cannot start the process that watches the GPUs during the restart: {e}")
     })?;
     let pid = child.id();
-    let Some(mut stdout) = child.stdout.take() else {
+    let stdout = child.stdout.take();
+    // Stopped and reaped unless it watches: past the limit, on a failure, and when the wait is given up (a
+    // SIGTERM while the reload waits ends the plugin; the watcher must not outlive it for its own limit).
+    let mut watcher = Stopped(Some(child));
+    let Some(mut stdout) = stdout else {
         return Err("the watcher's output cannot be read".into());
     };
     // Byte by byte up to the line's end: nothing after it is read (the watcher says nothing more there).
@@ -443,15 +447,30 @@ pub async fn start_watcher(
         line == b"ready"
     });
     let why = match tokio::time::timeout(limit, said).await {
-        Ok(Ok(true)) => return Ok(pid),
+        Ok(Ok(true)) => {
+            // It watches: left running for the restarted image, which takes its events and reaps it.
+            let _running = watcher.0.take();
+            return Ok(pid);
+        }
         Ok(_) => "it ended before watching the GPUs (its log says why)".to_string(),
         Err(_) => format!("it did not watch the GPUs within {limit:?}"),
     };
-    let _killed = child.kill();
-    let _reaped = tokio::task::spawn_blocking(move || child.wait()).await;
     Err(format!(
         "cannot keep watching the GPUs during the restart: {why}"
     ))
+}
+
+/// A watcher process that is killed and reaped when this is dropped, unless taken out first.
+struct Stopped(Option<std::process::Child>);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _killed = child.kill();
+            // At once after SIGKILL: the wait only reaps it.
+            let _reaped = child.wait();
+        }
+    }
 }
 
 #[cfg(test)]
@@ -459,6 +478,53 @@ mod tests {
     use super::*;
     use crate::sources::simulated::{SimulatedGpus, simulated_uuid};
     use std::time::SystemTime;
+
+    /// A command that writes its PID to `pid` and never says it watches.
+    fn silent_watcher(pid: &Path) -> std::process::Command {
+        let mut command = std::process::Command::new("/bin/sh");
+        command
+            .arg("-c")
+            .arg(format!("echo $$ > {}; exec sleep 1000", pid.display()));
+        command
+    }
+
+    fn gone(pid_file: &Path) -> bool {
+        let pid = std::fs::read_to_string(pid_file).unwrap_or_default();
+        let pid = pid.trim();
+        !pid.is_empty() && !Path::new(&format!("/proc/{pid}")).exists()
+    }
+
+    #[tokio::test]
+    async fn a_watcher_that_never_watches_is_stopped_at_the_limit_or_when_the_reload_is_given_up() {
+        let dir = tempfile::tempdir().unwrap();
+        // Past its limit: refused, and the process killed and reaped.
+        let pid = dir.path().join("limit");
+        let refused = start_watcher(silent_watcher(&pid), Duration::from_millis(500)).await;
+        assert!(
+            refused
+                .unwrap_err()
+                .contains("did not watch the GPUs within")
+        );
+        assert!(gone(&pid), "the watcher was left running");
+        // The wait given up (a SIGTERM ends the plugin meanwhile): killed and reaped as well.
+        let pid = dir.path().join("given-up");
+        let mut waiting = Box::pin(start_watcher(silent_watcher(&pid), WATCH_LIMIT));
+        let started = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                tokio::select! {
+                    _ = &mut waiting => panic!("the silent watcher was taken"),
+                    () = tokio::time::sleep(Duration::from_millis(5)) => {}
+                }
+                if std::fs::read_to_string(&pid).is_ok_and(|p| !p.trim().is_empty()) {
+                    return;
+                }
+            }
+        })
+        .await;
+        assert!(started.is_ok(), "the watcher never started");
+        drop(waiting);
+        assert!(gone(&pid), "the watcher outlived its reload");
+    }
 
     #[test]
     fn every_observation_a_source_reports_crosses_the_wire_unchanged() {
