@@ -84,6 +84,14 @@ fn held_through_dra(
     inventory: &devices::Inventory,
 ) -> std::collections::BTreeSet<String> {
     let mut held = std::collections::BTreeSet::new();
+    // Every GPU through DRA: the device plugin serves none, and the DRA side reads the record itself.
+    if settings
+        .dra
+        .as_ref()
+        .is_some_and(|d| d.gpus == devices::selection::DraSelection::All)
+    {
+        return held;
+    }
     let file = crate::dra::record::RecordFile::in_dir(&settings.state_dir);
     let boot = monitor::checkpoint::read_boot_id(&settings.monitor.boot_id_path);
     let crate::dra::record::Look::Found(record) = file.look(boot) else {
