@@ -398,6 +398,40 @@ async fn the_manifests_config_file_and_fake_gpu_list_load() -> TestResult {
     Ok(())
 }
 
+/// This plugin on 8 simulated GPUs on a kubelet up to 1.36, and another plugin of the resource that has
+/// registered after it and so taken the resource.
+struct TakenOver {
+    kubelet: FakeKubelet,
+    ours: PluginProcess,
+    /// Cancelled to stop the other plugin (its socket removed, as a plugin that stops removes its own).
+    other: CancellationToken,
+    /// The registrations once the other plugin's was accepted.
+    others: usize,
+}
+
+async fn taken_over(dir: &Path) -> Result<TakenOver, Box<dyn std::error::Error>> {
+    let kubelet = FakeKubelet::start_as(dir, DeviceManager::Legacy).await?;
+    let ours = PluginProcess::spawn(dir, &["--simulate", "8"]);
+    kubelet
+        .wait_list("this plugin's 8 GPUs", WAIT, |l| l.allocatable() == GPUS)
+        .await
+        .map_err(|e| format!("{e}\n{}", ours.log()))?;
+    let before = kubelet.registrations().len();
+    let other = start_other_plugin(dir, (0..GPUS).map(simulated_uuid).collect()).await?;
+    kubelet
+        .wait_list("the other plugin's list", WAIT, |l| {
+            l.registration > before && l.messages >= 1
+        })
+        .await?;
+    let others = kubelet.registrations().len();
+    Ok(TakenOver {
+        kubelet,
+        ours,
+        other,
+        others,
+    })
+}
+
 /// On a kubelet up to 1.36, another plugin of the resource that registers after this one becomes the
 /// resource's only client, and this plugin's stream is left open. When the other plugin stops, the kubelet
 /// drops its client and every GPU of the resource with it; nothing tells this plugin, whose stream is still
@@ -407,21 +441,12 @@ async fn the_manifests_config_file_and_fake_gpu_list_load() -> TestResult {
 async fn another_plugin_of_the_resource_that_registers_after_this_one_and_stops_leaves_the_gpus_served()
 -> TestResult {
     let dir = tempfile::tempdir()?;
-    let kubelet = FakeKubelet::start_as(dir.path(), DeviceManager::Legacy).await?;
-    let ours = PluginProcess::spawn(dir.path(), &["--simulate", "8"]);
-    kubelet
-        .wait_list("this plugin's 8 GPUs", WAIT, |l| l.allocatable() == GPUS)
-        .await
-        .map_err(|e| format!("{e}\n{}", ours.log()))?;
-
-    let before = kubelet.registrations().len();
-    let other = start_other_plugin(dir.path(), (0..GPUS).map(simulated_uuid).collect()).await?;
-    kubelet
-        .wait_list("the other plugin's list", WAIT, |l| {
-            l.registration > before && l.messages >= 1
-        })
-        .await?;
-    let others = kubelet.registrations().len();
+    let TakenOver {
+        kubelet,
+        ours,
+        other,
+        others,
+    } = taken_over(dir.path()).await?;
 
     other.cancel();
     let list = kubelet
@@ -617,20 +642,12 @@ async fn until(what: &str, done: impl Fn() -> bool) -> Result<(), String> {
 async fn another_plugins_exit_lost_in_an_inotify_overflow_still_leaves_the_gpus_served()
 -> TestResult {
     let dir = tempfile::tempdir()?;
-    let kubelet = FakeKubelet::start_as(dir.path(), DeviceManager::Legacy).await?;
-    let ours = PluginProcess::spawn(dir.path(), &["--simulate", "8"]);
-    kubelet
-        .wait_list("this plugin's 8 GPUs", WAIT, |l| l.allocatable() == GPUS)
-        .await
-        .map_err(|e| format!("{e}\n{}", ours.log()))?;
-    let before = kubelet.registrations().len();
-    let other = start_other_plugin(dir.path(), (0..GPUS).map(simulated_uuid).collect()).await?;
-    kubelet
-        .wait_list("the other plugin's list", WAIT, |l| {
-            l.registration > before && l.messages >= 1
-        })
-        .await?;
-    let others = kubelet.registrations().len();
+    let TakenOver {
+        kubelet,
+        ours,
+        other,
+        others,
+    } = taken_over(dir.path()).await?;
 
     let pid = ours.child.id().ok_or("the plugin exited")?;
     ours.signal(nix::sys::signal::Signal::SIGSTOP);
